@@ -1,0 +1,1 @@
+"""distserver: TensorFlow's distributed runtime server in pure, asyncio-native Python."""

@@ -1,0 +1,1 @@
+"""distserver.client."""

@@ -1,0 +1,206 @@
+"""One registry from TensorFlow op name to the kernel that runs it.
+
+A kernel is built once per graph node, when a worker registers the graph
+(`create_kernel(node_def)`): the constructor reads and checks the node's attrs, so
+a malformed node fails at registration with an error that names it. Each step then
+calls `compute` (or `compute_async` for kernels that wait, such as `_Recv`) with the
+node's input values and gets its output values back.
+
+Values are numpy arrays (0-d for scalars); DT_STRING tensors are object arrays of
+`bytes`; DT_RESOURCE tensors are 0-d object arrays holding a `ResourceHandle`.
+The same kernels run graphs built by `distserver.graph` and graphs sent by real
+TensorFlow clients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
+
+import numpy as np
+
+from distserver import errors
+
+if TYPE_CHECKING:
+    from distserver.kernels.resources import ResourceManager
+    from distserver.protos.node_def_pb2 import NodeDef
+
+
+class Rendezvous(Protocol):
+    """Where `_Send` puts and `_Recv` takes the values that cross partitions in one step."""
+
+    def send(self, key: str, value: Any, is_dead: bool = False) -> None:
+        """Deliver `value` under `key`; each key is sent at most once per step."""
+
+    async def recv(self, key: str) -> tuple[Any, bool]:
+        """Wait for the value sent under `key`; returns `(value, is_dead)`."""
+        ...
+
+
+class KernelContext(Protocol):
+    """What a kernel may use while it runs one step."""
+
+    @property
+    def step_id(self) -> int: ...
+
+    @property
+    def device(self) -> str:
+        """Full name of the device the node runs on."""
+        ...
+
+    @property
+    def device_incarnation(self) -> int: ...
+
+    @property
+    def rendezvous(self) -> Rendezvous: ...
+
+    @property
+    def resources(self) -> ResourceManager: ...
+
+
+class OpKernel:
+    """Runs one node. Subclasses read attrs in `__init__` and implement `compute`.
+
+    Contract:
+        * `__init__(node)` raises `InvalidArgumentError` for missing/invalid attrs.
+        * `compute(ctx, inputs)` returns one value per output of the node and raises
+          `OpError` subclasses (usually `InvalidArgumentError`) for bad inputs; the
+          executor adds the node name to the error.
+        * `compute` must not keep references to `inputs` after it returns, except
+          where the op's semantics say so (variables store their value).
+        * Kernels with `is_async = True` implement `compute_async` instead; they run
+          on the event loop and may wait (rendezvous, queues).
+        * `is_stateful = True` marks kernels with side effects (never pruned as dead
+          code, never cached).
+    """
+
+    is_async: ClassVar[bool] = False
+    is_stateful: ClassVar[bool] = False
+
+    def __init__(self, node: NodeDef) -> None:
+        self.node = node
+        self.name = node.name
+        self.op = node.op
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        raise NotImplementedError
+
+    async def compute_async(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        return self.compute(ctx, inputs)
+
+    # Attr helpers: each raises InvalidArgumentError naming the node and the attr.
+
+    def _attr(self, name: str) -> Any:
+        try:
+            return self.node.attr[name]
+        except KeyError:
+            raise errors.InvalidArgumentError(
+                f"NodeDef missing attr '{name}' from Op<name={self.op}>; NodeDef: {self.name} = {self.op}",
+                node_name=self.name,
+            ) from None
+
+    def has_attr(self, name: str) -> bool:
+        return name in self.node.attr
+
+    def attr_type(self, name: str, default: np.dtype[Any] | None = None) -> np.dtype[Any]:
+        from distserver.tensors import as_numpy_dtype
+
+        if default is not None and name not in self.node.attr:
+            return default
+        return as_numpy_dtype(self._attr(name).type)
+
+    def attr_int(self, name: str, default: int | None = None) -> int:
+        if default is not None and name not in self.node.attr:
+            return default
+        return int(self._attr(name).i)
+
+    def attr_float(self, name: str, default: float | None = None) -> float:
+        if default is not None and name not in self.node.attr:
+            return default
+        return float(self._attr(name).f)
+
+    def attr_bool(self, name: str, default: bool | None = None) -> bool:
+        if default is not None and name not in self.node.attr:
+            return default
+        return bool(self._attr(name).b)
+
+    def attr_str(self, name: str, default: str | None = None) -> str:
+        if default is not None and name not in self.node.attr:
+            return default
+        return self._attr(name).s.decode()
+
+    def attr_ints(self, name: str, default: list[int] | None = None) -> list[int]:
+        if default is not None and name not in self.node.attr:
+            return default
+        return list(self._attr(name).list.i)
+
+
+_KERNELS: dict[str, type[OpKernel]] = {}
+
+K = TypeVar("K", bound=type[OpKernel])
+
+
+def register_kernel(*op_names: str) -> Callable[[K], K]:
+    """Class decorator: run nodes whose op is one of `op_names` with this kernel."""
+
+    def decorate(cls: K) -> K:
+        for op_name in op_names:
+            if op_name in _KERNELS:
+                raise ValueError(f"a kernel for op {op_name!r} is already registered")
+            _KERNELS[op_name] = cls
+        return cls
+
+    return decorate
+
+
+def has_kernel(op_name: str) -> bool:
+    _load_builtin_kernels()
+    return op_name in _KERNELS
+
+
+def registered_ops() -> list[str]:
+    """Sorted names of every op with a kernel."""
+    _load_builtin_kernels()
+    return sorted(_KERNELS)
+
+
+def create_kernel(node: NodeDef) -> OpKernel:
+    """Build the kernel for `node`.
+
+    Raises:
+        NotFoundError: no kernel is registered for `node.op` (the message names the op
+            and the node).
+        InvalidArgumentError: the node's attrs are missing or invalid.
+    """
+    _load_builtin_kernels()
+    cls = _KERNELS.get(node.op)
+    if cls is None:
+        raise errors.NotFoundError(
+            f"Op type not registered '{node.op}' in binary running on this distserver task "
+            f"(node '{node.name}'). distserver supports these ops: see docs/tf-compat.md "
+            f"or distserver.kernels.registered_ops().",
+            node_name=node.name,
+        )
+    return cls(node)
+
+
+_loaded = False
+
+
+def _load_builtin_kernels() -> None:
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        import distserver.kernels.array
+        import distserver.kernels.math
+        import distserver.kernels.sendrecv
+        import distserver.kernels.state  # noqa: F401
+
+
+def check_dtype(kernel: OpKernel, value: np.ndarray, expected: np.dtype[Any], what: str = "input") -> None:
+    """Raise InvalidArgumentError unless `value` has dtype `expected`."""
+    if value.dtype != expected:
+        raise errors.InvalidArgumentError(
+            f"{kernel.op} {what} of node '{kernel.name}' has dtype {value.dtype}, expected {expected}",
+            node_name=kernel.name,
+        )
