@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import re
 import warnings
-from typing import Any
+from typing import Any, ClassVar
 
 OK = 0
 CANCELLED = 1
@@ -68,7 +68,8 @@ class OpError(Exception):
     code written against `tf.errors` keeps working: `InvalidArgumentError(None, None, "bad")`.
     """
 
-    error_code: int = UNKNOWN
+    # The status code of each subclass (instances report theirs as `error_code`).
+    status_code: ClassVar[int] = UNKNOWN
 
     def __init__(self, *args: Any, code: int | None = None, node_name: str | None = None) -> None:
         node_def: Any = None
@@ -86,7 +87,7 @@ class OpError(Exception):
         if code is None:
             if type(self) is OpError:
                 raise TypeError("OpError needs a status code: OpError(message, code=...)")
-            code = type(self).error_code
+            code = type(self).status_code
         if node_name is None and node_def is not None:
             node_name = getattr(node_def, "name", None) or None
         super().__init__(str(message))
@@ -102,7 +103,7 @@ class OpError(Exception):
         return self._message
 
     @property
-    def error_code(self) -> int:  # type: ignore[override]
+    def error_code(self) -> int:
         """The canonical status code of this error."""
         return self._code
 
@@ -142,101 +143,101 @@ def _rebuild(cls: type[OpError], message: str, code: int, node_name: str | None)
 class CancelledError(OpError):
     """An operation or step was cancelled."""
 
-    error_code = CANCELLED
+    status_code = CANCELLED
 
 
 class UnknownError(OpError):
     """An error of no more specific kind."""
 
-    error_code = UNKNOWN
+    status_code = UNKNOWN
 
 
 class InvalidArgumentError(OpError):
     """An operation received an invalid argument (bad shape, dtype, value, graph)."""
 
-    error_code = INVALID_ARGUMENT
+    status_code = INVALID_ARGUMENT
 
 
 class DeadlineExceededError(OpError, TimeoutError):
     """A deadline expired before the operation could complete."""
 
-    error_code = DEADLINE_EXCEEDED
+    status_code = DEADLINE_EXCEEDED
 
 
 class NotFoundError(OpError):
     """A requested entity (op type, session, variable, file) was not found."""
 
-    error_code = NOT_FOUND
+    status_code = NOT_FOUND
 
 
 class AlreadyExistsError(OpError):
     """An entity that an operation tried to create already exists."""
 
-    error_code = ALREADY_EXISTS
+    status_code = ALREADY_EXISTS
 
 
 class PermissionDeniedError(OpError):
     """The caller may not run this operation."""
 
-    error_code = PERMISSION_DENIED
+    status_code = PERMISSION_DENIED
 
 
 class ResourceExhaustedError(OpError):
     """Some resource (memory, a limit, a quota) has been exhausted."""
 
-    error_code = RESOURCE_EXHAUSTED
+    status_code = RESOURCE_EXHAUSTED
 
 
 class FailedPreconditionError(OpError):
     """The system is not in a state that allows the operation (e.g. uninitialized variable)."""
 
-    error_code = FAILED_PRECONDITION
+    status_code = FAILED_PRECONDITION
 
 
 class AbortedError(OpError):
     """The operation was aborted, typically by a concurrency conflict or a restarted peer."""
 
-    error_code = ABORTED
+    status_code = ABORTED
 
 
 class OutOfRangeError(OpError):
     """The operation went past the valid range (e.g. a closed, empty queue)."""
 
-    error_code = OUT_OF_RANGE
+    status_code = OUT_OF_RANGE
 
 
 class UnimplementedError(OpError):
     """The operation is not implemented or not supported."""
 
-    error_code = UNIMPLEMENTED
+    status_code = UNIMPLEMENTED
 
 
 class InternalError(OpError):
     """An internal invariant broke."""
 
-    error_code = INTERNAL
+    status_code = INTERNAL
 
 
 class UnavailableError(OpError, ConnectionError):
     """A peer or the service is unavailable (down, unreachable, shutting down)."""
 
-    error_code = UNAVAILABLE
+    status_code = UNAVAILABLE
 
 
 class DataLossError(OpError):
     """Unrecoverable data loss or corruption."""
 
-    error_code = DATA_LOSS
+    status_code = DATA_LOSS
 
 
 class UnauthenticatedError(OpError):
     """The request has no valid credentials."""
 
-    error_code = UNAUTHENTICATED
+    status_code = UNAUTHENTICATED
 
 
 _CODE_TO_EXCEPTION: dict[int, type[OpError]] = {
-    cls.error_code: cls
+    cls.status_code: cls
     for cls in (
         CancelledError,
         UnknownError,

@@ -54,7 +54,9 @@ def main() -> int:
         if options.check:
             committed = generated_files(ROOT)
             drift = sorted(set(fresh) ^ set(committed))
-            drift += [f for f in fresh if f in committed and not filecmp.cmp(out / f, ROOT / f, shallow=False)]
+            drift += [
+                f for f in fresh if f in committed and not filecmp.cmp(out / f, ROOT / f, shallow=False)
+            ]
             if drift:
                 print("Generated protobuf code is out of date; run python scripts/gen_protos.py:")
                 for f in sorted(set(drift)):

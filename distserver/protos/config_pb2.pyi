@@ -126,7 +126,15 @@ class ConfigProto(_message.Message):
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     class Experimental(_message.Message):
-        __slots__ = ("collective_group_leader", "executor_type", "recv_buf_max_chunk", "use_numa_affinity", "collective_deterministic_sequential_execution", "collective_nccl", "share_session_state_in_clusterspec_propagation", "disable_thread_spinning", "share_cluster_devices_in_session", "session_metadata", "optimize_for_static_graph", "enable_mlir_bridge", "mlir_bridge_rollout", "enable_mlir_graph_optimization", "disable_output_partition_graphs", "xla_fusion_autotuner_thresh", "use_tfrt", "disable_functional_ops_lowering", "xla_prefer_single_graph_cluster")
+        __slots__ = ("collective_group_leader", "executor_type", "recv_buf_max_chunk", "use_numa_affinity", "collective_deterministic_sequential_execution", "collective_nccl", "share_session_state_in_clusterspec_propagation", "disable_thread_spinning", "share_cluster_devices_in_session", "session_metadata", "optimize_for_static_graph", "enable_mlir_bridge", "mlir_bridge_rollout", "enable_mlir_graph_optimization", "disable_output_partition_graphs", "xla_fusion_autotuner_thresh", "use_tfrt", "enable_multi_host", "tfrt_use_ifrt", "backend_server_port", "target_tpu", "target_gpu", "stream_merge_threshold", "disable_functional_ops_lowering", "xla_prefer_single_graph_cluster", "disable_optimize_for_static_graph", "disable_eager_executor_streaming_enqueue", "finalize_function_library_runtime", "finalize_resource_manager", "tf2xla_dump_dir", "online_cost_analysis")
+        class MlirBridgeRollout(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+            __slots__ = ()
+            MLIR_BRIDGE_ROLLOUT_UNSPECIFIED: _ClassVar[ConfigProto.Experimental.MlirBridgeRollout]
+            MLIR_BRIDGE_ROLLOUT_ENABLED: _ClassVar[ConfigProto.Experimental.MlirBridgeRollout]
+            MLIR_BRIDGE_ROLLOUT_DISABLED: _ClassVar[ConfigProto.Experimental.MlirBridgeRollout]
+        MLIR_BRIDGE_ROLLOUT_UNSPECIFIED: ConfigProto.Experimental.MlirBridgeRollout
+        MLIR_BRIDGE_ROLLOUT_ENABLED: ConfigProto.Experimental.MlirBridgeRollout
+        MLIR_BRIDGE_ROLLOUT_DISABLED: ConfigProto.Experimental.MlirBridgeRollout
         COLLECTIVE_GROUP_LEADER_FIELD_NUMBER: _ClassVar[int]
         EXECUTOR_TYPE_FIELD_NUMBER: _ClassVar[int]
         RECV_BUF_MAX_CHUNK_FIELD_NUMBER: _ClassVar[int]
@@ -144,8 +152,20 @@ class ConfigProto(_message.Message):
         DISABLE_OUTPUT_PARTITION_GRAPHS_FIELD_NUMBER: _ClassVar[int]
         XLA_FUSION_AUTOTUNER_THRESH_FIELD_NUMBER: _ClassVar[int]
         USE_TFRT_FIELD_NUMBER: _ClassVar[int]
+        ENABLE_MULTI_HOST_FIELD_NUMBER: _ClassVar[int]
+        TFRT_USE_IFRT_FIELD_NUMBER: _ClassVar[int]
+        BACKEND_SERVER_PORT_FIELD_NUMBER: _ClassVar[int]
+        TARGET_TPU_FIELD_NUMBER: _ClassVar[int]
+        TARGET_GPU_FIELD_NUMBER: _ClassVar[int]
+        STREAM_MERGE_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
         DISABLE_FUNCTIONAL_OPS_LOWERING_FIELD_NUMBER: _ClassVar[int]
         XLA_PREFER_SINGLE_GRAPH_CLUSTER_FIELD_NUMBER: _ClassVar[int]
+        DISABLE_OPTIMIZE_FOR_STATIC_GRAPH_FIELD_NUMBER: _ClassVar[int]
+        DISABLE_EAGER_EXECUTOR_STREAMING_ENQUEUE_FIELD_NUMBER: _ClassVar[int]
+        FINALIZE_FUNCTION_LIBRARY_RUNTIME_FIELD_NUMBER: _ClassVar[int]
+        FINALIZE_RESOURCE_MANAGER_FIELD_NUMBER: _ClassVar[int]
+        TF2XLA_DUMP_DIR_FIELD_NUMBER: _ClassVar[int]
+        ONLINE_COST_ANALYSIS_FIELD_NUMBER: _ClassVar[int]
         collective_group_leader: str
         executor_type: str
         recv_buf_max_chunk: int
@@ -158,14 +178,26 @@ class ConfigProto(_message.Message):
         session_metadata: SessionMetadata
         optimize_for_static_graph: bool
         enable_mlir_bridge: bool
-        mlir_bridge_rollout: int
+        mlir_bridge_rollout: ConfigProto.Experimental.MlirBridgeRollout
         enable_mlir_graph_optimization: bool
         disable_output_partition_graphs: bool
         xla_fusion_autotuner_thresh: int
         use_tfrt: bool
+        enable_multi_host: bool
+        tfrt_use_ifrt: bool
+        backend_server_port: int
+        target_tpu: bool
+        target_gpu: bool
+        stream_merge_threshold: int
         disable_functional_ops_lowering: bool
         xla_prefer_single_graph_cluster: bool
-        def __init__(self, collective_group_leader: _Optional[str] = ..., executor_type: _Optional[str] = ..., recv_buf_max_chunk: _Optional[int] = ..., use_numa_affinity: _Optional[bool] = ..., collective_deterministic_sequential_execution: _Optional[bool] = ..., collective_nccl: _Optional[bool] = ..., share_session_state_in_clusterspec_propagation: _Optional[bool] = ..., disable_thread_spinning: _Optional[bool] = ..., share_cluster_devices_in_session: _Optional[bool] = ..., session_metadata: _Optional[_Union[SessionMetadata, _Mapping]] = ..., optimize_for_static_graph: _Optional[bool] = ..., enable_mlir_bridge: _Optional[bool] = ..., mlir_bridge_rollout: _Optional[int] = ..., enable_mlir_graph_optimization: _Optional[bool] = ..., disable_output_partition_graphs: _Optional[bool] = ..., xla_fusion_autotuner_thresh: _Optional[int] = ..., use_tfrt: _Optional[bool] = ..., disable_functional_ops_lowering: _Optional[bool] = ..., xla_prefer_single_graph_cluster: _Optional[bool] = ...) -> None: ...
+        disable_optimize_for_static_graph: bool
+        disable_eager_executor_streaming_enqueue: bool
+        finalize_function_library_runtime: bool
+        finalize_resource_manager: bool
+        tf2xla_dump_dir: str
+        online_cost_analysis: bool
+        def __init__(self, collective_group_leader: _Optional[str] = ..., executor_type: _Optional[str] = ..., recv_buf_max_chunk: _Optional[int] = ..., use_numa_affinity: _Optional[bool] = ..., collective_deterministic_sequential_execution: _Optional[bool] = ..., collective_nccl: _Optional[bool] = ..., share_session_state_in_clusterspec_propagation: _Optional[bool] = ..., disable_thread_spinning: _Optional[bool] = ..., share_cluster_devices_in_session: _Optional[bool] = ..., session_metadata: _Optional[_Union[SessionMetadata, _Mapping]] = ..., optimize_for_static_graph: _Optional[bool] = ..., enable_mlir_bridge: _Optional[bool] = ..., mlir_bridge_rollout: _Optional[_Union[ConfigProto.Experimental.MlirBridgeRollout, str]] = ..., enable_mlir_graph_optimization: _Optional[bool] = ..., disable_output_partition_graphs: _Optional[bool] = ..., xla_fusion_autotuner_thresh: _Optional[int] = ..., use_tfrt: _Optional[bool] = ..., enable_multi_host: _Optional[bool] = ..., tfrt_use_ifrt: _Optional[bool] = ..., backend_server_port: _Optional[int] = ..., target_tpu: _Optional[bool] = ..., target_gpu: _Optional[bool] = ..., stream_merge_threshold: _Optional[int] = ..., disable_functional_ops_lowering: _Optional[bool] = ..., xla_prefer_single_graph_cluster: _Optional[bool] = ..., disable_optimize_for_static_graph: _Optional[bool] = ..., disable_eager_executor_streaming_enqueue: _Optional[bool] = ..., finalize_function_library_runtime: _Optional[bool] = ..., finalize_resource_manager: _Optional[bool] = ..., tf2xla_dump_dir: _Optional[str] = ..., online_cost_analysis: _Optional[bool] = ...) -> None: ...
     DEVICE_COUNT_FIELD_NUMBER: _ClassVar[int]
     INTRA_OP_PARALLELISM_THREADS_FIELD_NUMBER: _ClassVar[int]
     INTER_OP_PARALLELISM_THREADS_FIELD_NUMBER: _ClassVar[int]

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x64istserver/protos/debug.proto\x12\ndistserver\"\x0e\n\x0c\x44\x65\x62ugOptions\"\x0b\n\tStepStats\"\x0e\n\x0c\x43ostGraphDefb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x64istserver/protos/debug.proto\x12\ndistserver\"B\n\x0c\x44\x65\x62ugOptions\x12\x13\n\x0bglobal_step\x18\n \x01(\x03\x12\x1d\n\x15reset_disk_byte_usage\x18\x0b \x01(\x08\"\x0b\n\tStepStats\"\x0e\n\x0c\x43ostGraphDefb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,9 +32,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'distserver.protos.debug_pb2
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DEBUGOPTIONS']._serialized_start=45
-  _globals['_DEBUGOPTIONS']._serialized_end=59
-  _globals['_STEPSTATS']._serialized_start=61
-  _globals['_STEPSTATS']._serialized_end=72
-  _globals['_COSTGRAPHDEF']._serialized_start=74
-  _globals['_COSTGRAPHDEF']._serialized_end=88
+  _globals['_DEBUGOPTIONS']._serialized_end=111
+  _globals['_STEPSTATS']._serialized_start=113
+  _globals['_STEPSTATS']._serialized_end=124
+  _globals['_COSTGRAPHDEF']._serialized_start=126
+  _globals['_COSTGRAPHDEF']._serialized_end=140
 # @@protoc_insertion_point(module_scope)

@@ -30,6 +30,16 @@ class DataType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DT_VARIANT: _ClassVar[DataType]
     DT_UINT32: _ClassVar[DataType]
     DT_UINT64: _ClassVar[DataType]
+    DT_FLOAT8_E5M2: _ClassVar[DataType]
+    DT_FLOAT8_E4M3FN: _ClassVar[DataType]
+    DT_FLOAT8_E4M3FNUZ: _ClassVar[DataType]
+    DT_FLOAT8_E4M3B11FNUZ: _ClassVar[DataType]
+    DT_FLOAT8_E5M2FNUZ: _ClassVar[DataType]
+    DT_INT4: _ClassVar[DataType]
+    DT_UINT4: _ClassVar[DataType]
+    DT_INT2: _ClassVar[DataType]
+    DT_UINT2: _ClassVar[DataType]
+    DT_FLOAT4_E2M1FN: _ClassVar[DataType]
     DT_FLOAT_REF: _ClassVar[DataType]
     DT_DOUBLE_REF: _ClassVar[DataType]
     DT_INT32_REF: _ClassVar[DataType]
@@ -53,6 +63,16 @@ class DataType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DT_VARIANT_REF: _ClassVar[DataType]
     DT_UINT32_REF: _ClassVar[DataType]
     DT_UINT64_REF: _ClassVar[DataType]
+    DT_FLOAT8_E5M2_REF: _ClassVar[DataType]
+    DT_FLOAT8_E4M3FN_REF: _ClassVar[DataType]
+    DT_FLOAT8_E4M3FNUZ_REF: _ClassVar[DataType]
+    DT_FLOAT8_E4M3B11FNUZ_REF: _ClassVar[DataType]
+    DT_FLOAT8_E5M2FNUZ_REF: _ClassVar[DataType]
+    DT_INT4_REF: _ClassVar[DataType]
+    DT_UINT4_REF: _ClassVar[DataType]
+    DT_INT2_REF: _ClassVar[DataType]
+    DT_UINT2_REF: _ClassVar[DataType]
+    DT_FLOAT4_E2M1FN_REF: _ClassVar[DataType]
 DT_INVALID: DataType
 DT_FLOAT: DataType
 DT_DOUBLE: DataType
@@ -77,6 +97,16 @@ DT_RESOURCE: DataType
 DT_VARIANT: DataType
 DT_UINT32: DataType
 DT_UINT64: DataType
+DT_FLOAT8_E5M2: DataType
+DT_FLOAT8_E4M3FN: DataType
+DT_FLOAT8_E4M3FNUZ: DataType
+DT_FLOAT8_E4M3B11FNUZ: DataType
+DT_FLOAT8_E5M2FNUZ: DataType
+DT_INT4: DataType
+DT_UINT4: DataType
+DT_INT2: DataType
+DT_UINT2: DataType
+DT_FLOAT4_E2M1FN: DataType
 DT_FLOAT_REF: DataType
 DT_DOUBLE_REF: DataType
 DT_INT32_REF: DataType
@@ -100,3 +130,13 @@ DT_RESOURCE_REF: DataType
 DT_VARIANT_REF: DataType
 DT_UINT32_REF: DataType
 DT_UINT64_REF: DataType
+DT_FLOAT8_E5M2_REF: DataType
+DT_FLOAT8_E4M3FN_REF: DataType
+DT_FLOAT8_E4M3FNUZ_REF: DataType
+DT_FLOAT8_E4M3B11FNUZ_REF: DataType
+DT_FLOAT8_E5M2FNUZ_REF: DataType
+DT_INT4_REF: DataType
+DT_UINT4_REF: DataType
+DT_INT2_REF: DataType
+DT_UINT2_REF: DataType
+DT_FLOAT4_E2M1FN_REF: DataType

@@ -308,39 +308,37 @@ class RecvBufResponse(_message.Message):
     def __init__(self, buf_ptr: _Optional[int] = ..., num_bytes: _Optional[int] = ..., is_dead: _Optional[bool] = ..., transport_options: _Optional[_Union[_any_pb2.Any, _Mapping]] = ..., send_start_micros: _Optional[int] = ..., require_ack: _Optional[bool] = ...) -> None: ...
 
 class CompleteGroupRequest(_message.Message):
-    __slots__ = ("group_key", "group_size", "device_type", "device_name", "collective_type")
+    __slots__ = ("group_key", "group_size", "device_type", "collective_type", "device_attributes")
     GROUP_KEY_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_TYPE_FIELD_NUMBER: _ClassVar[int]
-    DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVE_TYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ATTRIBUTES_FIELD_NUMBER: _ClassVar[int]
     group_key: int
     group_size: int
     device_type: str
-    device_name: _containers.RepeatedScalarFieldContainer[str]
     collective_type: int
-    def __init__(self, group_key: _Optional[int] = ..., group_size: _Optional[int] = ..., device_type: _Optional[str] = ..., device_name: _Optional[_Iterable[str]] = ..., collective_type: _Optional[int] = ...) -> None: ...
+    device_attributes: _device_attributes_pb2.DeviceAttributes
+    def __init__(self, group_key: _Optional[int] = ..., group_size: _Optional[int] = ..., device_type: _Optional[str] = ..., collective_type: _Optional[int] = ..., device_attributes: _Optional[_Union[_device_attributes_pb2.DeviceAttributes, _Mapping]] = ...) -> None: ...
 
 class CompleteGroupResponse(_message.Message):
-    __slots__ = ("group_key", "group_size", "device_type", "num_tasks", "device_name", "task_name", "communicator_key")
+    __slots__ = ("group_key", "group_size", "device_type", "num_tasks", "communicator_key", "device_attributes")
     GROUP_KEY_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_TYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_TASKS_FIELD_NUMBER: _ClassVar[int]
-    DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
-    TASK_NAME_FIELD_NUMBER: _ClassVar[int]
     COMMUNICATOR_KEY_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ATTRIBUTES_FIELD_NUMBER: _ClassVar[int]
     group_key: int
     group_size: int
     device_type: str
     num_tasks: int
-    device_name: _containers.RepeatedScalarFieldContainer[str]
-    task_name: _containers.RepeatedScalarFieldContainer[str]
     communicator_key: bytes
-    def __init__(self, group_key: _Optional[int] = ..., group_size: _Optional[int] = ..., device_type: _Optional[str] = ..., num_tasks: _Optional[int] = ..., device_name: _Optional[_Iterable[str]] = ..., task_name: _Optional[_Iterable[str]] = ..., communicator_key: _Optional[bytes] = ...) -> None: ...
+    device_attributes: _containers.RepeatedCompositeFieldContainer[_device_attributes_pb2.DeviceAttributes]
+    def __init__(self, group_key: _Optional[int] = ..., group_size: _Optional[int] = ..., device_type: _Optional[str] = ..., num_tasks: _Optional[int] = ..., communicator_key: _Optional[bytes] = ..., device_attributes: _Optional[_Iterable[_Union[_device_attributes_pb2.DeviceAttributes, _Mapping]]] = ...) -> None: ...
 
 class CompleteInstanceRequest(_message.Message):
-    __slots__ = ("name", "type", "data_type", "shape", "group_key", "group_size", "instance_key", "device_type", "subdiv_offset", "device", "is_source")
+    __slots__ = ("name", "type", "data_type", "shape", "group_key", "group_size", "instance_key", "device_type", "subdiv_offset", "device", "is_source", "step_id")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TYPE_FIELD_NUMBER: _ClassVar[int]
     DATA_TYPE_FIELD_NUMBER: _ClassVar[int]
@@ -352,6 +350,7 @@ class CompleteInstanceRequest(_message.Message):
     SUBDIV_OFFSET_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     IS_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
     name: str
     type: int
     data_type: _types_pb2.DataType
@@ -363,7 +362,8 @@ class CompleteInstanceRequest(_message.Message):
     subdiv_offset: _containers.RepeatedScalarFieldContainer[int]
     device: str
     is_source: bool
-    def __init__(self, name: _Optional[str] = ..., type: _Optional[int] = ..., data_type: _Optional[_Union[_types_pb2.DataType, str]] = ..., shape: _Optional[_Union[_tensor_shape_pb2.TensorShapeProto, _Mapping]] = ..., group_key: _Optional[int] = ..., group_size: _Optional[int] = ..., instance_key: _Optional[int] = ..., device_type: _Optional[str] = ..., subdiv_offset: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., is_source: _Optional[bool] = ...) -> None: ...
+    step_id: int
+    def __init__(self, name: _Optional[str] = ..., type: _Optional[int] = ..., data_type: _Optional[_Union[_types_pb2.DataType, str]] = ..., shape: _Optional[_Union[_tensor_shape_pb2.TensorShapeProto, _Mapping]] = ..., group_key: _Optional[int] = ..., group_size: _Optional[int] = ..., instance_key: _Optional[int] = ..., device_type: _Optional[str] = ..., subdiv_offset: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., is_source: _Optional[bool] = ..., step_id: _Optional[int] = ...) -> None: ...
 
 class CompleteInstanceResponse(_message.Message):
     __slots__ = ("instance_key", "source_rank")

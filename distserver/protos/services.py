@@ -1,0 +1,64 @@
+"""The RPC methods of TensorFlow's MasterService and WorkerService.
+
+TensorFlow serves them at `/tensorflow.MasterService/<Method>` and
+`/tensorflow.WorkerService/<Method>` (hand-registered paths; its .proto package is
+`tensorflow.grpc`, which generated stubs would get wrong). Every transport builds
+its handlers and stubs from these tables, so names and message types live in one
+place.
+"""
+
+from __future__ import annotations
+
+from google.protobuf.message import Message
+
+from distserver.protos import master_pb2 as m
+from distserver.protos import worker_pb2 as w
+
+MASTER_SERVICE = "tensorflow.MasterService"
+WORKER_SERVICE = "tensorflow.WorkerService"
+
+MethodTable = dict[str, tuple[type[Message], type[Message]]]
+
+MASTER_METHODS: MethodTable = {
+    "CreateSession": (m.CreateSessionRequest, m.CreateSessionResponse),
+    "ExtendSession": (m.ExtendSessionRequest, m.ExtendSessionResponse),
+    "PartialRunSetup": (m.PartialRunSetupRequest, m.PartialRunSetupResponse),
+    "RunStep": (m.RunStepRequest, m.RunStepResponse),
+    "CloseSession": (m.CloseSessionRequest, m.CloseSessionResponse),
+    "ListDevices": (m.ListDevicesRequest, m.ListDevicesResponse),
+    "Reset": (m.ResetRequest, m.ResetResponse),
+    "MakeCallable": (m.MakeCallableRequest, m.MakeCallableResponse),
+    "RunCallable": (m.RunCallableRequest, m.RunCallableResponse),
+    "ReleaseCallable": (m.ReleaseCallableRequest, m.ReleaseCallableResponse),
+}
+
+WORKER_METHODS: MethodTable = {
+    "GetStatus": (w.GetStatusRequest, w.GetStatusResponse),
+    "CreateWorkerSession": (w.CreateWorkerSessionRequest, w.CreateWorkerSessionResponse),
+    "DeleteWorkerSession": (w.DeleteWorkerSessionRequest, w.DeleteWorkerSessionResponse),
+    "RegisterGraph": (w.RegisterGraphRequest, w.RegisterGraphResponse),
+    "DeregisterGraph": (w.DeregisterGraphRequest, w.DeregisterGraphResponse),
+    "RunGraph": (w.RunGraphRequest, w.RunGraphResponse),
+    "CleanupGraph": (w.CleanupGraphRequest, w.CleanupGraphResponse),
+    "CleanupAll": (w.CleanupAllRequest, w.CleanupAllResponse),
+    "RecvTensor": (w.RecvTensorRequest, w.RecvTensorResponse),
+    "MarkRecvFinished": (w.MarkRecvFinishedRequest, w.MarkRecvFinishedResponse),
+    "Logging": (w.LoggingRequest, w.LoggingResponse),
+    "Tracing": (w.TracingRequest, w.TracingResponse),
+    "RecvBuf": (w.RecvBufRequest, w.RecvBufResponse),
+    "GetStepSequence": (w.GetStepSequenceRequest, w.GetStepSequenceResponse),
+    "CompleteGroup": (w.CompleteGroupRequest, w.CompleteGroupResponse),
+    "CompleteInstance": (w.CompleteInstanceRequest, w.CompleteInstanceResponse),
+}
+
+SERVICES: dict[str, MethodTable] = {MASTER_SERVICE: MASTER_METHODS, WORKER_SERVICE: WORKER_METHODS}
+
+
+def snake_case(method: str) -> str:
+    """`RunStep` -> `run_step`: the Python method that implements an RPC."""
+    out = []
+    for i, ch in enumerate(method):
+        if ch.isupper() and i:
+            out.append("_")
+        out.append(ch.lower())
+    return "".join(out)

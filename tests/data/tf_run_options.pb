@@ -1,0 +1,2 @@
+Ü(2%"#
+xDebugIdentity"file:///tmp/dbg8B
