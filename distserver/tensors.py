@@ -1,0 +1,825 @@
+"""Tensor values as numpy arrays, and their `TensorProto` wire form.
+
+A tensor value in distserver is a numpy array (0-d for a scalar):
+
+* numeric dtypes are the matching numpy dtypes (DT_BFLOAT16 is `ml_dtypes.bfloat16`);
+* DT_STRING tensors are object arrays of `bytes`;
+* DT_RESOURCE tensors are object arrays of `ResourceHandle` (one handle, 0-d, for a
+  variable);
+* DT_VARIANT tensors are object arrays of `VariantTensorDataProto`.
+
+`to_tensor_proto` writes numeric tensors as `tensor_content` (the raw little-endian,
+row-major buffer, as TensorFlow's `AsProtoTensorContent` does), strings as
+`string_val`, resources as `resource_handle_val` and variants as `variant_val`.
+
+`from_tensor_proto` reads everything TensorFlow writes: `tensor_content` for every
+dtype (strings, resources and variants in TensorFlow's length-prefixed list encoding),
+or the typed `*_val` field of the dtype, where fewer values than elements are padded
+with the last value (the one-element broadcast of the proto's comment is the common
+case) and no values at all mean zeros.
+
+Example::
+
+    >>> proto = to_tensor_proto([1.0, 2.0])
+    >>> datatype_name(proto.dtype), shape_from_proto(proto.tensor_shape)
+    ('DT_FLOAT', (2,))
+    >>> from_tensor_proto(proto)
+    array([1., 2.], dtype=float32)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+import sys
+from collections.abc import Iterable, Sequence
+from typing import Any, Final, SupportsIndex, cast
+
+import ml_dtypes
+import numpy as np
+from numpy.typing import NDArray
+
+from distserver import errors
+from distserver.protos import types_pb2
+from distserver.protos.resource_handle_pb2 import ResourceHandleProto
+from distserver.protos.tensor_pb2 import TensorProto, VariantTensorDataProto
+from distserver.protos.tensor_shape_pb2 import TensorShapeProto
+
+__all__ = [
+    "ResourceHandle",
+    "Shape",
+    "as_datatype",
+    "as_numpy_dtype",
+    "datatype_name",
+    "from_tensor_proto",
+    "make_tensor_proto",
+    "shape_from_proto",
+    "shape_to_proto",
+    "tensor_nbytes",
+    "to_tensor_proto",
+]
+
+Shape = tuple[int | None, ...]
+"""A possibly partial shape: `None` marks a dimension of unknown size."""
+
+_DT = types_pb2
+_REF_OFFSET: Final = 100
+_OBJECT: Final = np.dtype(object)
+_BFLOAT16: Final = np.dtype(ml_dtypes.bfloat16)
+
+# DataType -> numpy dtype, for every base type distserver can hold.
+_NUMPY_BY_DATATYPE: Final[dict[int, np.dtype[Any]]] = {
+    _DT.DT_FLOAT: np.dtype(np.float32),
+    _DT.DT_DOUBLE: np.dtype(np.float64),
+    _DT.DT_INT32: np.dtype(np.int32),
+    _DT.DT_UINT8: np.dtype(np.uint8),
+    _DT.DT_INT16: np.dtype(np.int16),
+    _DT.DT_INT8: np.dtype(np.int8),
+    _DT.DT_STRING: _OBJECT,
+    _DT.DT_COMPLEX64: np.dtype(np.complex64),
+    _DT.DT_INT64: np.dtype(np.int64),
+    _DT.DT_BOOL: np.dtype(np.bool_),
+    _DT.DT_BFLOAT16: _BFLOAT16,
+    _DT.DT_UINT16: np.dtype(np.uint16),
+    _DT.DT_COMPLEX128: np.dtype(np.complex128),
+    _DT.DT_HALF: np.dtype(np.float16),
+    _DT.DT_RESOURCE: _OBJECT,
+    _DT.DT_VARIANT: _OBJECT,
+    _DT.DT_UINT32: np.dtype(np.uint32),
+    _DT.DT_UINT64: np.dtype(np.uint64),
+}
+
+# Numeric (memcpy-able) numpy dtype, in native byte order -> DataType.
+_DATATYPE_BY_NUMPY: Final[dict[np.dtype[Any], int]] = {
+    dtype: datatype for datatype, dtype in _NUMPY_BY_DATATYPE.items() if dtype != _OBJECT
+}
+
+# Names numpy does not know (or knows differently) but TensorFlow users write.
+_DATATYPE_BY_TF_NAME: Final[dict[str, int]] = {
+    "string": _DT.DT_STRING,
+    "resource": _DT.DT_RESOURCE,
+    "variant": _DT.DT_VARIANT,
+    "bfloat16": _DT.DT_BFLOAT16,
+}
+
+# Kinds of values a python input may hold for each numeric target, so that e.g.
+# `to_tensor_proto([1.5], dtype="int32")` is refused instead of truncated (as TF does).
+_BOOL_TYPES: Final = frozenset({_DT.DT_BOOL})
+_INT_TYPES: Final = frozenset(
+    {
+        _DT.DT_INT8,
+        _DT.DT_INT16,
+        _DT.DT_INT32,
+        _DT.DT_INT64,
+        _DT.DT_UINT8,
+        _DT.DT_UINT16,
+        _DT.DT_UINT32,
+        _DT.DT_UINT64,
+    }
+)
+_FLOAT_TYPES: Final = frozenset({_DT.DT_HALF, _DT.DT_BFLOAT16, _DT.DT_FLOAT, _DT.DT_DOUBLE})
+_COMPLEX_TYPES: Final = frozenset({_DT.DT_COMPLEX64, _DT.DT_COMPLEX128})
+_ACCEPTED_KINDS: Final[dict[frozenset[int], str]] = {
+    _BOOL_TYPES: "b",
+    _INT_TYPES: "biu",
+    _FLOAT_TYPES: "biuf",
+    _COMPLEX_TYPES: "biufc",
+}
+
+# TensorFlow refuses to build a TensorProto whose content is 2 GiB or more: protobuf
+# cannot serialize it.
+_MAX_CONTENT_BYTES: Final = (1 << 31) - 1
+
+_INT32_MIN: Final = -(1 << 31)
+_INT32_MAX: Final = (1 << 31) - 1
+
+
+# --------------------------------------------------------------------------- dtypes
+
+
+def datatype_name(datatype: int) -> str:
+    """Return the enum name of a DataType value, e.g. ``"DT_FLOAT"`` for 1.
+
+    Args:
+        datatype: A `DataType` enum value.
+
+    Returns:
+        The name; ``"DataType(<n>)"`` for a value the enum does not define, so the
+        function is safe to use while formatting error messages.
+    """
+    try:
+        return _DT.DataType.Name(datatype)
+    except ValueError:
+        return f"DataType({datatype})"
+
+
+def _base_datatype(datatype: int) -> int:
+    # DT_*_REF = 100 + base; a reference carries the same values as its base type.
+    if datatype > _REF_OFFSET and datatype - _REF_OFFSET in _NUMPY_BY_DATATYPE:
+        return datatype - _REF_OFFSET
+    return datatype
+
+
+def as_numpy_dtype(datatype: int) -> np.dtype[Any]:
+    """Return the numpy dtype that holds values of a DataType.
+
+    Reference types (``DT_FLOAT_REF`` = 101, ...) map like their base type. DT_STRING,
+    DT_RESOURCE and DT_VARIANT map to the object dtype.
+
+    Args:
+        datatype: A `DataType` enum value.
+
+    Returns:
+        The numpy dtype; DT_BFLOAT16 gives ``ml_dtypes.bfloat16``, DT_HALF float16.
+
+    Raises:
+        errors.InvalidArgumentError: For DT_INVALID, the quantized types (DT_QINT8, ...)
+            and values the enum does not define.
+    """
+    dtype = _NUMPY_BY_DATATYPE.get(_base_datatype(datatype))
+    if dtype is None:
+        raise errors.InvalidArgumentError(
+            f"Tensors of type {datatype_name(datatype)} are not supported by distserver (no numpy equivalent)"
+        )
+    return dtype
+
+
+def as_datatype(dtype_like: Any) -> int:
+    """Return the DataType enum value for a numpy dtype or something naming one.
+
+    Accepted: a numpy dtype or scalar type (``np.float32``), a python type (following
+    numpy: ``float`` is float64 -> DT_DOUBLE, ``int`` is int64 -> DT_INT64), a string
+    numpy understands (``"float32"``, ``"<i8"``, ``"bfloat16"``), a TensorFlow name
+    (``"string"``, ``"resource"``, ``"variant"``) or enum name (``"DT_FLOAT"``), a
+    DataType enum value, or an object with an ``as_datatype_enum`` attribute (such as
+    ``tf.float32``). Text, bytes and object dtypes (``str``, ``bytes``, ``np.str_``,
+    ``object``) map to DT_STRING. Byte order is ignored.
+
+    Args:
+        dtype_like: The dtype to convert.
+
+    Returns:
+        The `DataType` enum value.
+
+    Raises:
+        TypeError: When `dtype_like` names no DataType distserver supports.
+    """
+    if isinstance(dtype_like, bool) or dtype_like is None:
+        raise TypeError(f"Cannot convert {dtype_like!r} to a tensor DataType")
+    if isinstance(dtype_like, int):
+        if datatype_name(dtype_like).startswith("DataType("):
+            raise TypeError(f"{dtype_like} is not a DataType enum value")
+        return int(dtype_like)
+    enum = getattr(dtype_like, "as_datatype_enum", None)
+    if isinstance(enum, int) and not isinstance(dtype_like, np.dtype | type):
+        return as_datatype(enum)
+    if isinstance(dtype_like, str):
+        if dtype_like.startswith("DT_"):
+            try:
+                return int(_DT.DataType.Value(dtype_like))
+            except ValueError:
+                raise TypeError(f"{dtype_like!r} is not a DataType enum name") from None
+        if dtype_like in _DATATYPE_BY_TF_NAME:
+            return _DATATYPE_BY_TF_NAME[dtype_like]
+    try:
+        dtype = np.dtype(dtype_like)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"Cannot convert {dtype_like!r} to a tensor DataType: {exc}") from None
+    if dtype.kind in "USO":
+        return _DT.DT_STRING
+    datatype = _DATATYPE_BY_NUMPY.get(dtype.newbyteorder("="))
+    if datatype is None:
+        raise TypeError(
+            f"Cannot convert {dtype_like!r} to a tensor DataType: numpy dtype {dtype} has no "
+            "TensorFlow equivalent"
+        )
+    return datatype
+
+
+# --------------------------------------------------------------------------- shapes
+
+
+def shape_to_proto(shape: Iterable[SupportsIndex | None] | None) -> TensorShapeProto:
+    """Return the TensorShapeProto of a shape.
+
+    Args:
+        shape: ``None`` for a shape of unknown rank, else the dimension sizes (ints or
+            numpy integers); a size of ``None`` (or -1) is an unknown dimension. ``()``
+            is a scalar.
+
+    Returns:
+        The proto: ``unknown_rank`` set for ``None``; unknown dimensions as size -1.
+
+    Raises:
+        ValueError: For a negative size other than -1.
+        TypeError: For a size that is not an integer.
+    """
+    proto = TensorShapeProto()
+    if shape is None:
+        proto.unknown_rank = True
+        return proto
+    for size in shape:
+        if size is None:
+            proto.dim.add(size=-1)
+            continue
+        value = operator.index(size)
+        if value < -1:
+            raise ValueError(f"Dimension sizes must be >= 0 (or None/-1 for unknown), got {value}")
+        proto.dim.add(size=value)
+    return proto
+
+
+def shape_from_proto(proto: TensorShapeProto) -> Shape | None:
+    """Return the shape a TensorShapeProto describes.
+
+    Args:
+        proto: The shape proto.
+
+    Returns:
+        ``None`` when the rank is unknown, else a tuple of sizes with ``None`` for
+        unknown (-1) dimensions.
+
+    Raises:
+        errors.InvalidArgumentError: For a size below -1.
+    """
+    if proto.unknown_rank:
+        return None
+    sizes: list[int | None] = []
+    for dim in proto.dim:
+        if dim.size < -1:
+            raise errors.InvalidArgumentError(f"Shape {_shape_text(proto)} has a negative dimension")
+        sizes.append(None if dim.size == -1 else dim.size)
+    return tuple(sizes)
+
+
+def _shape_text(proto: TensorShapeProto) -> str:
+    # TensorFlow's PartialTensorShape::DebugString form: "[2,?]" or "<unknown>".
+    if proto.unknown_rank:
+        return "<unknown>"
+    return "[" + ",".join("?" if d.size == -1 else str(d.size) for d in proto.dim) + "]"
+
+
+def _value_shape(proto: TensorProto) -> tuple[int, ...]:
+    # A tensor value needs every dimension known.
+    shape_proto = proto.tensor_shape
+    if shape_proto.unknown_rank or any(dim.size < 0 for dim in shape_proto.dim):
+        raise errors.InvalidArgumentError(
+            f"TensorProto of type {datatype_name(proto.dtype)} has shape {_shape_text(shape_proto)}; "
+            "a tensor value needs a fully defined shape"
+        )
+    return tuple(dim.size for dim in shape_proto.dim)
+
+
+# --------------------------------------------------------------------------- resources
+
+
+@dataclasses.dataclass(frozen=True)
+class ResourceHandle:
+    """Names a resource (such as a variable) that lives on one device.
+
+    A DT_RESOURCE tensor is an object array of handles; a variable's handle is a 0-d
+    array holding one. The wire form is `ResourceHandleProto`.
+
+    Attributes:
+        device: Full name of the device holding the resource.
+        container: Container in that device's resource manager ("" is the default one).
+        name: Name of the resource within its container.
+        dtype: Dtype of the value the resource holds, when known.
+        shape: Shape of that value (``None`` entries for unknown dimensions), when known.
+        hash_code: TensorFlow's hash of the resource's C++ type (kept for round trips).
+        maybe_type_name: TensorFlow's name of that C++ type (kept for round trips).
+
+    Only one (dtype, shape) pair is kept: `from_proto` ignores any further entries of
+    ``dtypes_and_shapes`` (TensorFlow variables have exactly one).
+    """
+
+    device: str
+    container: str
+    name: str
+    dtype: np.dtype[Any] | None = None
+    shape: Shape | None = None
+    hash_code: int = 0
+    maybe_type_name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.dtype is not None and not isinstance(self.dtype, np.dtype):
+            object.__setattr__(self, "dtype", as_numpy_dtype(as_datatype(self.dtype)))
+        if self.shape is not None and not isinstance(self.shape, tuple):
+            object.__setattr__(self, "shape", tuple(self.shape))
+
+    def to_proto(self) -> ResourceHandleProto:
+        """Return the `ResourceHandleProto` of this handle."""
+        proto = ResourceHandleProto(
+            device=self.device,
+            container=self.container,
+            name=self.name,
+            hash_code=self.hash_code,
+            maybe_type_name=self.maybe_type_name,
+        )
+        if self.dtype is not None or self.shape is not None:
+            entry = proto.dtypes_and_shapes.add()
+            entry.dtype = cast(
+                types_pb2.DataType,
+                _DT.DT_INVALID if self.dtype is None else as_datatype(self.dtype),
+            )
+            entry.shape.CopyFrom(shape_to_proto(self.shape))
+        return proto
+
+    @classmethod
+    def from_proto(cls, proto: ResourceHandleProto) -> ResourceHandle:
+        """Return the handle a `ResourceHandleProto` describes.
+
+        Raises:
+            errors.InvalidArgumentError: When the handle's dtype is not supported.
+        """
+        dtype: np.dtype[Any] | None = None
+        shape: Shape | None = None
+        if proto.dtypes_and_shapes:
+            entry = proto.dtypes_and_shapes[0]
+            if entry.dtype != _DT.DT_INVALID:
+                dtype = as_numpy_dtype(entry.dtype)
+            shape = shape_from_proto(entry.shape)
+        return cls(
+            device=proto.device,
+            container=proto.container,
+            name=proto.name,
+            dtype=dtype,
+            shape=shape,
+            hash_code=proto.hash_code,
+            maybe_type_name=proto.maybe_type_name,
+        )
+
+
+# --------------------------------------------------------------------------- numpy -> proto
+
+
+def to_tensor_proto(value: Any, dtype: Any = None) -> TensorProto:
+    """Return the TensorProto of a tensor value.
+
+    `value` is a numpy array or scalar, a `ResourceHandle`, or anything `np.asarray`
+    accepts (python scalars, nested lists). Like TensorFlow's `make_tensor_proto`,
+    python values (not numpy ones) are narrowed when no `dtype` is given: floats become
+    float32 (not numpy's float64) and integers int32 when every value fits (else
+    int64). Numpy arrays and scalars keep their dtype. Python text and bytes become
+    DT_STRING (``str`` is encoded as UTF-8, and no trailing NUL is lost).
+
+    Numeric tensors are written to ``tensor_content`` as one little-endian, C-order
+    buffer (one copy of the data; big-endian and non-contiguous inputs are handled).
+
+    Args:
+        value: The tensor value.
+        dtype: The DataType to write (anything `as_datatype` accepts); the value is
+            converted to it. Default: the value's own dtype.
+
+    Returns:
+        A new TensorProto.
+
+    Raises:
+        TypeError: When the value cannot be converted (e.g. text to a numeric dtype,
+            ``1.5`` to an integer dtype, an object array holding other objects).
+        ValueError: For ragged nested lists, python integers out of the dtype's range, or
+            numeric content of 2 GiB or more.
+    """
+    datatype = None if dtype is None else _base_datatype(as_datatype(dtype))
+    if datatype is not None:
+        as_numpy_dtype(datatype)  # Refuse unsupported types early.
+    array = _as_array(value, datatype)
+    if datatype is None:
+        datatype = _infer_datatype(array)
+
+    proto = TensorProto()
+    proto.dtype = cast(types_pb2.DataType, datatype)
+    proto.tensor_shape.CopyFrom(shape_to_proto(array.shape))
+    if datatype == _DT.DT_STRING:
+        proto.string_val.extend(_string_elements(array))
+    elif datatype == _DT.DT_RESOURCE:
+        proto.resource_handle_val.extend(_resource_elements(array))
+    elif datatype == _DT.DT_VARIANT:
+        proto.variant_val.extend(_variant_elements(array))
+    else:
+        if array.nbytes > _MAX_CONTENT_BYTES:
+            raise ValueError("Cannot create a tensor proto whose content is larger than 2GB.")
+        if array.dtype.byteorder == ">" or (array.dtype.byteorder == "=" and sys.byteorder == "big"):
+            array = array.astype(array.dtype.newbyteorder("<"))
+        # tobytes(order="C") copies once, whatever the input's strides.
+        proto.tensor_content = array.tobytes(order="C")
+    return proto
+
+
+make_tensor_proto = to_tensor_proto
+"""Alias of `to_tensor_proto`, named like TensorFlow's function."""
+
+
+def _as_array(value: Any, datatype: int | None) -> NDArray[Any]:
+    if isinstance(value, ResourceHandle | ResourceHandleProto | VariantTensorDataProto):
+        array = np.empty((), dtype=object)
+        array[()] = value
+        return array
+    if datatype is not None and _NUMPY_BY_DATATYPE[datatype] == _OBJECT:
+        if isinstance(value, np.ndarray):
+            return value
+        return np.array(value, dtype=object)
+    if isinstance(value, np.ndarray | np.generic):
+        array = np.asarray(value)
+        if datatype is None:
+            return array
+        if array.dtype.kind in "USV" and array.dtype != _BFLOAT16:
+            raise TypeError(
+                f"Cannot convert an array of dtype {array.dtype} to a {datatype_name(datatype)} tensor"
+            )
+        return array.astype(_NUMPY_BY_DATATYPE[datatype], copy=False)
+    inferred = _asarray_from_python(value)
+    if datatype is None:
+        return _narrow_python_array(inferred)
+    accepted = next(kinds for group, kinds in _ACCEPTED_KINDS.items() if datatype in group)
+    if inferred.size and inferred.dtype.kind not in accepted:
+        raise TypeError(
+            f"Cannot convert {_describe(value)} (inferred dtype {inferred.dtype}) to a "
+            f"{datatype_name(datatype)} tensor"
+        )
+    if inferred.dtype.kind == "O":
+        raise TypeError(f"Cannot convert {_describe(value)} to a {datatype_name(datatype)} tensor")
+    # Convert from the python values again (not from `inferred`), so that numpy reports
+    # integers out of the target's range instead of wrapping them.
+    try:
+        return np.asarray(value, dtype=_NUMPY_BY_DATATYPE[datatype])
+    except OverflowError as exc:
+        raise ValueError(
+            f"Cannot convert {_describe(value)} to a {datatype_name(datatype)} tensor: {exc}"
+        ) from exc
+
+
+def _asarray_from_python(value: Any) -> NDArray[Any]:
+    try:
+        array = np.asarray(value)
+    except (ValueError, OverflowError) as exc:
+        raise ValueError(f"Cannot convert {_describe(value)} to a tensor: {exc}") from exc
+    if array.dtype.kind in "US":
+        # Numpy's fixed-width text types drop trailing NULs; keep the python objects.
+        array = np.array(value, dtype=object)
+    return array
+
+
+def _narrow_python_array(array: NDArray[Any]) -> NDArray[Any]:
+    # TensorFlow's make_tensor_proto prefers 32-bit types for python numbers; like it,
+    # let floats beyond float32's range become inf without a warning.
+    if array.dtype == np.float64:
+        with np.errstate(over="ignore"):
+            return array.astype(np.float32)
+    if array.dtype == np.int64 and (
+        array.size == 0 or (int(array.min()) >= _INT32_MIN and int(array.max()) <= _INT32_MAX)
+    ):
+        return array.astype(np.int32)
+    return array
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{text} of type {type(value).__name__}"
+
+
+def _infer_datatype(array: NDArray[Any]) -> int:
+    if array.dtype.kind in "US":
+        return _DT.DT_STRING
+    if array.dtype != _OBJECT:
+        try:
+            return as_datatype(array.dtype)
+        except TypeError:
+            raise TypeError(f"Cannot convert an array of dtype {array.dtype} to a tensor") from None
+    elements = array.ravel()
+    if elements.size == 0:
+        return _DT.DT_STRING
+    first = elements[0]
+    if isinstance(first, ResourceHandle | ResourceHandleProto):
+        return _DT.DT_RESOURCE
+    if isinstance(first, VariantTensorDataProto):
+        return _DT.DT_VARIANT
+    if isinstance(first, bytes | str):
+        return _DT.DT_STRING
+    raise TypeError(
+        f"Cannot convert an object array holding {type(first).__name__} to a tensor; "
+        "expected bytes or str (DT_STRING), ResourceHandle (DT_RESOURCE) or "
+        "VariantTensorDataProto (DT_VARIANT) elements"
+    )
+
+
+def _string_elements(array: NDArray[Any]) -> list[bytes]:
+    out: list[bytes] = []
+    for item in array.ravel().tolist():
+        if isinstance(item, bytes):
+            out.append(item)
+        elif isinstance(item, str):
+            out.append(item.encode("utf-8"))
+        else:
+            raise TypeError(
+                f"Cannot convert a {type(item).__name__} element to a DT_STRING tensor; expected bytes or str"
+            )
+    return out
+
+
+def _resource_elements(array: NDArray[Any]) -> list[ResourceHandleProto]:
+    out: list[ResourceHandleProto] = []
+    for item in array.ravel().tolist():
+        if isinstance(item, ResourceHandle):
+            out.append(item.to_proto())
+        elif isinstance(item, ResourceHandleProto):
+            out.append(item)
+        else:
+            raise TypeError(
+                f"Cannot convert a {type(item).__name__} element to a DT_RESOURCE tensor; "
+                "expected ResourceHandle"
+            )
+    return out
+
+
+def _variant_elements(array: NDArray[Any]) -> list[VariantTensorDataProto]:
+    out: list[VariantTensorDataProto] = []
+    for item in array.ravel().tolist():
+        if not isinstance(item, VariantTensorDataProto):
+            raise TypeError(
+                f"Cannot convert a {type(item).__name__} element to a DT_VARIANT tensor; "
+                "expected VariantTensorDataProto"
+            )
+        out.append(item)
+    return out
+
+
+# --------------------------------------------------------------------------- proto -> numpy
+
+
+def from_tensor_proto(proto: TensorProto, *, writable: bool = False) -> NDArray[Any]:
+    """Return the numpy array a TensorProto holds.
+
+    Reads ``tensor_content`` when it is set, else the typed field of the dtype
+    (``float_val``, ``int_val`` for int8/16/32 and uint8/16, ``half_val`` bit
+    patterns for half and bfloat16, ``scomplex_val``/``dcomplex_val`` as (real,
+    imaginary) pairs, ``string_val``, ...). As in TensorFlow, a typed field with fewer
+    values than the shape has elements is padded with its last value (so one value
+    fills the whole shape), and an empty one means zeros (empty strings, empty
+    handles). Reference dtypes are read as their base type.
+
+    A numeric array read from ``tensor_content`` shares the proto's bytes without a
+    copy and is therefore **read-only**; pass ``writable=True`` to get a private,
+    writable copy. Arrays built from typed fields are always writable.
+
+    Args:
+        proto: The tensor proto.
+        writable: Return an array that may be modified in place.
+
+    Returns:
+        The tensor value: a numeric array, or an object array of bytes (DT_STRING),
+        `ResourceHandle` (DT_RESOURCE) or `VariantTensorDataProto` (DT_VARIANT).
+
+    Raises:
+        errors.InvalidArgumentError: For an unsupported dtype, a shape that is not
+            fully defined, a ``tensor_content`` whose size does not match the shape,
+            or more typed values than the shape has elements.
+    """
+    datatype = _base_datatype(proto.dtype)
+    dtype = as_numpy_dtype(datatype)
+    shape = _value_shape(proto)
+    count = math.prod(shape)
+    content = proto.tensor_content
+
+    if dtype == _OBJECT:
+        if content:
+            return _object_from_content(proto, datatype, content, count).reshape(shape)
+        return _from_typed_field(proto, datatype, dtype, count).reshape(shape)
+
+    if content:
+        expected = count * dtype.itemsize
+        if len(content) != expected:
+            raise errors.InvalidArgumentError(
+                f"TensorProto of type {datatype_name(datatype)} and shape {_shape_text(proto.tensor_shape)} "
+                f"has {len(content)} bytes of tensor_content, expected {expected}"
+            )
+        array: NDArray[Any] = np.frombuffer(content, dtype=dtype.newbyteorder("<"))
+        if sys.byteorder == "big":
+            array = array.astype(dtype)
+        array = array.reshape(shape)
+        return array.copy() if writable and not array.flags.writeable else array
+    return _from_typed_field(proto, datatype, dtype, count).reshape(shape)
+
+
+def _from_typed_field(proto: TensorProto, datatype: int, dtype: np.dtype[Any], count: int) -> NDArray[Any]:
+    values = _typed_values(proto, datatype, dtype)
+    present = len(values)
+    if present == count:
+        return values
+    name = datatype_name(datatype)
+    if present > count:
+        raise errors.InvalidArgumentError(
+            f"TensorProto of type {name} and shape {_shape_text(proto.tensor_shape)} has {present} "
+            f"values, more than its {count} elements"
+        )
+    if present == 0:
+        return _zeros(datatype, dtype, count)
+    # TensorFlow's FromProtoField: repeat the last value to fill the shape.
+    out = np.empty(count, dtype=dtype)
+    out[:present] = values
+    if dtype == _OBJECT:
+        last = values[-1]
+        for index in range(present, count):
+            out[index] = last
+    else:
+        out[present:] = values[-1]
+    return out
+
+
+def _typed_values(proto: TensorProto, datatype: int, dtype: np.dtype[Any]) -> NDArray[Any]:
+    # One flat array of the values present in the dtype's typed field.
+    if datatype == _DT.DT_FLOAT:
+        return _fromiter(proto.float_val, dtype)
+    if datatype == _DT.DT_DOUBLE:
+        return _fromiter(proto.double_val, dtype)
+    if datatype in (_DT.DT_INT32, _DT.DT_INT16, _DT.DT_INT8, _DT.DT_UINT8, _DT.DT_UINT16):
+        # int_val holds each value widened to int32; narrowing wraps like a C cast.
+        return _fromiter(proto.int_val, np.dtype(np.int32)).astype(dtype)
+    if datatype == _DT.DT_INT64:
+        return _fromiter(proto.int64_val, dtype)
+    if datatype == _DT.DT_BOOL:
+        return _fromiter(proto.bool_val, dtype)
+    if datatype == _DT.DT_UINT32:
+        return _fromiter(proto.uint32_val, dtype)
+    if datatype == _DT.DT_UINT64:
+        return _fromiter(proto.uint64_val, dtype)
+    if datatype in (_DT.DT_HALF, _DT.DT_BFLOAT16):
+        bits = _fromiter(proto.half_val, np.dtype(np.int32)).astype(np.uint16)
+        return bits.view(dtype)
+    if datatype in (_DT.DT_COMPLEX64, _DT.DT_COMPLEX128):
+        field = proto.scomplex_val if datatype == _DT.DT_COMPLEX64 else proto.dcomplex_val
+        if len(field) % 2:
+            raise errors.InvalidArgumentError(
+                f"TensorProto of type {datatype_name(datatype)} has an odd number ({len(field)}) of "
+                "real/imaginary values"
+            )
+        part = np.dtype(np.float32 if datatype == _DT.DT_COMPLEX64 else np.float64)
+        return _fromiter(field, part).view(dtype)
+    if datatype == _DT.DT_STRING:
+        return _object_array(list(proto.string_val))
+    if datatype == _DT.DT_RESOURCE:
+        return _object_array([ResourceHandle.from_proto(item) for item in proto.resource_handle_val])
+    if datatype == _DT.DT_VARIANT:
+        return _object_array([_copy_variant(item) for item in proto.variant_val])
+    raise AssertionError(f"no typed field for {datatype_name(datatype)}")  # pragma: no cover
+
+
+def _fromiter(field: Sequence[Any], dtype: np.dtype[Any]) -> NDArray[Any]:
+    return np.fromiter(field, dtype=dtype, count=len(field))
+
+
+def _object_array(items: Sequence[Any]) -> NDArray[Any]:
+    # Filled element by element so numpy never looks inside the items.
+    out = np.empty(len(items), dtype=object)
+    for index, item in enumerate(items):
+        out[index] = item
+    return out
+
+
+def _copy_variant(item: VariantTensorDataProto) -> VariantTensorDataProto:
+    copy = VariantTensorDataProto()
+    copy.CopyFrom(item)
+    return copy
+
+
+def _zeros(datatype: int, dtype: np.dtype[Any], count: int) -> NDArray[Any]:
+    if datatype == _DT.DT_STRING:
+        return _object_array([b""] * count)
+    if datatype == _DT.DT_RESOURCE:
+        return _object_array([ResourceHandle("", "", "")] * count)
+    if datatype == _DT.DT_VARIANT:
+        return _object_array([VariantTensorDataProto() for _ in range(count)])
+    return np.zeros(count, dtype=dtype)
+
+
+def _object_from_content(proto: TensorProto, datatype: int, content: bytes, count: int) -> NDArray[Any]:
+    # TensorFlow's AsProtoTensorContent encodes strings, resource handles and variants
+    # as a list: the varint32 length of every element, then all elements' bytes.
+    pieces = _decode_string_list(content, count)
+    if pieces is None:
+        raise errors.InvalidArgumentError(
+            f"TensorProto of type {datatype_name(datatype)} and shape {_shape_text(proto.tensor_shape)} "
+            f"has a tensor_content of {len(content)} bytes that does not encode {count} elements"
+        )
+    if datatype == _DT.DT_STRING:
+        return _object_array(pieces)
+    items: list[Any] = []
+    for piece in pieces:
+        message: ResourceHandleProto | VariantTensorDataProto = (
+            ResourceHandleProto() if datatype == _DT.DT_RESOURCE else VariantTensorDataProto()
+        )
+        try:
+            message.ParseFromString(piece)
+        except Exception as exc:  # protobuf's DecodeError
+            raise errors.InvalidArgumentError(
+                f"TensorProto of type {datatype_name(datatype)} has an element that does not parse: {exc}"
+            ) from exc
+        items.append(
+            ResourceHandle.from_proto(message) if isinstance(message, ResourceHandleProto) else message
+        )
+    return _object_array(items)
+
+
+def _decode_string_list(data: bytes, count: int) -> list[bytes] | None:
+    sizes: list[int] = []
+    position = 0
+    for _ in range(count):
+        size = 0
+        for shift in range(0, 35, 7):
+            if position >= len(data):
+                return None
+            byte = data[position]
+            position += 1
+            size |= (byte & 0x7F) << shift
+            if not byte & 0x80:
+                break
+        else:
+            return None
+        if size > 0xFFFFFFFF:
+            return None
+        sizes.append(size)
+    if sum(sizes) != len(data) - position:
+        return None
+    pieces: list[bytes] = []
+    for size in sizes:
+        pieces.append(data[position : position + size])
+        position += size
+    return pieces
+
+
+# --------------------------------------------------------------------------- sizes
+
+
+def tensor_nbytes(value: Any) -> int:
+    """Return the number of payload bytes of a tensor value.
+
+    For a numeric array this is ``value.nbytes``; for DT_STRING the total length of the
+    (UTF-8 encoded) elements; for resources and variants the serialized size of their
+    protos. Useful for statistics and for deciding whether to stream a tensor.
+
+    Args:
+        value: A tensor value (anything `to_tensor_proto` accepts).
+    """
+    array = value if isinstance(value, np.ndarray) else np.asarray(value)
+    if array.dtype.kind in "US":
+        return sum(
+            len(item) if isinstance(item, bytes) else len(item.encode()) for item in array.ravel().tolist()
+        )
+    if array.dtype != _OBJECT:
+        return int(array.nbytes)
+    total = 0
+    for item in array.ravel().tolist():
+        if isinstance(item, bytes):
+            total += len(item)
+        elif isinstance(item, str):
+            total += len(item.encode("utf-8"))
+        elif isinstance(item, ResourceHandle):
+            total += item.to_proto().ByteSize()
+        elif isinstance(item, ResourceHandleProto | VariantTensorDataProto):
+            total += item.ByteSize()
+        else:
+            raise TypeError(f"Cannot size a {type(item).__name__} tensor element")
+    return total
