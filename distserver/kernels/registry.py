@@ -127,7 +127,7 @@ class OpKernel:
     def attr_str(self, name: str, default: str | None = None) -> str:
         if default is not None and name not in self.node.attr:
             return default
-        return self._attr(name).s.decode()
+        return str(self._attr(name).s.decode())
 
     def attr_ints(self, name: str, default: list[int] | None = None) -> list[int]:
         if default is not None and name not in self.node.attr:

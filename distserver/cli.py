@@ -1,0 +1,152 @@
+"""The `distserver` command.
+
+    distserver serve --cluster '{"ps": ["localhost:2222"], "worker": ["localhost:2223"]}' --job ps --task 0
+    distserver serve                      # cluster and task from TF_CONFIG
+    distserver status grpc://localhost:2222
+    distserver local-cluster --ps 1 --workers 2
+
+`serve` prints the server's target once it is serving and stops gracefully on
+SIGINT/SIGTERM. `status` lists the devices of the target's cluster and exits with
+status 1 and a one-line reason when the target cannot be reached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from distserver import errors
+
+
+def _cluster_and_task(args: argparse.Namespace) -> tuple[Any, str | None, int | None, str | None]:
+    if args.cluster is not None:
+        try:
+            cluster = json.loads(args.cluster)
+        except json.JSONDecodeError as exc:
+            raise SystemExit(f"distserver serve: --cluster is not valid JSON: {exc}") from None
+        return cluster, args.job, args.task, args.protocol
+    from distserver.cluster import TFConfigClusterResolver
+
+    resolver = TFConfigClusterResolver()
+    spec = resolver.cluster_spec()
+    if not spec:
+        raise SystemExit(
+            "distserver serve: give --cluster JSON or set TF_CONFIG (with 'cluster' and 'task')."
+        )
+    job = args.job if args.job is not None else resolver.task_type
+    task = args.task if args.task is not None else resolver.task_id
+    return spec, job, task, args.protocol or resolver.rpc_layer
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    from distserver.server import AsyncServer
+
+    cluster, job, task, protocol = _cluster_and_task(args)
+    server = AsyncServer(cluster, job, task, protocol, listen_on_all_interfaces=args.all_interfaces)
+    await server.start()
+    loop = asyncio.get_running_loop()
+    stopping: list[asyncio.Task[None]] = []
+
+    def request_stop(signum: int) -> None:
+        if not stopping:
+            print(f"distserver: {signal.Signals(signum).name}, stopping {server.task}", file=sys.stderr)
+            stopping.append(loop.create_task(server.stop(grace=args.grace)))
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, request_stop, signum)
+    print(f"{server.task} serving at {server.target}", flush=True)
+    await server.join()
+    for task_ in stopping:
+        await task_
+    return 0
+
+
+async def _status(args: argparse.Namespace) -> int:
+    from distserver.protos.master_pb2 import ListDevicesRequest
+    from distserver.runtime.clients import RemoteMaster
+    from distserver.transports import get_transport
+
+    scheme, sep, address = args.target.partition("://")
+    if not sep:
+        scheme, address = "grpc", args.target
+    channel = get_transport(scheme).connect(address)
+    try:
+        response = await RemoteMaster(channel).call("ListDevices", ListDevicesRequest(), timeout=args.timeout)
+    finally:
+        await channel.close()
+    for device in [*response.local_device, *response.remote_device]:
+        print(f"{device.name}\t{device.device_type}\tincarnation={device.incarnation:016x}")
+    return 0
+
+
+def _local_cluster(args: argparse.Namespace) -> int:
+    from distserver.facade import Session
+    from distserver.testing import LocalCluster
+
+    with LocalCluster({"ps": args.ps, "worker": args.workers}, protocol=args.protocol) as cluster:
+        for task, target in cluster.targets.items():
+            print(f"{task} serving at {target} (pid {cluster.pids[task]})")
+        session = Session(cluster.target("worker", 0))
+        devices = session.list_devices()
+        session.close()
+        print(f"{len(devices)} devices in the cluster:")
+        for device in devices:
+            print(f"  {device.name}")
+    print("cluster stopped")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="distserver", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run one task of a cluster until SIGINT/SIGTERM")
+    serve.add_argument("--cluster", help='cluster as JSON, e.g. \'{"worker": ["localhost:2222"]}\'')
+    serve.add_argument("--job", help="this task's job name")
+    serve.add_argument("--task", type=int, help="this task's index in its job")
+    serve.add_argument("--protocol", help='transport, "grpc" by default')
+    serve.add_argument("--grace", type=float, default=5.0, help="seconds in-flight RPCs get on stop")
+    serve.add_argument("--all-interfaces", action="store_true", help="listen on every interface")
+
+    status = commands.add_parser("status", help="list the devices of a running cluster")
+    status.add_argument("target", help="a task's target, e.g. grpc://localhost:2222")
+    status.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for an answer")
+
+    local = commands.add_parser("local-cluster", help="start a local multi-process cluster, list it, stop it")
+    local.add_argument("--ps", type=int, default=1)
+    local.add_argument("--workers", type=int, default=2)
+    local.add_argument("--protocol", default="grpc")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "serve":
+            return _run(_serve(args))
+        if args.command == "status":
+            return _run(_status(args))
+        return _local_cluster(args)
+    except errors.OpError as exc:
+        print(f"distserver {args.command}: {type(exc).__name__}: {exc.message}", file=sys.stderr)
+        return 1
+    except (TypeError, ValueError) as exc:
+        print(f"distserver {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(coro: Any) -> int:
+    try:
+        import uvloop
+    except ImportError:
+        return int(asyncio.run(coro))
+    return int(uvloop.run(coro))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""`_Send` and `_Recv`: the ends of every edge that leaves a partition.
+
+The master inserts them when it splits a step's graph (and for client feeds and
+fetches); their attrs name the sending and receiving devices, the sender's
+incarnation and the tensor, which together make the rendezvous key.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from distserver.devices import rendezvous_key
+from distserver.kernels.registry import KernelContext, OpKernel, register_kernel
+
+if TYPE_CHECKING:
+    from distserver.protos.node_def_pb2 import NodeDef
+
+
+class _SendRecvKernel(OpKernel):
+    # Both run on the event loop: the rendezvous is loop-bound.
+    is_async = True
+    is_stateful = True
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        self.key = rendezvous_key(
+            self.attr_str("send_device"),
+            self.attr_int("send_device_incarnation"),
+            self.attr_str("recv_device"),
+            self.attr_str("tensor_name"),
+        )
+        self.client_terminated = self.attr_bool("client_terminated", False)
+
+
+@register_kernel("_Send", "_HostSend")
+class SendKernel(_SendRecvKernel):
+    async def compute_async(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        ctx.rendezvous.send(self.key, inputs[0])
+        return []
+
+
+@register_kernel("_Recv", "_HostRecv")
+class RecvKernel(_SendRecvKernel):
+    async def compute_async(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        value, _is_dead = await ctx.rendezvous.recv(self.key)
+        return [value]

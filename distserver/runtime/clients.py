@@ -1,0 +1,121 @@
+"""Masters and workers of other tasks, reached through a transport channel.
+
+`RemoteWorker` and `RemoteMaster` present the same methods as the in-process
+`Worker` and `Master` (numpy values in, numpy values out for steps), so the
+runtime and sessions treat local and remote peers alike. They convert values to
+and from protos and turn errors reported in response bodies back into OpErrors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+from google.protobuf.message import Message
+
+from distserver import errors
+from distserver.protos import master_pb2 as m
+from distserver.protos import worker_pb2 as w
+from distserver.protos.config_pb2 import RunOptions
+from distserver.protos.services import MASTER_SERVICE, WORKER_SERVICE
+from distserver.runtime.names import canonical_tensor_name
+from distserver.tensors import from_tensor_proto, to_tensor_proto
+
+
+class ChannelLike(Protocol):
+    """The part of `distserver.transports.Channel` the runtime uses."""
+
+    async def call(
+        self,
+        service: str,
+        method: str,
+        request: Message,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> Message: ...
+
+    async def recv_tensor(self, request: Message, *, timeout: float | None = None) -> tuple[Any, bool]: ...
+
+
+def _raise_body_error(code: int, message: str) -> None:
+    if code != errors.OK:
+        raise errors.from_status(code, message)
+
+
+class RemoteWorker:
+    """A `WorkerClient` for a worker in another task (or another process)."""
+
+    def __init__(self, channel: ChannelLike) -> None:
+        self.channel = channel
+
+    async def call(
+        self, method: str, request: Message, *, timeout: float | None = None, wait_for_ready: bool = False
+    ) -> Message:
+        return await self.channel.call(
+            WORKER_SERVICE, method, request, timeout=timeout, wait_for_ready=wait_for_ready
+        )
+
+    async def run_graph(
+        self,
+        request: w.RunGraphRequest,
+        sends: Mapping[str, Any],
+        *,
+        timeout: float | None = None,
+    ) -> dict[str, Any]:
+        full = w.RunGraphRequest()
+        full.CopyFrom(request)
+        full.store_errors_in_response_body = True
+        for key, value in sends.items():
+            named = full.send.add(name=key)
+            named.tensor.CopyFrom(to_tensor_proto(value))
+        response: Any = await self.call("RunGraph", full, timeout=timeout)
+        _raise_body_error(response.status_code, response.status_error_message)
+        return {named.name: from_tensor_proto(named.tensor) for named in response.recv}
+
+    async def recv_tensor(self, step_id: int, key: str, *, timeout: float | None = None) -> tuple[Any, bool]:
+        request = w.RecvTensorRequest(step_id=step_id, rendezvous_key=key)
+        return await self.channel.recv_tensor(request, timeout=timeout)
+
+
+class RemoteMaster:
+    """The master of a task reached over RPC, with the in-process `Master`'s methods."""
+
+    def __init__(self, channel: ChannelLike) -> None:
+        self.channel = channel
+
+    async def call(self, method: str, request: Message, *, timeout: float | None = None) -> Any:
+        return await self.channel.call(MASTER_SERVICE, method, request, timeout=timeout)
+
+    async def run_step(
+        self,
+        handle: str,
+        feeds: Mapping[str, Any],
+        fetches: Sequence[str],
+        targets: Sequence[str],
+        options: RunOptions | None = None,
+    ) -> dict[str, Any]:
+        request = m.RunStepRequest(
+            session_handle=handle,
+            fetch=list(fetches),
+            target=list(targets),
+            store_errors_in_response_body=True,
+        )
+        if options is not None:
+            request.options.CopyFrom(options)
+        for name, value in feeds.items():
+            named = request.feed.add(name=name)
+            named.tensor.CopyFrom(to_tensor_proto(value))
+        response: Any = await self.call("RunStep", request)
+        _raise_body_error(response.status_code, response.status_error_message)
+        results = {}
+        for named in response.tensor:
+            results[canonical_tensor_name(named.name)] = from_tensor_proto(named.tensor)
+        return results
+
+    async def run_callable_values(self, handle: str, callable_handle: int, feeds: Sequence[Any]) -> list[Any]:
+        request = m.RunCallableRequest(session_handle=handle, handle=callable_handle)
+        for value in feeds:
+            request.feed.add().CopyFrom(to_tensor_proto(value))
+        response: Any = await self.call("RunCallable", request)
+        return [from_tensor_proto(t) for t in response.fetch]

@@ -1,0 +1,220 @@
+"""Runs one registered graph partition as a dataflow graph.
+
+`Executor(graph_def)` is built once, at RegisterGraph: it creates every node's
+kernel (so unknown ops and bad attrs fail at registration, naming the node),
+resolves inputs, and rejects cycles. `run(ctx)` then executes one step:
+
+* Ready-queue scheduling: a node runs once all its data and control inputs have.
+* Small synchronous kernels run inline on the event loop (a task per node would
+  cost more than the node). Kernels whose inputs are large run in the worker's
+  thread pool, and asynchronous kernels (`_Recv`, queues) run as tasks, so
+  independent branches proceed concurrently and the loop never blocks on numpy.
+* The first failing node stops the step: the other nodes in flight are cancelled
+  and the error names the node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from distserver import errors
+from distserver.kernels.registry import KernelContext, OpKernel, create_kernel
+from distserver.kernels.resources import ResourceManager
+from distserver.protos.graph_pb2 import GraphDef
+from distserver.runtime.names import parse_input
+from distserver.runtime.rendezvous import StepRendezvous
+
+# Kernels whose inputs add up to at least this many bytes run in the thread pool.
+OFFLOAD_BYTES = 256 * 1024
+
+
+@dataclass
+class StepContext:
+    """What kernels see while one step runs on one device."""
+
+    step_id: int
+    device: str
+    device_incarnation: int
+    rendezvous: StepRendezvous
+    resources: ResourceManager
+    pool: concurrent.futures.Executor | None = None
+
+
+@dataclass
+class _Node:
+    index: int
+    kernel: OpKernel
+    inputs: list[tuple[int, int]]  # (producer index, output index)
+    consumers: list[int]  # nodes that wait for this one (data or control), one entry per edge
+    num_waits: int  # edges into this node
+
+
+class Executor:
+    """A partition ready to run; one instance serves many concurrent steps."""
+
+    def __init__(self, graph_def: GraphDef) -> None:
+        index_of: dict[str, int] = {}
+        for i, node_def in enumerate(graph_def.node):
+            if node_def.name in index_of:
+                raise errors.InvalidArgumentError(
+                    f"Duplicate node name in graph: '{node_def.name}'", node_name=node_def.name
+                )
+            index_of[node_def.name] = i
+        self._nodes: list[_Node] = []
+        for i, node_def in enumerate(graph_def.node):
+            kernel = create_kernel(node_def)
+            self._nodes.append(_Node(i, kernel, [], [], 0))
+        for i, node_def in enumerate(graph_def.node):
+            node = self._nodes[i]
+            for text in node_def.input:
+                src_name, output, is_control = parse_input(text)
+                src = index_of.get(src_name)
+                if src is None:
+                    raise errors.InvalidArgumentError(
+                        f"Node '{node_def.name}': Unknown input node '{text}'", node_name=node_def.name
+                    )
+                if not is_control:
+                    node.inputs.append((src, output))
+                self._nodes[src].consumers.append(i)
+                node.num_waits += 1
+        self._roots = [n.index for n in self._nodes if n.num_waits == 0]
+        self._check_acyclic()
+
+    def _check_acyclic(self) -> None:
+        waits = [n.num_waits for n in self._nodes]
+        ready = deque(self._roots)
+        seen = 0
+        while ready:
+            i = ready.popleft()
+            seen += 1
+            for c in self._nodes[i].consumers:
+                waits[c] -= 1
+                if waits[c] == 0:
+                    ready.append(c)
+        if seen != len(self._nodes):
+            stuck = [n.kernel.name for n, w in zip(self._nodes, waits, strict=True) if w > 0]
+            raise errors.InvalidArgumentError(
+                f"Graph is invalid, contains a cycle with {len(stuck)} nodes, "
+                f"including: {', '.join(stuck[:5])}"
+            )
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self._nodes)
+
+    async def run(self, ctx: StepContext) -> None:
+        """Execute every node once. Raises the first node error (naming the node)."""
+        nodes = self._nodes
+        waits = [n.num_waits for n in nodes]
+        outputs: list[list[Any] | None] = [None] * len(nodes)
+        ready = deque(self._roots)
+        wake = asyncio.Event()
+        in_flight = 0
+
+        def finish(i: int, values: list[Any]) -> None:
+            outputs[i] = values
+            for c in nodes[i].consumers:
+                waits[c] -= 1
+                if waits[c] == 0:
+                    ready.append(c)
+
+        async def run_task(node: _Node, inputs: list[Any], offload: bool) -> None:
+            nonlocal in_flight
+            try:
+                if offload:
+                    loop = asyncio.get_running_loop()
+                    values = await loop.run_in_executor(ctx.pool, _compute, node.kernel, ctx, inputs)
+                else:
+                    values = await _guard(node.kernel, node.kernel.compute_async(ctx, inputs))
+                finish(node.index, values)
+            finally:
+                in_flight -= 1
+                wake.set()
+
+        try:
+            async with asyncio.TaskGroup() as group:
+                while True:
+                    while ready:
+                        node = nodes[ready.popleft()]
+                        inputs = [_output(nodes, outputs, src, k, node) for src, k in node.inputs]
+                        if node.kernel.is_async:
+                            in_flight += 1
+                            group.create_task(run_task(node, inputs, offload=False))
+                        elif ctx.pool is not None and _nbytes(inputs) >= OFFLOAD_BYTES:
+                            in_flight += 1
+                            group.create_task(run_task(node, inputs, offload=True))
+                        else:
+                            finish(node.index, _compute(node.kernel, ctx, inputs))
+                    if in_flight == 0:
+                        break
+                    await wake.wait()
+                    wake.clear()
+        except BaseExceptionGroup as group_error:
+            raise first_error(group_error) from None
+
+
+def first_error(group: BaseExceptionGroup[Any]) -> BaseException:
+    """The error to report for a failed group: an OpError before cancellations."""
+    leaves: list[BaseException] = []
+
+    def walk(exc: BaseException) -> None:
+        if isinstance(exc, BaseExceptionGroup):
+            for inner in exc.exceptions:
+                walk(inner)
+        else:
+            leaves.append(exc)
+
+    walk(group)
+    for exc in leaves:
+        if isinstance(exc, errors.OpError) and not isinstance(exc, errors.CancelledError):
+            return exc
+    for exc in leaves:
+        if not isinstance(exc, asyncio.CancelledError):
+            return exc
+    return leaves[0]
+
+
+def _output(nodes: list[_Node], outputs: list[list[Any] | None], src: int, k: int, consumer: _Node) -> Any:
+    values = outputs[src]
+    assert values is not None
+    if k >= len(values):
+        producer = nodes[src].kernel
+        raise errors.InvalidArgumentError(
+            f"Node '{consumer.kernel.name}' wants output {k} of '{producer.name}' ({producer.op}), "
+            f"which has only {len(values)} outputs",
+            node_name=consumer.kernel.name,
+        )
+    return values[k]
+
+
+def _nbytes(values: list[Any]) -> int:
+    return sum(v.nbytes for v in values if isinstance(v, np.ndarray))
+
+
+def _compute(kernel: OpKernel, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+    try:
+        return kernel.compute(ctx, inputs)
+    except errors.OpError as exc:
+        raise errors.with_node(exc, kernel.name) from exc
+    except MemoryError as exc:
+        raise errors.with_node(
+            errors.ResourceExhaustedError(f"{kernel.op} ran out of memory: {exc}"), kernel.name
+        ) from exc
+    except (ValueError, TypeError, ArithmeticError, IndexError) as exc:
+        raise errors.with_node(
+            errors.InvalidArgumentError(f"{kernel.op} failed: {exc}"), kernel.name
+        ) from exc
+
+
+async def _guard(kernel: OpKernel, coro: Any) -> list[Any]:
+    try:
+        result: list[Any] = await coro
+        return result
+    except errors.OpError as exc:
+        raise errors.with_node(exc, kernel.name) from exc

@@ -1,0 +1,589 @@
+"""The MasterService of one task: sessions, and the steps that run their graphs.
+
+A session holds a client's graph (grown by ExtendSession). The first time a step
+with a given set of feeds, fetches and targets runs, the master builds its plan:
+rewrite feeds/fetches and prune (`subgraph`), place every node (`placement`),
+split by task (`partition`) and register each partition with its task's worker.
+Every later step with the same signature reuses the plan: it picks a step id,
+runs all partitions concurrently with RunGraph (the first error cancels the
+others), collects the fetches and then tells the workers to clean the step up.
+
+Errors keep TensorFlow's texts (reference §3.6 and §4): an unknown session is
+`AbortedError("Session <h> is not found.")`, and so on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from distserver import errors
+from distserver.devices import task_of_device
+from distserver.protos import master_pb2 as m
+from distserver.protos import worker_pb2 as w
+from distserver.protos.config_pb2 import CallableOptions, ConfigProto, RunOptions
+from distserver.protos.device_attributes_pb2 import DeviceAttributes
+from distserver.protos.graph_pb2 import GraphDef
+from distserver.protos.node_def_pb2 import NodeDef
+from distserver.protos.services import MASTER_METHODS, snake_case
+from distserver.runtime.executor import first_error
+from distserver.runtime.names import canonical_tensor_name
+from distserver.runtime.partition import partition
+from distserver.runtime.placement import place
+from distserver.runtime.subgraph import rewrite_for_step
+from distserver.runtime.worker import WorkerClient
+from distserver.tensors import as_datatype, from_tensor_proto, to_tensor_proto
+
+logger = logging.getLogger(__name__)
+
+# How long CreateSession and ListDevices wait for a task that is not up yet, when
+# the session config sets no operation timeout. TensorFlow waits forever; we fail.
+DEFAULT_CONNECT_TIMEOUT = 60.0
+_WAITING_LOG_INTERVAL = 10.0
+_STEP_ID_MASK = ((1 << 56) - 1) | (1 << 56)
+
+
+def new_step_id() -> int:
+    """A random step id with the top 7 bits clear, as TensorFlow makes them."""
+    return random.getrandbits(64) & _STEP_ID_MASK
+
+
+@dataclass
+class _Partition:
+    task: str
+    worker: WorkerClient
+    graph_handle: str
+    feed_keys: list[str]
+    fetch_keys: list[str]
+
+
+@dataclass
+class _Plan:
+    partitions: list[_Partition]
+    feed_keys: dict[str, str]
+    fetch_keys: dict[str, str]
+
+
+@dataclass
+class _Callable:
+    feeds: list[str]
+    fetches: list[str]
+    targets: list[str]
+    options: RunOptions
+
+
+@dataclass
+class MasterSession:
+    handle: str
+    config: ConfigProto
+    tasks: list[str]
+    devices: list[DeviceAttributes]
+    nodes: dict[str, NodeDef] = field(default_factory=dict)
+    version: int = 0
+    plans: dict[tuple[Any, ...], asyncio.Future[_Plan]] = field(default_factory=dict)
+    callables: dict[int, _Callable] = field(default_factory=dict)
+    next_callable: int = 0
+    steps: set[asyncio.Task[Any]] = field(default_factory=set)
+    closed: bool = False
+
+
+class Master:
+    """One task's master. All methods run on the server's event loop."""
+
+    def __init__(
+        self,
+        *,
+        task_name: str,
+        tasks: Sequence[str],
+        local_worker: WorkerClient,
+        worker_client: Callable[[str], WorkerClient],
+        default_session_config: ConfigProto | None = None,
+    ) -> None:
+        self.task_name = task_name
+        self._tasks = list(tasks)
+        self._local_worker = local_worker
+        self._worker_client = worker_client
+        self._default_config = default_session_config or ConfigProto()
+        self._sessions: dict[str, MasterSession] = {}
+        self._background: set[asyncio.Task[Any]] = set()
+
+    # -- helpers --------------------------------------------------------------------
+
+    def _worker(self, task: str) -> WorkerClient:
+        return self._local_worker if task == self.task_name else self._worker_client(task)
+
+    def _session(self, handle: str) -> MasterSession:
+        session = self._sessions.get(handle)
+        if session is None:
+            raise errors.AbortedError(f"Session {handle} is not found.")
+        if session.closed:
+            raise errors.FailedPreconditionError("Session is closed.")
+        return session
+
+    def _filtered_tasks(self, device_filters: Sequence[str]) -> list[str]:
+        if not device_filters:
+            return list(self._tasks)
+        from distserver.devices import DeviceSpec
+
+        specs = [DeviceSpec.from_string(f) for f in device_filters]
+        chosen = []
+        for task in self._tasks:
+            t = DeviceSpec.from_string(task)
+            if task == self.task_name or any(
+                (s.job is None or s.job == t.job) and (s.task is None or s.task == t.task) for s in specs
+            ):
+                chosen.append(task)
+        return chosen
+
+    async def _device_of(self, task: str, timeout: float) -> DeviceAttributes:
+        """GetStatus of `task`, waiting (bounded) for it to come up."""
+        worker = self._worker(task)
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            remaining = deadline - asyncio.get_running_loop().time()
+            wait = min(_WAITING_LOG_INTERVAL, max(remaining, 0.0))
+            try:
+                response: Any = await worker.call(
+                    "GetStatus", w.GetStatusRequest(), timeout=wait, wait_for_ready=True
+                )
+                return response.device_attributes[0]  # type: ignore[no-any-return]
+            except (errors.DeadlineExceededError, errors.UnavailableError) as exc:
+                if asyncio.get_running_loop().time() >= deadline:
+                    raise errors.UnavailableError(
+                        f"Task {task} did not answer within {timeout:g} s. Is it running, and is its "
+                        f"address in the cluster right? Last error: {exc.message}"
+                    ) from exc
+                logger.info("CreateSession still waiting for response from worker: %s", task)
+
+    async def _devices(self, tasks: Sequence[str], timeout: float) -> list[DeviceAttributes]:
+        async with asyncio.TaskGroup() as group:
+            lookups = [group.create_task(self._device_of(task, timeout)) for task in tasks]
+        return [lookup.result() for lookup in lookups]
+
+    def _connect_timeout(self, config: ConfigProto) -> float:
+        ms = config.operation_timeout_in_ms
+        return ms / 1000 if ms > 0 else DEFAULT_CONNECT_TIMEOUT
+
+    # -- sessions ---------------------------------------------------------------------
+
+    async def create_session(self, request: m.CreateSessionRequest) -> m.CreateSessionResponse:
+        config = ConfigProto()
+        config.CopyFrom(request.config)
+        config.MergeFrom(self._default_config)
+        if config.use_per_session_threads or len(config.session_inter_op_thread_pool):
+            raise errors.InvalidArgumentError(
+                "Distributed session does not support session thread pool options."
+            )
+        if len(config.cluster_def.job):
+            raise errors.UnimplementedError(
+                "ClusterSpec propagation (ConfigProto.cluster_def) is not supported by distserver; "
+                "start the servers with the full cluster instead."
+            )
+        tasks = self._filtered_tasks(list(config.device_filters))
+        devices = await self._devices(tasks, self._connect_timeout(config))
+        handle = f"{random.getrandbits(64):016x}"
+        async with asyncio.TaskGroup() as group:
+            for task in tasks:
+                group.create_task(
+                    self._worker(task).call(
+                        "CreateWorkerSession",
+                        w.CreateWorkerSessionRequest(
+                            session_handle=handle, isolate_session_state=config.isolate_session_state
+                        ),
+                    )
+                )
+        session = MasterSession(handle=handle, config=config, tasks=tasks, devices=devices)
+        _extend_graph(session, request.graph_def)
+        self._sessions[handle] = session
+        return m.CreateSessionResponse(session_handle=handle, graph_version=session.version)
+
+    async def extend_session(self, request: m.ExtendSessionRequest) -> m.ExtendSessionResponse:
+        session = self._session(request.session_handle)
+        if request.current_graph_version != session.version:
+            raise errors.AbortedError(
+                f"Current version is {session.version} but caller expected {request.current_graph_version}."
+            )
+        _extend_graph(session, request.graph_def)
+        session.version += 1
+        return m.ExtendSessionResponse(new_graph_version=session.version)
+
+    async def close_session(self, request: m.CloseSessionRequest) -> m.CloseSessionResponse:
+        session = self._sessions.pop(request.session_handle, None)
+        if session is None:
+            raise errors.AbortedError(
+                f"Session {request.session_handle} is not found. Possibly, this master has restarted."
+            )
+        await self._close(session)
+        return m.CloseSessionResponse()
+
+    async def _close(self, session: MasterSession) -> None:
+        session.closed = True
+        for step in list(session.steps):
+            step.cancel()
+        if session.steps:
+            await asyncio.wait(session.steps)
+        for task in session.tasks:
+            try:
+                await asyncio.wait_for(
+                    self._worker(task).call(
+                        "DeleteWorkerSession", w.DeleteWorkerSessionRequest(session_handle=session.handle)
+                    ),
+                    timeout=10.0,
+                )
+            except (errors.OpError, TimeoutError) as exc:
+                logger.warning("DeleteWorkerSession on %s failed: %s", task, exc)
+
+    async def close(self) -> None:
+        """Close every session (the server is stopping)."""
+        sessions = list(self._sessions.values())
+        self._sessions.clear()
+        for session in sessions:
+            session.closed = True
+            for step in session.steps:
+                step.cancel()
+        for task in list(self._background):
+            task.cancel()
+        pending = [s for session in sessions for s in session.steps] + list(self._background)
+        if pending:
+            await asyncio.wait(pending)
+
+    async def list_devices(self, request: m.ListDevicesRequest) -> m.ListDevicesResponse:
+        response = m.ListDevicesResponse()
+        if request.session_handle:
+            session = self._sessions.get(request.session_handle)
+            if session is None:
+                raise errors.InvalidArgumentError(f"Session {request.session_handle} is not found.")
+            response.local_device.extend(session.devices)
+            return response
+        devices = await self._devices(self._tasks, self._connect_timeout(self._default_config))
+        for task, device in zip(self._tasks, devices, strict=True):
+            (response.local_device if task == self.task_name else response.remote_device).append(device)
+        return response
+
+    async def reset(self, request: m.ResetRequest) -> m.ResetResponse:
+        sessions = list(self._sessions.values())
+        self._sessions.clear()
+        for session in sessions:
+            await self._close(session)
+        tasks = self._filtered_tasks(list(request.device_filters))
+        async with asyncio.TaskGroup() as group:
+            for task in tasks:
+                group.create_task(
+                    self._worker(task).call("CleanupAll", w.CleanupAllRequest(container=request.container))
+                )
+        return m.ResetResponse()
+
+    # -- steps ------------------------------------------------------------------------
+
+    async def run_step(
+        self,
+        handle: str,
+        feeds: Mapping[str, Any],
+        fetches: Sequence[str],
+        targets: Sequence[str],
+        options: RunOptions | None = None,
+    ) -> dict[str, Any]:
+        """Run one step. Returns fetch name (canonical "x:k") -> numpy value."""
+        session = self._session(handle)
+        options = options or RunOptions()
+        timeout_ms = options.timeout_in_ms or session.config.operation_timeout_in_ms
+        timeout = timeout_ms / 1000 if timeout_ms > 0 else None
+        task = asyncio.current_task()
+        assert task is not None
+        session.steps.add(task)
+        try:
+            async with asyncio.timeout(timeout):
+                return await self._run_step(session, feeds, fetches, targets)
+        except TimeoutError as exc:
+            raise errors.DeadlineExceededError(
+                f"Timed out after {timeout_ms} ms waiting for the step to finish "
+                "(RunOptions.timeout_in_ms / ConfigProto.operation_timeout_in_ms)"
+            ) from exc
+        except asyncio.CancelledError:
+            if session.closed:
+                raise errors.CancelledError("Step was cancelled: the session was closed") from None
+            raise
+        finally:
+            session.steps.discard(task)
+
+    async def _run_step(
+        self,
+        session: MasterSession,
+        feeds: Mapping[str, Any],
+        fetches: Sequence[str],
+        targets: Sequence[str],
+    ) -> dict[str, Any]:
+        feed_values: dict[str, np.ndarray] = {}
+        for name, value in feeds.items():
+            tensor = canonical_tensor_name(name)
+            if tensor in feed_values:
+                raise errors.InvalidArgumentError(f"Duplicated feeds: {name}")
+            feed_values[tensor] = value
+        fetch_names = list(dict.fromkeys(canonical_tensor_name(f) for f in fetches))
+        plan = await self._plan(session, feed_values, fetch_names, list(targets))
+        step_id = new_step_id()
+        results: dict[str, Any] = {}
+        try:
+            async with asyncio.TaskGroup() as group:
+                runs = [
+                    group.create_task(self._run_partition(p, session.handle, step_id, plan, feed_values))
+                    for p in plan.partitions
+                ]
+        except BaseExceptionGroup as group_error:
+            raise first_error(group_error) from None
+        finally:
+            self._cleanup_step(plan, step_id)
+        by_key = {}
+        for run in runs:
+            by_key.update(run.result())
+        for name in fetch_names:
+            results[name] = by_key[plan.fetch_keys[name]]
+        return results
+
+    async def _run_partition(
+        self,
+        part: _Partition,
+        handle: str,
+        step_id: int,
+        plan: _Plan,
+        feeds: Mapping[str, Any],
+    ) -> dict[str, Any]:
+        request = w.RunGraphRequest(
+            session_handle=handle,
+            create_worker_session_called=True,
+            graph_handle=part.graph_handle,
+            step_id=step_id,
+            recv_key=part.fetch_keys,
+            store_errors_in_response_body=True,
+        )
+        sends = {key: feeds[name] for name, key in plan.feed_keys.items() if key in part.feed_keys}
+        try:
+            return await part.worker.run_graph(request, sends)
+        except errors.OpError as exc:
+            if part.task == self.task_name:
+                raise
+            raise errors.from_status(
+                exc.error_code, f"From {part.task}:\n{exc.message}", node_name=exc.node_name
+            ) from exc
+
+    def _cleanup_step(self, plan: _Plan, step_id: int) -> None:
+        for part in plan.partitions:
+            request = w.CleanupGraphRequest(step_id=step_id)
+            task = asyncio.get_running_loop().create_task(_quietly(part.worker.call("CleanupGraph", request)))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _plan(
+        self,
+        session: MasterSession,
+        feeds: Mapping[str, np.ndarray],
+        fetches: list[str],
+        targets: list[str],
+    ) -> _Plan:
+        feed_types = tuple(sorted((name, _datatype(value)) for name, value in feeds.items()))
+        signature = (feed_types, tuple(fetches), tuple(sorted(targets)))
+        future = session.plans.get(signature)
+        if future is None:
+            future = asyncio.get_running_loop().create_future()
+            session.plans[signature] = future
+            try:
+                future.set_result(await self._build_plan(session, feed_types, fetches, targets))
+            except BaseException as exc:
+                del session.plans[signature]
+                future.set_exception(exc)
+                future.exception()
+                raise
+        return await asyncio.shield(future)
+
+    async def _build_plan(
+        self,
+        session: MasterSession,
+        feed_types: Sequence[tuple[str, int]],
+        fetches: list[str],
+        targets: list[str],
+    ) -> _Plan:
+        client = self._local_device(session)
+        step = rewrite_for_step(
+            session.nodes,
+            feeds=feed_types,
+            fetches=fetches,
+            targets=targets,
+            client_device=client.name,
+            client_incarnation=client.incarnation,
+        )
+        incarnations = {d.name: d.incarnation for d in session.devices}
+        place(
+            step.nodes,
+            devices=list(incarnations),
+            client_device=client.name,
+            allow_soft_placement=session.config.allow_soft_placement,
+        )
+        parts = partition(step.nodes, incarnation=incarnations.__getitem__)
+        feed_keys = set(step.feed_keys.values())
+        fetch_keys = set(step.fetch_keys.values())
+
+        async def register(task: str, graph: GraphDef) -> _Partition:
+            worker = self._worker(task)
+            request = w.RegisterGraphRequest(
+                session_handle=session.handle, create_worker_session_called=True, graph_def=graph
+            )
+            request.graph_options.CopyFrom(session.config.graph_options)
+            response: Any = await worker.call("RegisterGraph", request)
+            keys = {_sendrecv_key(node) for node in graph.node if node.attr["client_terminated"].b}
+            return _Partition(
+                task=task,
+                worker=worker,
+                graph_handle=response.graph_handle,
+                feed_keys=sorted(keys & feed_keys),
+                fetch_keys=sorted(keys & fetch_keys),
+            )
+
+        try:
+            async with asyncio.TaskGroup() as group:
+                registrations = [group.create_task(register(t, g)) for t, g in parts.items()]
+        except BaseExceptionGroup as group_error:
+            raise first_error(group_error) from None
+        return _Plan(
+            partitions=[r.result() for r in registrations],
+            feed_keys=step.feed_keys,
+            fetch_keys=step.fetch_keys,
+        )
+
+    def _local_device(self, session: MasterSession) -> DeviceAttributes:
+        for device in session.devices:
+            if task_of_device(device.name) == self.task_name:
+                return device
+        raise errors.InternalError(f"The master's own task {self.task_name} is not in the session")
+
+    # -- RPC handlers (proto in, proto out) --------------------------------------------
+
+    def service_handlers(self) -> dict[str, Any]:
+        handlers: dict[str, Any] = {}
+        for method in MASTER_METHODS:
+            fn = getattr(self, snake_case(method), None)
+            if fn is not None:
+                handlers[method] = fn
+        handlers["RunStep"] = self.run_step_rpc
+        return handlers
+
+    async def call(self, method: str, request: Any, *, timeout: float | None = None) -> Any:
+        handler = self.service_handlers().get(method)
+        if handler is None:
+            raise errors.UnimplementedError(f"MasterService/{method} is not implemented by distserver")
+        return await handler(request)
+
+    async def run_step_rpc(self, request: m.RunStepRequest) -> m.RunStepResponse:
+        response = m.RunStepResponse()
+        try:
+            if request.partial_run_handle:
+                raise errors.UnimplementedError("Partial runs are not supported by distserver")
+            feeds = {}
+            for named in request.feed:
+                if named.name in feeds:
+                    raise errors.InvalidArgumentError(f"Duplicated feeds: {named.name}")
+                feeds[named.name] = from_tensor_proto(named.tensor)
+            results = await self.run_step(
+                request.session_handle, feeds, list(request.fetch), list(request.target), request.options
+            )
+            for name in request.fetch:
+                if any(t.name == name for t in response.tensor):
+                    continue
+                named = response.tensor.add(name=name)
+                named.tensor.CopyFrom(to_tensor_proto(results[canonical_tensor_name(name)]))
+        except errors.OpError as exc:
+            if not request.store_errors_in_response_body:
+                raise
+            del response.tensor[:]
+            response.status_code, response.status_error_message = errors.to_status(exc)  # type: ignore[assignment]
+        return response
+
+    async def make_callable(self, request: m.MakeCallableRequest) -> m.MakeCallableResponse:
+        session = self._session(request.session_handle)
+        options: CallableOptions = request.options
+        if len(options.tensor_connection):
+            raise errors.UnimplementedError(
+                "CallableOptions.tensor_connection is not supported by distserver"
+            )
+        handle = session.next_callable
+        session.next_callable += 1
+        session.callables[handle] = _Callable(
+            feeds=list(options.feed),
+            fetches=list(options.fetch),
+            targets=list(options.target),
+            options=options.run_options,
+        )
+        return m.MakeCallableResponse(handle=handle)
+
+    async def run_callable_values(self, handle: str, callable_handle: int, feeds: Sequence[Any]) -> list[Any]:
+        session = self._session(handle)
+        spec = session.callables.get(callable_handle)
+        if spec is None:
+            raise errors.InvalidArgumentError(
+                f"Attempted to run callable {callable_handle} that is not found."
+            )
+        if len(feeds) != len(spec.feeds):
+            raise errors.InvalidArgumentError(
+                f"Invalid number of feed values: expected {len(spec.feeds)}, got {len(feeds)}"
+            )
+        results = await self.run_step(
+            handle, dict(zip(spec.feeds, feeds, strict=True)), spec.fetches, spec.targets, spec.options
+        )
+        return [results[canonical_tensor_name(f)] for f in spec.fetches]
+
+    async def run_callable(self, request: m.RunCallableRequest) -> m.RunCallableResponse:
+        feeds = [from_tensor_proto(t) for t in request.feed]
+        values = await self.run_callable_values(request.session_handle, request.handle, feeds)
+        response = m.RunCallableResponse()
+        for value in values:
+            response.fetch.add().CopyFrom(to_tensor_proto(value))
+        return response
+
+    async def release_callable(self, request: m.ReleaseCallableRequest) -> m.ReleaseCallableResponse:
+        session = self._session(request.session_handle)
+        session.callables.pop(request.handle, None)
+        return m.ReleaseCallableResponse()
+
+
+def _extend_graph(session: MasterSession, graph_def: GraphDef) -> None:
+    for node in graph_def.node:
+        if node.name in session.nodes:
+            raise errors.InvalidArgumentError(
+                f"Node '{node.name}' is already in the graph; ExtendSession may only add new nodes",
+                node_name=node.name,
+            )
+    for node in graph_def.node:
+        copy = NodeDef()
+        copy.CopyFrom(node)
+        session.nodes[node.name] = copy
+
+
+def _datatype(value: Any) -> int:
+    return (
+        as_datatype(np.asarray(value).dtype)
+        if not isinstance(value, np.ndarray)
+        else as_datatype(value.dtype)
+    )
+
+
+def _sendrecv_key(node: NodeDef) -> str:
+    from distserver.devices import rendezvous_key
+
+    return rendezvous_key(
+        node.attr["send_device"].s.decode(),
+        node.attr["send_device_incarnation"].i,
+        node.attr["recv_device"].s.decode(),
+        node.attr["tensor_name"].s.decode(),
+    )
+
+
+async def _quietly(coro: Any) -> None:
+    try:
+        await coro
+    except errors.OpError as exc:
+        logger.debug("step cleanup failed: %s", exc)

@@ -1,0 +1,30 @@
+"""Tensor and input names as they appear in NodeDefs: "node:k", "node", "^node"."""
+
+from __future__ import annotations
+
+
+def parse_input(text: str) -> tuple[str, int, bool]:
+    """`"node:k"` -> (node, k, False); `"node"` -> (node, 0, False); `"^node"` -> (node, -1, True)."""
+    if text.startswith("^"):
+        return text[1:], -1, True
+    name, sep, index = text.rpartition(":")
+    if sep and index.isdigit():
+        return name, int(index), False
+    return text, 0, False
+
+
+def canonical_tensor_name(name: str) -> str:
+    """`"x"` -> `"x:0"`; `"x:1"` stays."""
+    node, index, _ = parse_input(name)
+    return f"{node}:{index}"
+
+
+def split_tensor_name(name: str) -> tuple[str, int]:
+    """`"x:1"` -> ("x", 1); `"x"` -> ("x", 0)."""
+    node, index, _ = parse_input(name)
+    return node, index
+
+
+def int64_attr(value: int) -> int:
+    """A uint64 (a device incarnation) as the int64 that TensorFlow stores in attrs."""
+    return value - (1 << 64) if value >= 1 << 63 else value

@@ -1,0 +1,161 @@
+"""Assign every node of a step's graph a full device name. Pure; no I/O.
+
+Rules (TensorFlow's, as far as a CPU-only cluster can see them):
+
+* A node's requested device may be partial (`/job:ps`, `/job:ps/task:1`,
+  `/device:CPU:0`, or empty). Missing parts are filled from the client device for
+  job/replica/task when no job is named, otherwise from the lowest task of the
+  named job; the device is the task's CPU:0.
+* Nodes that must share a device are placed together: a node colocated by a
+  `_class: "loc:@other"` attr, and a node consuming a resource handle (a variable or
+  a queue) from a resource-producing node, go where that node goes.
+* A request that matches no device of the cluster is an `InvalidArgumentError`
+  naming the node and the device, unless `allow_soft_placement` lets a device type
+  that does not exist (a GPU) fall back to the CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from distserver import errors
+from distserver.devices import DeviceSpec
+from distserver.protos.node_def_pb2 import NodeDef
+from distserver.runtime.names import parse_input
+
+# Ops whose output 0 is a resource handle that consumers must be colocated with.
+RESOURCE_PRODUCERS = frozenset(
+    {"VarHandleOp", "FIFOQueueV2", "PaddingFIFOQueueV2", "RandomShuffleQueueV2", "PriorityQueueV2"}
+)
+
+
+class _Groups:
+    """Union-find over node names."""
+
+    def __init__(self, names: Iterable[str]) -> None:
+        self.parent = {name: name for name in names}
+
+    def find(self, name: str) -> str:
+        root = name
+        while self.parent[root] != root:
+            root = self.parent[root]
+        while self.parent[name] != root:
+            self.parent[name], name = root, self.parent[name]
+        return root
+
+    def union(self, a: str, b: str) -> None:
+        ra, rb = self.find(a), self.find(b)
+        if ra != rb:
+            self.parent[rb] = ra
+
+
+def _colocation_targets(node: NodeDef, by_name: dict[str, NodeDef]) -> list[str]:
+    targets = []
+    if "_class" in node.attr:
+        for entry in node.attr["_class"].list.s:
+            text = entry.decode()
+            if text.startswith("loc:@") and text[5:] in by_name:
+                targets.append(text[5:])
+    for text in node.input:
+        src, _, is_control = parse_input(text)
+        if not is_control and src in by_name and by_name[src].op in RESOURCE_PRODUCERS:
+            targets.append(src)
+    return targets
+
+
+def place(
+    nodes: Sequence[NodeDef],
+    *,
+    devices: Sequence[str],
+    client_device: str,
+    allow_soft_placement: bool = False,
+) -> None:
+    """Set `node.device` of every node to a full device name from `devices`.
+
+    Args:
+        nodes: The step's nodes; their `device` fields are overwritten.
+        devices: Full names of every device in the cluster.
+        client_device: Full name of the master's device (default placement).
+        allow_soft_placement: Let unavailable device types fall back to the CPU.
+
+    Raises:
+        InvalidArgumentError: a node asks for a device that does not exist, or two
+            colocated nodes ask for different devices; the message names the node.
+    """
+    by_name = {node.name: node for node in nodes}
+    groups = _Groups(by_name)
+    for node in nodes:
+        for target in _colocation_targets(node, by_name):
+            groups.union(target, node.name)
+
+    # The requested device of a group: the merge of its members' requests.
+    requests: dict[str, tuple[DeviceSpec, NodeDef]] = {}
+    for node in nodes:
+        spec = _parse(node)
+        root = groups.find(node.name)
+        seen = requests.get(root)
+        if seen is None or _is_empty(seen[0]):
+            requests[root] = (spec, node)
+        elif not _is_empty(spec) and not _compatible(seen[0], spec):
+            raise errors.InvalidArgumentError(
+                f"Cannot colocate nodes {seen[1].name!r} and {node.name!r}: they request "
+                f"{seen[1].device!r} and {node.device!r}",
+                node_name=node.name,
+            )
+
+    available = [DeviceSpec.from_string(d) for d in devices]
+    client = DeviceSpec.from_string(client_device)
+    resolved: dict[str, str] = {}
+    for root, (spec, node) in requests.items():
+        resolved[root] = _resolve(spec, node, available, client, allow_soft_placement)
+    for node in nodes:
+        node.device = resolved[groups.find(node.name)]
+
+
+def _parse(node: NodeDef) -> DeviceSpec:
+    try:
+        return DeviceSpec.from_string(node.device)
+    except ValueError as exc:
+        raise errors.InvalidArgumentError(
+            f"Malformed device specification '{node.device}' in node '{node.name}': {exc}",
+            node_name=node.name,
+        ) from exc
+
+
+def _is_empty(spec: DeviceSpec) -> bool:
+    return spec == DeviceSpec()
+
+
+def _compatible(a: DeviceSpec, b: DeviceSpec) -> bool:
+    for field in ("job", "replica", "task", "device_type", "device_index"):
+        va, vb = getattr(a, field), getattr(b, field)
+        if va is not None and vb is not None and va != vb:
+            return False
+    return True
+
+
+def _resolve(
+    spec: DeviceSpec,
+    node: NodeDef,
+    available: Sequence[DeviceSpec],
+    client: DeviceSpec,
+    allow_soft_placement: bool,
+) -> str:
+    wanted = spec
+    if wanted.job is None:
+        wanted = DeviceSpec(job=client.job, replica=client.replica, task=client.task).make_merged_spec(wanted)
+    if wanted.device_type is not None and wanted.device_type.upper() != "CPU" and allow_soft_placement:
+        wanted = DeviceSpec(
+            job=wanted.job, replica=wanted.replica, task=wanted.task, device_type=None, device_index=None
+        )
+    matches = [d for d in available if _compatible(d, wanted)]
+    if not matches:
+        names = ", ".join(d.to_string() for d in available)
+        raise errors.InvalidArgumentError(
+            f"Cannot assign a device for operation {node.name}: {{{{node {node.name}}}}} was explicitly "
+            f"assigned to {node.device} but available devices are [ {names} ]. Make sure the device "
+            "specification refers to a valid device.",
+            node_name=node.name,
+        )
+    best = min(matches, key=lambda d: (d.replica or 0, d.task or 0, d.device_index or 0))
+    return best.to_string()

@@ -1,0 +1,109 @@
+"""Per-step hand-off of tensors between `_Send` and `_Recv` nodes.
+
+Each step of each worker has one `StepRendezvous`, created on first use by
+whichever comes first: the step's RunGraph, or a RecvTensor from another task
+(which may arrive before this task has even started the step). Keys are
+TensorFlow's rendezvous keys (`distserver.devices.rendezvous_key`). A key is sent
+once and received once per step; either may come first.
+
+A value whose key names a device of another task is fetched from that task with
+RecvTensor (`fetch_remote`); everything else is local.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from distserver import errors
+from distserver.devices import parse_rendezvous_key, task_of_device
+
+# (step_id, key, src_task) -> (value, is_dead): fetch one value from another task.
+RemoteFetch = Callable[[int, str, str], Awaitable[tuple[Any, bool]]]
+
+
+class StepRendezvous:
+    """The tensors of one step on one worker."""
+
+    def __init__(self, step_id: int, local_task: str, fetch_remote: RemoteFetch | None) -> None:
+        self.step_id = step_id
+        self._local_task = local_task
+        self._fetch_remote = fetch_remote
+        self._slots: dict[str, asyncio.Future[tuple[Any, bool]]] = {}
+        self._error: errors.OpError | None = None
+
+    def _slot(self, key: str) -> asyncio.Future[tuple[Any, bool]]:
+        slot = self._slots.get(key)
+        if slot is None:
+            slot = asyncio.get_running_loop().create_future()
+            if self._error is not None:
+                slot.set_exception(self._error)
+            self._slots[key] = slot
+        return slot
+
+    def send(self, key: str, value: Any, is_dead: bool = False) -> None:
+        """Deliver a value. Sending the same key twice in one step is an error."""
+        slot = self._slot(key)
+        if slot.done():
+            if self._error is not None:
+                raise self._error
+            raise errors.InternalError(f"Send of an already sent tensor in step {self.step_id}: {key}")
+        slot.set_result((value, is_dead))
+
+    async def recv(self, key: str) -> tuple[Any, bool]:
+        """Wait for the value of `key`, fetching it from its task when that is remote."""
+        src_task = task_of_device(parse_rendezvous_key(key).src_device)
+        if src_task != self._local_task and self._fetch_remote is not None:
+            if self._error is not None:
+                raise self._error
+            return await self._fetch_remote(self.step_id, key, src_task)
+        return await self.recv_local(key)
+
+    async def recv_local(self, key: str) -> tuple[Any, bool]:
+        """Wait for a value sent on this task (RecvTensor serves from here)."""
+        # shield: a cancelled receiver must not cancel the slot another may wait on.
+        return await asyncio.shield(self._slot(key))
+
+    def abort(self, error: errors.OpError) -> None:
+        """Fail every pending and future receive of this step with `error`."""
+        if self._error is None:
+            self._error = error
+        for slot in self._slots.values():
+            if not slot.done():
+                slot.set_exception(error)
+                # Nobody may be waiting; mark the exception as seen.
+                slot.exception()
+
+    def pending_keys(self) -> list[str]:
+        return [key for key, slot in self._slots.items() if not slot.done()]
+
+
+class RendezvousTable:
+    """The step rendezvous of one worker, by step id."""
+
+    def __init__(self, local_task: str, fetch_remote: RemoteFetch | None = None) -> None:
+        self._local_task = local_task
+        self._fetch_remote = fetch_remote
+        self._steps: dict[int, StepRendezvous] = {}
+
+    def find_or_create(self, step_id: int) -> StepRendezvous:
+        step = self._steps.get(step_id)
+        if step is None:
+            step = StepRendezvous(step_id, self._local_task, self._fetch_remote)
+            self._steps[step_id] = step
+        return step
+
+    def cleanup(self, step_id: int) -> None:
+        """Drop a finished step; receivers still waiting on it are cancelled."""
+        step = self._steps.pop(step_id, None)
+        if step is not None:
+            step.abort(errors.CancelledError(f"Step {step_id} was cleaned up"))
+
+    def abort_all(self, error: errors.OpError) -> None:
+        for step in self._steps.values():
+            step.abort(error)
+        self._steps.clear()
+
+    def __len__(self) -> int:
+        return len(self._steps)

@@ -1,0 +1,129 @@
+"""Turn a session's graph into what one step runs: feeds and fetches rewritten, then pruned.
+
+Pure functions, no I/O. As in TensorFlow, a feed `x:k` becomes a client-terminated
+`_Recv` node named `_recv_x_k` that replaces every use of `x:k`, and a fetch `y:k`
+becomes a `_Send` node `_send_y_k`; both run on the client device and meet the
+client's values in the step's rendezvous under keys built from their attrs. Then
+only the nodes the fetches and targets need are kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from distserver import errors
+from distserver.devices import rendezvous_key
+from distserver.protos.node_def_pb2 import NodeDef
+from distserver.runtime.names import canonical_tensor_name, int64_attr, parse_input, split_tensor_name
+
+
+@dataclass
+class ClientGraph:
+    """The nodes one step runs, plus the rendezvous keys of its feeds and fetches."""
+
+    nodes: list[NodeDef]
+    feed_keys: dict[str, str] = field(default_factory=dict)  # feed tensor name -> key
+    fetch_keys: dict[str, str] = field(default_factory=dict)  # fetch tensor name -> key
+
+
+def _set_sendrecv_attrs(node: NodeDef, tensor_name: str, device: str, incarnation: int) -> None:
+    node.attr["tensor_name"].s = tensor_name.encode()
+    node.attr["send_device"].s = device.encode()
+    node.attr["send_device_incarnation"].i = int64_attr(incarnation)
+    node.attr["recv_device"].s = device.encode()
+    node.attr["client_terminated"].b = True
+
+
+def rewrite_for_step(
+    graph: Mapping[str, NodeDef],
+    *,
+    feeds: Sequence[tuple[str, int]],
+    fetches: Sequence[str],
+    targets: Sequence[str],
+    client_device: str,
+    client_incarnation: int,
+) -> ClientGraph:
+    """Rewrite feeds/fetches into `_Recv`/`_Send` nodes and prune to what is needed.
+
+    Args:
+        graph: The session's nodes by name (not modified).
+        feeds: (tensor name, DataType) of each fed tensor.
+        fetches: Tensor names to fetch.
+        targets: Node names to run.
+        client_device: Full name of the device that talks to the client.
+        client_incarnation: That device's incarnation.
+
+    Raises:
+        NotFoundError: a feed, fetch or target names nothing in the graph.
+    """
+    nodes: dict[str, NodeDef] = {}
+    replaced: dict[str, str] = {}  # "x:k" -> "_recv_x_k:0"
+    result = ClientGraph(nodes=[])
+
+    for name, dtype in feeds:
+        tensor = canonical_tensor_name(name)
+        node_name, index = split_tensor_name(tensor)
+        if node_name not in graph:
+            raise errors.NotFoundError(f"FeedInputs: unable to find feed output {name}")
+        recv = NodeDef(name=f"_recv_{node_name}_{index}", op="_Recv", device=client_device)
+        recv.attr["tensor_type"].type = dtype  # type: ignore[assignment]
+        _set_sendrecv_attrs(recv, tensor, client_device, client_incarnation)
+        nodes[recv.name] = recv
+        replaced[tensor] = f"{recv.name}:0"
+        result.feed_keys[tensor] = rendezvous_key(client_device, client_incarnation, client_device, tensor)
+
+    for name, original in graph.items():
+        if not replaced:
+            nodes[name] = original
+            continue
+        copy = NodeDef()
+        copy.CopyFrom(original)
+        for i, text in enumerate(copy.input):
+            if not text.startswith("^"):
+                new = replaced.get(canonical_tensor_name(text))
+                if new is not None:
+                    copy.input[i] = new
+        nodes[name] = copy
+
+    roots: list[str] = []
+    for name in fetches:
+        tensor = canonical_tensor_name(name)
+        if tensor in result.fetch_keys:
+            continue
+        node_name, index = split_tensor_name(tensor)
+        if node_name not in graph:
+            raise errors.NotFoundError(f"FetchOutputs node {name}: not found")
+        send = NodeDef(name=f"_send_{node_name}_{index}", op="_Send", device=client_device)
+        send.input.append(replaced.get(tensor, tensor))
+        _set_sendrecv_attrs(send, tensor, client_device, client_incarnation)
+        nodes[send.name] = send
+        roots.append(send.name)
+        result.fetch_keys[tensor] = rendezvous_key(client_device, client_incarnation, client_device, tensor)
+
+    missing = [t for t in targets if t.lstrip("^") not in graph]
+    if missing:
+        raise errors.NotFoundError(f"PruneForTargets: Some target nodes not found: {', '.join(missing)}")
+    roots.extend(t.lstrip("^") for t in targets)
+
+    keep = _reachable(nodes, roots)
+    result.nodes = [node for name, node in nodes.items() if name in keep]
+    return result
+
+
+def _reachable(nodes: Mapping[str, NodeDef], roots: Sequence[str]) -> set[str]:
+    keep: set[str] = set()
+    stack = list(roots)
+    while stack:
+        name = stack.pop()
+        if name in keep:
+            continue
+        keep.add(name)
+        node = nodes.get(name)
+        if node is None:
+            continue
+        for text in node.input:
+            src = parse_input(text)[0]
+            if src not in keep:
+                stack.append(src)
+    return keep

@@ -1,0 +1,289 @@
+"""The WorkerService of one task: worker sessions, registered graphs, RunGraph, RecvTensor.
+
+The master (of this task or of another) drives it: it creates a worker session per
+master session, registers each graph partition once (getting a graph handle),
+then runs steps with RunGraph, feeding and fetching through the step's rendezvous
+by rendezvous key, and finally cleans the step up with CleanupGraph.
+
+Variables and other resources live in the task's `ResourceManager`, so they
+outlive sessions (as on a TensorFlow parameter server), unless the session asked
+for `isolate_session_state`, in which case it gets resources of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from google.protobuf.message import Message
+
+from distserver import errors
+from distserver.devices import parse_rendezvous_key
+from distserver.kernels.resources import ResourceManager
+from distserver.protos import worker_pb2 as w
+from distserver.protos.device_attributes_pb2 import DeviceAttributes
+from distserver.protos.services import WORKER_METHODS, snake_case
+from distserver.runtime.executor import Executor, StepContext
+from distserver.runtime.rendezvous import RendezvousTable
+from distserver.tensors import from_tensor_proto, to_tensor_proto
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerClient(Protocol):
+    """How a master (or a `_Recv`) talks to one task's worker, local or remote.
+
+    The local worker is called directly; remote ones through a transport channel.
+    Both behave identically, including errors.
+    """
+
+    async def call(
+        self, method: str, request: Message, *, timeout: float | None = None, wait_for_ready: bool = False
+    ) -> Message:
+        """Run a control RPC (`method` from `WORKER_METHODS`) and return its response.
+
+        `wait_for_ready` waits (up to `timeout`) for a task that is not up yet
+        instead of failing at once.
+        """
+        ...
+
+    async def run_graph(
+        self,
+        request: w.RunGraphRequest,
+        sends: Mapping[str, Any],
+        *,
+        timeout: float | None = None,
+    ) -> dict[str, Any]:
+        """Run one step of a registered graph.
+
+        Args:
+            request: RunGraphRequest with session/graph handles, step id and `recv_key`;
+                its `send` field is ignored in favour of `sends`.
+            sends: Rendezvous key -> numpy value to feed.
+
+        Returns:
+            Rendezvous key -> numpy value for every `recv_key`.
+        """
+        ...
+
+    async def recv_tensor(self, step_id: int, key: str, *, timeout: float | None = None) -> tuple[Any, bool]:
+        """Fetch the value sent under `key` in step `step_id` on that worker."""
+        ...
+
+
+@dataclass
+class WorkerSession:
+    handle: str
+    resources: ResourceManager
+    graphs: dict[str, Executor] = field(default_factory=dict)
+
+
+class Worker:
+    """One task's worker. All methods run on the server's event loop."""
+
+    def __init__(
+        self,
+        *,
+        task_name: str,
+        device: DeviceAttributes,
+        resources: ResourceManager,
+        pool: concurrent.futures.Executor,
+        remote_worker: Callable[[str], WorkerClient] | None = None,
+        recv_timeout: float | None = None,
+    ) -> None:
+        self.task_name = task_name
+        self.device = device
+        self.resources = resources
+        self._pool = pool
+        self._remote_worker = remote_worker
+        self._recv_timeout = recv_timeout
+        self._sessions: dict[str, WorkerSession] = {}
+        # Sessions of masters that never call CreateWorkerSession (and TF 1.x
+        # clients' legacy path) share the task's resources.
+        self._legacy_session = WorkerSession("", resources)
+        self._graph_ids = itertools.count(1)
+        self._rendezvous = RendezvousTable(task_name, self._fetch_remote if remote_worker else None)
+
+    # -- WorkerClient (the in-process path) ----------------------------------------
+
+    async def call(
+        self, method: str, request: Message, *, timeout: float | None = None, wait_for_ready: bool = False
+    ) -> Message:
+        handler: Callable[[Message], Awaitable[Message]] = getattr(self, snake_case(method))
+        return await handler(request)
+
+    def service_handlers(self) -> dict[str, Callable[[Any], Awaitable[Message]]]:
+        """RPC method name -> handler, for transports."""
+        handlers = {}
+        for method in WORKER_METHODS:
+            fn = getattr(self, snake_case(method), None)
+            if fn is not None:
+                handlers[method] = fn
+        handlers["RunGraph"] = self.run_graph_rpc
+        handlers["RecvTensor"] = self.recv_tensor_rpc
+        return handlers
+
+    # -- control RPCs -------------------------------------------------------------
+
+    async def get_status(self, request: w.GetStatusRequest) -> w.GetStatusResponse:
+        response = w.GetStatusResponse()
+        response.device_attributes.add().CopyFrom(self.device)
+        return response
+
+    async def create_worker_session(
+        self, request: w.CreateWorkerSessionRequest
+    ) -> w.CreateWorkerSessionResponse:
+        handle = request.session_handle
+        if not handle:
+            raise errors.InvalidArgumentError("CreateWorkerSession needs a session_handle")
+        if handle not in self._sessions:
+            resources = ResourceManager() if request.isolate_session_state else self.resources
+            self._sessions[handle] = WorkerSession(handle, resources)
+        return w.CreateWorkerSessionResponse()
+
+    async def delete_worker_session(
+        self, request: w.DeleteWorkerSessionRequest
+    ) -> w.DeleteWorkerSessionResponse:
+        self._sessions.pop(request.session_handle, None)
+        return w.DeleteWorkerSessionResponse()
+
+    def _session(self, handle: str, create_worker_session_called: bool) -> WorkerSession:
+        if not create_worker_session_called and not handle:
+            return self._legacy_session
+        session = self._sessions.get(handle)
+        if session is None:
+            if not create_worker_session_called:
+                return self._legacy_session
+            raise errors.AbortedError(
+                f"Session handle is not found: {handle}. Possibly this worker "
+                f'("{self.task_name}") just restarted.'
+            )
+        return session
+
+    async def register_graph(self, request: w.RegisterGraphRequest) -> w.RegisterGraphResponse:
+        session = self._session(request.session_handle, request.create_worker_session_called)
+        for node in request.graph_def.node:
+            if node.device and not node.device.startswith(self.task_name + "/"):
+                raise errors.InvalidArgumentError(
+                    f"Node '{node.name}' is placed on {node.device}, which is not a device of "
+                    f"this task ({self.task_name})",
+                    node_name=node.name,
+                )
+        executor = Executor(request.graph_def)
+        handle = f"{next(self._graph_ids):016x}"
+        session.graphs[handle] = executor
+        return w.RegisterGraphResponse(graph_handle=handle)
+
+    async def deregister_graph(self, request: w.DeregisterGraphRequest) -> w.DeregisterGraphResponse:
+        session = self._session(request.session_handle, request.create_worker_session_called)
+        session.graphs.pop(request.graph_handle, None)
+        return w.DeregisterGraphResponse()
+
+    async def cleanup_graph(self, request: w.CleanupGraphRequest) -> w.CleanupGraphResponse:
+        self._rendezvous.cleanup(request.step_id)
+        return w.CleanupGraphResponse()
+
+    async def cleanup_all(self, request: w.CleanupAllRequest) -> w.CleanupAllResponse:
+        self.resources.clear(list(request.container))
+        for session in self._sessions.values():
+            if session.resources is not self.resources:
+                session.resources.clear(list(request.container))
+        return w.CleanupAllResponse()
+
+    # -- RunGraph -----------------------------------------------------------------
+
+    async def run_graph(
+        self,
+        request: w.RunGraphRequest,
+        sends: Mapping[str, Any],
+        *,
+        timeout: float | None = None,
+    ) -> dict[str, Any]:
+        session = self._session(request.session_handle, request.create_worker_session_called)
+        executor = session.graphs.get(request.graph_handle)
+        if executor is None:
+            raise errors.AbortedError(
+                f"Graph handle is not found: {request.graph_handle}. Possibly, this worker just restarted."
+            )
+        step_id = request.step_id
+        rendezvous = self._rendezvous.find_or_create(step_id)
+        ctx = StepContext(
+            step_id=step_id,
+            device=self.device.name,
+            device_incarnation=self.device.incarnation,
+            rendezvous=rendezvous,
+            resources=session.resources,
+            pool=self._pool,
+        )
+        try:
+            for key, value in sends.items():
+                rendezvous.send(key, value)
+            async with asyncio.timeout(timeout):
+                await executor.run(ctx)
+                results = {}
+                for key in request.recv_key:
+                    value, _ = await rendezvous.recv_local(key)
+                    results[key] = value
+        except TimeoutError as exc:
+            error = errors.DeadlineExceededError(
+                "Timed out waiting for the step to finish on " + self.task_name
+            )
+            rendezvous.abort(error)
+            raise error from exc
+        except errors.OpError as exc:
+            rendezvous.abort(exc)
+            raise
+        except asyncio.CancelledError:
+            rendezvous.abort(errors.CancelledError("Step was cancelled"))
+            raise
+        return results
+
+    async def run_graph_rpc(self, request: w.RunGraphRequest) -> w.RunGraphResponse:
+        response = w.RunGraphResponse()
+        try:
+            sends = {named.name: from_tensor_proto(named.tensor) for named in request.send}
+            results = await self.run_graph(request, sends)
+            for key, value in results.items():
+                named = response.recv.add(name=key)
+                named.tensor.CopyFrom(to_tensor_proto(value))
+        except errors.OpError as exc:
+            if not request.store_errors_in_response_body:
+                raise
+            del response.recv[:]
+            response.status_code, response.status_error_message = errors.to_status(exc)  # type: ignore[assignment]
+        return response
+
+    # -- RecvTensor ---------------------------------------------------------------
+
+    async def recv_tensor(self, step_id: int, key: str, *, timeout: float | None = None) -> tuple[Any, bool]:
+        parsed = parse_rendezvous_key(key)
+        if not parsed.src_device.startswith(self.task_name + "/"):
+            raise errors.InvalidArgumentError(f"Invalid rendezvous key (src): {key} @ {self.task_name}")
+        if parsed.src_incarnation != self.device.incarnation:
+            raise errors.AbortedError(
+                f"RecvTensor expects a different device incarnation: {parsed.src_incarnation} vs. "
+                f'{self.device.incarnation}. Your worker job ("{self.task_name}") was probably restarted. '
+                "Check your worker job for the reason why it was restarted."
+            )
+        rendezvous = self._rendezvous.find_or_create(step_id)
+        async with asyncio.timeout(timeout):
+            return await rendezvous.recv_local(key)
+
+    async def recv_tensor_rpc(self, request: w.RecvTensorRequest) -> w.RecvTensorResponse:
+        value, is_dead = await self.recv_tensor(request.step_id, request.rendezvous_key)
+        response = w.RecvTensorResponse(is_dead=is_dead)
+        response.tensor.CopyFrom(to_tensor_proto(value))
+        return response
+
+    async def _fetch_remote(self, step_id: int, key: str, src_task: str) -> tuple[Any, bool]:
+        assert self._remote_worker is not None
+        return await self._remote_worker(src_task).recv_tensor(step_id, key, timeout=self._recv_timeout)
+
+    def abort_all_steps(self, error: errors.OpError) -> None:
+        """Fail every pending receive (the server is stopping)."""
+        self._rendezvous.abort_all(error)

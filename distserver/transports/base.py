@@ -1,0 +1,129 @@
+"""The transport contract: how a task serves RPCs and how it calls other tasks.
+
+A `Transport` is chosen by `ServerDef.protocol` ("grpc", "grpc+verbs", ...). The
+runtime never imports a transport; the server wires one in. Every transport serves
+the same two services (MasterService, WorkerService) with the methods listed in
+`distserver.protos.services`, so clients cannot tell transports apart except by
+speed.
+
+Concurrency: all objects are created and used on one asyncio event loop (grpc.aio
+objects must not cross threads). Many calls may be in flight on one channel.
+
+Errors: transports turn their native failures into `distserver.errors.OpError`
+subclasses at their own boundary, chained with `from`: an unreachable or vanished
+peer is `UnavailableError`, an expired deadline `DeadlineExceededError`, and an error
+the remote handler raised comes back as the same class with the same message.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from google.protobuf.message import Message
+
+# A service implementation: method name ("RunStep") -> coroutine taking the request
+# message and returning the response message. Raising an OpError reports that status.
+ServiceHandler = Mapping[str, Callable[[Any], Awaitable[Message]]]
+
+
+@dataclass(frozen=True)
+class ChannelStatistics:
+    """A snapshot of one channel's activity, for debugging and benchmarks."""
+
+    target: str
+    calls_started: int
+    calls_failed: int
+    tensors_received: int
+    tensor_bytes_received: int
+    data_path: str
+
+
+class Listener(abc.ABC):
+    """A bound (and later serving) endpoint of one task.
+
+    Contract:
+        * After `Transport.listen` returns, the port is bound (`port` is known) but
+          no request is served until `start()`.
+        * `start()` begins serving; calling it again does nothing.
+        * `stop(grace)` stops accepting new calls at once, lets calls in flight finish
+          for up to `grace` seconds (None: wait for them), then cancels the rest and
+          releases the port. It is idempotent; after it returns a new listener can
+          bind the same port.
+    """
+
+    @property
+    @abc.abstractmethod
+    def port(self) -> int:
+        """The bound port (the real one when the address asked for port 0)."""
+
+    @abc.abstractmethod
+    async def start(self) -> None: ...
+
+    @abc.abstractmethod
+    async def stop(self, grace: float | None) -> None: ...
+
+
+class Channel(abc.ABC):
+    """A client connection from this task to one remote task.
+
+    Contract:
+        * `call(service, method, request, timeout=...)` sends one control RPC and
+          returns the response message; it never waits for an unreachable peer
+          longer than `timeout` (None: fail as soon as the peer is known to be
+          unreachable, unless `wait_for_ready` is true).
+        * `recv_tensor(request, timeout=...)` runs the data-plane RecvTensor call
+          and returns `(value, is_dead)` with `value` a numpy array.
+        * `close()` waits for calls in flight to end and releases the connection;
+          `abort()` cancels them at once. Calls after either raise
+          `UnavailableError`.
+    """
+
+    @abc.abstractmethod
+    async def call(
+        self,
+        service: str,
+        method: str,
+        request: Message,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> Message: ...
+
+    @abc.abstractmethod
+    async def recv_tensor(self, request: Message, *, timeout: float | None = None) -> tuple[Any, bool]: ...
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+    @abc.abstractmethod
+    def abort(self) -> None: ...
+
+    @abc.abstractmethod
+    def statistics(self) -> ChannelStatistics: ...
+
+
+class Transport(abc.ABC):
+    """A way for tasks to serve and call RPCs, registered under a protocol name."""
+
+    name: str
+
+    @abc.abstractmethod
+    async def listen(self, address: str, services: Mapping[str, ServiceHandler]) -> Listener:
+        """Bind `address` ("host:port", port 0 for any free port) and prepare to serve.
+
+        Args:
+            address: Where to listen. The host is bound as given ("localhost" means
+                loopback only; "0.0.0.0" or "[::]" listen on every interface).
+            services: Service name ("tensorflow.WorkerService") -> its handler.
+
+        Raises:
+            UnknownError: the address cannot be bound (in use, not local); the message
+                names the address.
+        """
+
+    @abc.abstractmethod
+    def connect(self, address: str) -> Channel:
+        """A channel to the task at `address` ("host:port"). Connects lazily."""

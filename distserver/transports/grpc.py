@@ -1,0 +1,225 @@
+"""The "grpc" transport: everything over grpc.aio, at TensorFlow's method paths.
+
+Message-size limits are lifted on both ends (TensorFlow uses INT32_MAX; we use
+unlimited), `SO_REUSEPORT` is off so a port in use is an error rather than a silent
+second listener, and proxies from the environment are ignored (cluster traffic is
+always direct).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import grpc
+import grpc.aio
+from google.protobuf.message import Message
+
+from distserver import errors
+from distserver.protos.services import SERVICES, WORKER_SERVICE
+from distserver.transports.base import Channel, ChannelStatistics, Listener, ServiceHandler, Transport
+
+logger = logging.getLogger(__name__)
+
+_MESSAGE_LIMITS = [
+    ("grpc.max_send_message_length", -1),
+    ("grpc.max_receive_message_length", -1),
+]
+SERVER_OPTIONS = [*_MESSAGE_LIMITS, ("grpc.so_reuseport", 0)]
+CHANNEL_OPTIONS = [
+    *_MESSAGE_LIMITS,
+    ("grpc.enable_http_proxy", 0),
+    # Reconnect quickly to a task that was down (TensorFlow caps the backoff at 1 s).
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+# Trailing metadata that marks an error raised by a distserver handler, as opposed
+# to one made by gRPC itself (peer unreachable, deadline, cancelled connection).
+_HANDLER_ERROR_KEY = "distserver-handler-error"
+
+_STATUS_BY_CODE = {status.value[0]: status for status in grpc.StatusCode}
+
+
+def grpc_status(code: int) -> grpc.StatusCode:
+    """The gRPC status for a TensorFlow status code (they share numbers)."""
+    return _STATUS_BY_CODE.get(code, grpc.StatusCode.UNKNOWN)
+
+
+def error_from_rpc(exc: grpc.aio.AioRpcError, *, target: str, method: str) -> errors.OpError:
+    """The OpError a failed call stands for.
+
+    Errors raised by the remote handler keep their class and message. Errors that
+    gRPC made itself also say which task and method the call was for, so that
+    "failed to connect" names the peer.
+    """
+    code = exc.code().value[0]
+    message = exc.details() or ""
+    trailing: Any = exc.trailing_metadata() or ()
+    from_handler = any(key == _HANDLER_ERROR_KEY for key, _ in trailing)
+    if not from_handler:
+        if code == errors.UNKNOWN and message == "Stream removed":
+            code = errors.UNAVAILABLE
+        message = f"{method} to {target} failed: {message}"
+    return errors.from_status(code, message)
+
+
+def _wrap(
+    fn: Callable[[Any], Awaitable[Message]],
+) -> Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Any]:
+    async def handle(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Message:
+        try:
+            return await fn(request)
+        except errors.OpError as exc:
+            code, message = errors.to_status(exc)
+        except Exception as exc:
+            logger.exception("unexpected error in %s", getattr(fn, "__name__", fn))
+            code, message = errors.to_status(exc)
+        await context.abort(grpc_status(code), message, trailing_metadata=((_HANDLER_ERROR_KEY, "1"),))
+        raise AssertionError("unreachable: context.abort raises")
+
+    return handle
+
+
+def _unimplemented(service: str, method: str) -> Callable[[Any], Awaitable[Message]]:
+    async def handle(request: Any) -> Message:
+        raise errors.UnimplementedError(f"{service}/{method} is not implemented by distserver")
+
+    return handle
+
+
+class GrpcListener(Listener):
+    def __init__(self, server: grpc.aio.Server, port: int) -> None:
+        self._server = server
+        self._port = port
+        self._started = False
+        self._stopped = False
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    async def start(self) -> None:
+        if not self._started:
+            self._started = True
+            await self._server.start()
+
+    async def stop(self, grace: float | None) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        await self._server.stop(grace)
+
+
+class GrpcChannel(Channel):
+    def __init__(self, address: str) -> None:
+        self.target = address
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._callables: dict[tuple[str, str], Any] = {}
+        self._closed = False
+        self._calls_started = 0
+        self._calls_failed = 0
+        self._tensors_received = 0
+        self._tensor_bytes_received = 0
+
+    def _callable(self, service: str, method: str) -> Any:
+        key = (service, method)
+        mc = self._callables.get(key)
+        if mc is None:
+            _, response_cls = SERVICES[service][method]
+            mc = self._channel.unary_unary(
+                f"/{service}/{method}",
+                request_serializer=_serialize,
+                response_deserializer=response_cls.FromString,
+            )
+            self._callables[key] = mc
+        return mc
+
+    async def call(
+        self,
+        service: str,
+        method: str,
+        request: Message,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> Message:
+        if self._closed:
+            raise errors.UnavailableError(f"{method} to {self.target} failed: the channel is closed")
+        self._calls_started += 1
+        try:
+            response: Message = await self._callable(service, method)(
+                request, timeout=timeout, wait_for_ready=wait_for_ready
+            )
+        except grpc.aio.AioRpcError as exc:
+            self._calls_failed += 1
+            raise error_from_rpc(exc, target=self.target, method=method) from exc
+        return response
+
+    async def recv_tensor(self, request: Message, *, timeout: float | None = None) -> tuple[Any, bool]:
+        from distserver.tensors import from_tensor_proto, tensor_nbytes
+
+        response: Any = await self.call(WORKER_SERVICE, "RecvTensor", request, timeout=timeout)
+        value = from_tensor_proto(response.tensor)
+        self._tensors_received += 1
+        self._tensor_bytes_received += tensor_nbytes(value)
+        return value, bool(response.is_dead)
+
+    async def close(self) -> None:
+        self._closed = True
+        await self._channel.close(grace=None)
+
+    def abort(self) -> None:
+        # grpc.aio has no synchronous close; closing with zero grace cancels calls in
+        # flight. Callers that can await should prefer close().
+        self._closed = True
+        self._callables.clear()
+
+    def statistics(self) -> ChannelStatistics:
+        return ChannelStatistics(
+            target=self.target,
+            calls_started=self._calls_started,
+            calls_failed=self._calls_failed,
+            tensors_received=self._tensors_received,
+            tensor_bytes_received=self._tensor_bytes_received,
+            data_path="grpc",
+        )
+
+
+def _serialize(message: Message) -> bytes:
+    return message.SerializeToString()
+
+
+class GrpcTransport(Transport):
+    name = "grpc"
+
+    async def listen(self, address: str, services: Mapping[str, ServiceHandler]) -> Listener:
+        server = grpc.aio.server(options=SERVER_OPTIONS)
+        for service, handler in services.items():
+            table = SERVICES[service]
+            rpc_handlers = {}
+            for method, (request_cls, _) in table.items():
+                fn = handler.get(method) or _unimplemented(service, method)
+                rpc_handlers[method] = grpc.unary_unary_rpc_method_handler(
+                    _wrap(fn),
+                    request_deserializer=request_cls.FromString,
+                    response_serializer=_serialize,
+                )
+            server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, rpc_handlers),))
+        try:
+            port = server.add_insecure_port(address)
+        except RuntimeError as exc:
+            await server.stop(None)
+            raise errors.UnknownError(
+                f"Could not start gRPC server: cannot bind {address} ({exc}). "
+                "Is another server using that port? Pick a free port or use port 0."
+            ) from exc
+        if port == 0:
+            await server.stop(None)
+            raise errors.UnknownError(f"Could not start gRPC server: cannot bind {address}")
+        return GrpcListener(server, port)
+
+    def connect(self, address: str) -> Channel:
+        return GrpcChannel(address)
