@@ -193,6 +193,7 @@ def _load_builtin_kernels() -> None:
         _loaded = True
         import distserver.kernels.array
         import distserver.kernels.math
+        import distserver.kernels.queue
         import distserver.kernels.sendrecv
         import distserver.kernels.state  # noqa: F401
 

@@ -1,0 +1,554 @@
+"""Numpy kernels for TensorFlow's math ops: element-wise, matmul, reductions, casts.
+
+Semantics follow TensorFlow's CPU kernels where they differ from numpy's defaults:
+
+* Binary ops broadcast like numpy and refuse incompatible shapes with TF's text
+  ("Incompatible shapes: [2,3] vs. [4]"); both inputs must have the node's dtype `T`.
+* Integer division: `Div` and `TruncateDiv` truncate toward zero as C++ does (TF's
+  `safe_div`); `FloorDiv` and `FloorMod` round toward negative infinity (Python's
+  `//` and `%`). A zero integer divisor is an error ("Integer division by zero"),
+  never a silent 0. `RealDiv` takes floats and complex only, like TF's CPU kernels
+  (`tf.math.truediv` casts integers first). Float `FloorDiv` is `floor(x / y)`, as
+  TF computes it.
+* `Pow` refuses negative exponents of integers, as TF does.
+* `Mean` of integers truncates the sum / count quotient; `Max`/`Min` over an empty
+  range give the reducer's identity (-inf/+inf, or the dtype's lowest/highest).
+* half and bfloat16 arithmetic that numpy does poorly (matmul, sums, transcendental
+  functions) is computed in float32 and rounded back, as TF's kernels accumulate.
+
+Float warnings (overflow, division by zero, invalid values) are silenced: inf and nan
+are the IEEE results TensorFlow returns too.
+"""
+
+from __future__ import annotations
+
+import math as _math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+
+from distserver import errors
+from distserver.kernels._common import (
+    BFLOAT16,
+    BOOL,
+    COMPLEX,
+    FLOATS,
+    INDEX_TYPES,
+    INTEGERS,
+    NUMBER,
+    OBJECT,
+    REAL,
+    SIGNED,
+    array,
+    attr_type_in,
+    broadcast_shape,
+    check_input_dtype,
+    compute_dtype,
+    int_list,
+    kernel_error,
+    shape_str,
+    type_name,
+)
+from distserver.kernels.registry import KernelContext, OpKernel, register_kernel
+
+if TYPE_CHECKING:
+    from distserver.protos.node_def_pb2 import NodeDef
+
+ArrayFn = Callable[..., Any]
+# An element-wise op: (allowed T or None for bool-only ops without T, numpy function,
+# whether the output is bool).
+_OpSpec = tuple[frozenset[np.dtype[Any]] | None, ArrayFn, bool]
+
+# half-precision sums and products accumulate in float32, as TF's reducers do.
+_ACCUMULATE = {np.dtype(np.float16): np.dtype(np.float32), BFLOAT16: np.dtype(np.float32)}
+
+
+class _ArithmeticError(Exception):
+    """Raised by the element-wise helpers with TF's text; kernels name the node."""
+
+
+# --------------------------------------------------------------------------- element-wise helpers
+
+
+def _check_int_divisor(y: np.ndarray) -> None:
+    if y.dtype in INTEGERS and np.any(y == 0):
+        raise _ArithmeticError("Integer division by zero")
+
+
+def _truncate_div(x: np.ndarray, y: np.ndarray) -> Any:
+    """C++ division: integers truncate toward zero; others divide exactly."""
+    if x.dtype not in INTEGERS:
+        return np.true_divide(x, y)
+    _check_int_divisor(y)
+    quotient = np.floor_divide(x, y)
+    if x.dtype in SIGNED:
+        # floor and truncation differ when the signs differ and there is a remainder.
+        quotient = quotient + ((np.remainder(x, y) != 0) & ((x < 0) != (y < 0)))
+    return quotient
+
+
+def _floor_div(x: np.ndarray, y: np.ndarray) -> Any:
+    if x.dtype in INTEGERS:
+        _check_int_divisor(y)
+        return np.floor_divide(x, y)
+    return np.floor(np.true_divide(x, y))
+
+
+def _floor_mod(x: np.ndarray, y: np.ndarray) -> Any:
+    _check_int_divisor(y)
+    return np.remainder(x, y)
+
+
+def _pow(x: np.ndarray, y: np.ndarray) -> Any:
+    if y.dtype in SIGNED and np.any(y < 0):
+        raise _ArithmeticError("Integers to negative integer powers are not allowed")
+    return np.power(x, y)
+
+
+def _sigmoid(x: np.ndarray) -> Any:
+    # exp(-x) overflows to inf for very negative x, giving the correct limit 0.
+    return 1 / (1 + np.exp(-x))
+
+
+def _relu(x: np.ndarray) -> Any:
+    return np.maximum(x, np.zeros((), x.dtype))
+
+
+def _rsqrt(x: np.ndarray) -> Any:
+    return 1 / np.sqrt(x)
+
+
+def _reciprocal(x: np.ndarray) -> Any:
+    return 1 / x
+
+
+# --------------------------------------------------------------------------- element-wise kernels
+
+
+class _ElementwiseKernel(OpKernel):
+    """Shared input checks for the unary and binary element-wise kernels.
+
+    `_OPS` maps each op name to (allowed T, numpy function, output is bool). Ops
+    whose entry has no allowed set take no `T` attr (LogicalAnd/Or/Not: bool only).
+    """
+
+    _OPS: ClassVar[dict[str, _OpSpec]]
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        allowed, self.fn, returns_bool = self._OPS[self.op]
+        self.dtype = BOOL if allowed is None else attr_type_in(self, "T", allowed)
+        self.out_dtype = BOOL if returns_bool else self.dtype
+        # numpy lacks some bfloat16 loops: compute in float32 and round back.
+        self.work_dtype = compute_dtype(self.dtype)
+
+    def _apply(self, *args: np.ndarray) -> np.ndarray:
+        args = tuple(a.astype(self.work_dtype, copy=False) for a in args)
+        try:
+            with np.errstate(all="ignore"):
+                return array(self.fn(*args), self.out_dtype)
+        except _ArithmeticError as exc:
+            raise kernel_error(self, str(exc)) from None
+
+
+_UNARY_FLOAT = FLOATS | COMPLEX
+
+
+_UNARY_OPS: dict[str, _OpSpec] = {
+    "Neg": (SIGNED | FLOATS | COMPLEX, np.negative, False),
+    "Square": (NUMBER, np.square, False),
+    "Sqrt": (_UNARY_FLOAT, np.sqrt, False),
+    "Rsqrt": (_UNARY_FLOAT, _rsqrt, False),
+    "Exp": (_UNARY_FLOAT, np.exp, False),
+    "Log": (_UNARY_FLOAT, np.log, False),
+    "Tanh": (_UNARY_FLOAT, np.tanh, False),
+    "Sigmoid": (_UNARY_FLOAT, _sigmoid, False),
+    "Reciprocal": (_UNARY_FLOAT, _reciprocal, False),
+    "Relu": (REAL, _relu, False),
+    "Abs": (SIGNED | FLOATS, np.abs, False),
+    "Sign": (SIGNED | FLOATS | COMPLEX, np.sign, False),
+    "LogicalNot": (None, np.logical_not, True),
+}
+
+
+@register_kernel(*_UNARY_OPS)
+class UnaryOpKernel(_ElementwiseKernel):
+    """y = f(x) element-wise."""
+
+    _OPS = _UNARY_OPS
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        (x,) = inputs
+        check_input_dtype(self, 0, x, self.dtype)
+        return [self._apply(x)]
+
+
+def _comparison(fn: ArrayFn) -> _OpSpec:
+    return (REAL, fn, True)
+
+
+_BINARY_OPS: dict[str, _OpSpec] = {
+    "AddV2": (NUMBER, np.add, False),
+    "Add": (NUMBER | {OBJECT}, np.add, False),  # strings concatenate
+    "Sub": (NUMBER, np.subtract, False),
+    "Mul": (NUMBER, np.multiply, False),
+    "RealDiv": (FLOATS | COMPLEX, np.true_divide, False),
+    "Div": (NUMBER, _truncate_div, False),
+    "TruncateDiv": (INTEGERS, _truncate_div, False),
+    "FloorDiv": (REAL, _floor_div, False),
+    "FloorMod": (REAL, _floor_mod, False),
+    "Pow": (FLOATS | COMPLEX | SIGNED, _pow, False),
+    "Maximum": (REAL, np.maximum, False),
+    "Minimum": (REAL, np.minimum, False),
+    "Greater": _comparison(np.greater),
+    "GreaterEqual": _comparison(np.greater_equal),
+    "Less": _comparison(np.less),
+    "LessEqual": _comparison(np.less_equal),
+    "LogicalAnd": (None, np.logical_and, True),
+    "LogicalOr": (None, np.logical_or, True),
+}
+
+
+@register_kernel(*_BINARY_OPS)
+class BinaryOpKernel(_ElementwiseKernel):
+    """z = f(x, y) element-wise, with numpy broadcasting and TF's shape error."""
+
+    _OPS = _BINARY_OPS
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        x, y = inputs
+        check_input_dtype(self, 0, x, self.dtype)
+        check_input_dtype(self, 1, y, self.dtype)
+        broadcast_shape(self, x.shape, y.shape)
+        return [self._apply(x, y)]
+
+
+_EQUALITY_OPS: dict[str, _OpSpec] = {
+    "Equal": (NUMBER | {BOOL, OBJECT}, np.equal, True),
+    "NotEqual": (NUMBER | {BOOL, OBJECT}, np.not_equal, True),
+}
+
+
+@register_kernel(*_EQUALITY_OPS)
+class EqualityKernel(_ElementwiseKernel):
+    """Equal / NotEqual on any dtype; `incompatible_shape_error=False` gives a scalar."""
+
+    _OPS = _EQUALITY_OPS
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        self.incompatible_shape_error = self.attr_bool("incompatible_shape_error", True)
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        x, y = inputs
+        check_input_dtype(self, 0, x, self.dtype)
+        check_input_dtype(self, 1, y, self.dtype)
+        try:
+            broadcast_shape(self, x.shape, y.shape)
+        except errors.InvalidArgumentError:
+            if self.incompatible_shape_error:
+                raise
+            # TF: tensors of incompatible shapes are simply "not equal".
+            return [np.array(self.op == "NotEqual")]
+        return [self._apply(x, y)]
+
+
+# --------------------------------------------------------------------------- Cast
+
+
+def _truncate_to_bfloat16(x: np.ndarray) -> np.ndarray:
+    # Drop the low 16 mantissa bits instead of rounding (TF's Truncate=True); NaN stays NaN.
+    wide = np.ascontiguousarray(x, dtype=np.float32)
+    bits = wide.view(np.uint32) & np.uint32(0xFFFF0000)
+    truncated = np.where(np.isnan(wide), wide, bits.view(np.float32))
+    return truncated.astype(BFLOAT16)
+
+
+@register_kernel("Cast")
+class CastKernel(OpKernel):
+    """Converts SrcT to DstT like a C++ static_cast (floats truncate toward zero).
+
+    Complex to real keeps the real part; anything to bool is `x != 0`. Strings cannot
+    be cast (TF: Unimplemented). `Truncate=True` truncates instead of rounding when
+    the destination is bfloat16; for other destinations it changes nothing.
+    """
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        self.src = self.attr_type("SrcT")
+        self.dst = self.attr_type("DstT")
+        self.truncate = self.attr_bool("Truncate", False)
+        if OBJECT in (self.src, self.dst) and self.src != self.dst:
+            raise kernel_error(
+                self,
+                f"Cast {type_name(self.src)} to {type_name(self.dst)} is not supported",
+                errors.UnimplementedError,
+            )
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        (x,) = inputs
+        check_input_dtype(self, 0, x, self.src)
+        if self.src == self.dst:
+            return [x]
+        if self.dst == BOOL:
+            return [array(x != 0)]
+        if self.src in COMPLEX and self.dst not in COMPLEX:
+            x = np.real(x)
+        if self.truncate and self.dst == BFLOAT16 and self.src in FLOATS:
+            return [_truncate_to_bfloat16(x)]
+        with np.errstate(all="ignore"):  # out-of-range float -> int is UB in C++ too
+            return [array(x.astype(self.dst))]
+
+
+# --------------------------------------------------------------------------- MatMul, BiasAdd, AddN
+
+
+@register_kernel("MatMul")
+class MatMulKernel(OpKernel):
+    """2-D matrix product with optional transposes of either operand."""
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        self.dtype = attr_type_in(self, "T", FLOATS | COMPLEX | {np.dtype(np.int32), np.dtype(np.int64)})
+        self.transpose_a = self.attr_bool("transpose_a", False)
+        self.transpose_b = self.attr_bool("transpose_b", False)
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        a, b = inputs
+        for i, value in enumerate(inputs):
+            check_input_dtype(self, i, value, self.dtype)
+            if value.ndim != 2:
+                raise kernel_error(
+                    self, f"In[{i}] is not a matrix. Instead it has shape {shape_str(value.shape)}"
+                )
+        lhs = a.T if self.transpose_a else a
+        rhs = b.T if self.transpose_b else b
+        if lhs.shape[1] != rhs.shape[0]:
+            raise kernel_error(
+                self,
+                f"Matrix size-incompatible: In[0]: {shape_str(a.shape)}, In[1]: {shape_str(b.shape)}",
+            )
+        work = _ACCUMULATE.get(self.dtype, self.dtype)
+        with np.errstate(all="ignore"):
+            product = np.matmul(lhs.astype(work, copy=False), rhs.astype(work, copy=False))
+        return [array(product, self.dtype)]
+
+
+@register_kernel("BiasAdd", "BiasAddV1")
+class BiasAddKernel(OpKernel):
+    """value + bias along the channel dimension (last for NHWC, 1 for NCHW)."""
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        self.dtype = attr_type_in(self, "T", NUMBER)
+        data_format = self.attr_str("data_format", "NHWC")
+        if data_format not in ("NHWC", "NCHW"):
+            raise kernel_error(self, f"Invalid data format: {data_format}")
+        self.channels_first = data_format == "NCHW"
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        value, bias = inputs
+        check_input_dtype(self, 0, value, self.dtype)
+        check_input_dtype(self, 1, bias, self.dtype)
+        if value.ndim < 2:
+            raise kernel_error(self, f"Input tensor must be at least 2D: {shape_str(value.shape)}")
+        if bias.ndim != 1:
+            raise kernel_error(self, f"Biases must be 1D: {shape_str(bias.shape)}")
+        channel_dim = 1 if self.channels_first else value.ndim - 1
+        if value.shape[channel_dim] != bias.shape[0]:
+            raise kernel_error(
+                self,
+                "Must provide as many biases as the last dimension of the input tensor: "
+                f"{shape_str(bias.shape)} vs. {shape_str(value.shape)}",
+            )
+        # Reshape the bias so it broadcasts along the channel dimension only.
+        shape = [1] * value.ndim
+        shape[channel_dim] = bias.shape[0]
+        with np.errstate(all="ignore"):
+            return [array(value + bias.reshape(shape), self.dtype)]
+
+
+@register_kernel("AddN")
+class AddNKernel(OpKernel):
+    """Sum of N inputs of identical shape (no broadcasting, as in TF)."""
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        self.dtype = attr_type_in(self, "T", NUMBER)
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        for i, value in enumerate(inputs):
+            check_input_dtype(self, i, value, self.dtype)
+            if value.shape != inputs[0].shape:
+                raise kernel_error(
+                    self,
+                    f"Inputs to operation {self.name} of type {self.op} must have the same size and shape.  "
+                    f"Input 0: {shape_str(inputs[0].shape)} != input {i}: {shape_str(value.shape)}",
+                )
+        with np.errstate(all="ignore"):
+            total = np.array(inputs[0], copy=True)
+            for value in inputs[1:]:
+                total += value
+        return [total]
+
+
+# --------------------------------------------------------------------------- reductions
+
+
+class _ReductionKernel(OpKernel):
+    """Reduce input 0 over the axes in input 1 (`reduction_indices`).
+
+    The axes input may be int32 or int64, a scalar or a vector, with negative values
+    counting from the end; an empty vector reduces nothing. `keep_dims` keeps the
+    reduced dimensions with size 1.
+    """
+
+    types: ClassVar[frozenset[np.dtype[Any]]] = NUMBER
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        self.dtype = attr_type_in(self, "T", self.types)
+        self.keep_dims = self.attr_bool("keep_dims", False)
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        x, indices = inputs
+        check_input_dtype(self, 0, x, self.dtype)
+        axes = self._axes(x.ndim, int_list(self, indices, "reduction_indices", allow_scalar=True))
+        work = _ACCUMULATE.get(self.dtype, self.dtype)
+        with np.errstate(all="ignore"):
+            result = self.reduce(x.astype(work, copy=False), axes)
+        return [array(result, self.dtype)]
+
+    def _axes(self, rank: int, indices: list[int]) -> tuple[int, ...]:
+        axes: list[int] = []
+        for index in indices:
+            if not -rank <= index < rank:
+                raise kernel_error(
+                    self, f"Invalid reduction dimension ({index} for input with {rank} dimension(s)"
+                )
+            axis = index % rank
+            if axis in axes:
+                raise kernel_error(
+                    self, f"Invalid reduction arguments: Axes contains duplicate dimension: {axis}"
+                )
+            axes.append(axis)
+        return tuple(sorted(axes))
+
+    def reduce(self, x: np.ndarray, axes: tuple[int, ...]) -> Any:
+        raise NotImplementedError
+
+
+@register_kernel("Sum")
+class SumKernel(_ReductionKernel):
+    def reduce(self, x: np.ndarray, axes: tuple[int, ...]) -> Any:
+        return np.sum(x, axis=axes, dtype=x.dtype, keepdims=self.keep_dims)
+
+
+@register_kernel("Prod")
+class ProdKernel(_ReductionKernel):
+    def reduce(self, x: np.ndarray, axes: tuple[int, ...]) -> Any:
+        return np.prod(x, axis=axes, dtype=x.dtype, keepdims=self.keep_dims)
+
+
+@register_kernel("Mean")
+class MeanKernel(_ReductionKernel):
+    def reduce(self, x: np.ndarray, axes: tuple[int, ...]) -> Any:
+        total = np.sum(x, axis=axes, dtype=x.dtype, keepdims=self.keep_dims)
+        count = _math.prod(x.shape[a] for a in axes)
+        if x.dtype in INTEGERS:
+            if count == 0:
+                return np.zeros_like(total)
+            return _truncate_div(np.asarray(total), np.asarray(count, dtype=x.dtype))
+        return np.true_divide(total, count)  # 0 / 0 = nan for an empty range, as in TF
+
+
+class _ExtremumKernel(_ReductionKernel):
+    types = REAL
+    _numpy: ClassVar[ArrayFn]
+    _largest: ClassVar[bool]  # identity is the largest value (Min) or the lowest (Max)
+
+    def reduce(self, x: np.ndarray, axes: tuple[int, ...]) -> Any:
+        if x.dtype in INTEGERS:
+            info = np.iinfo(x.dtype)
+            identity: Any = info.max if self._largest else info.min
+        else:
+            identity = np.inf if self._largest else -np.inf
+        return self._numpy(x, axis=axes, keepdims=self.keep_dims, initial=identity)
+
+
+@register_kernel("Max")
+class MaxKernel(_ExtremumKernel):
+    _numpy = staticmethod(np.max)
+    _largest = False
+
+
+@register_kernel("Min")
+class MinKernel(_ExtremumKernel):
+    _numpy = staticmethod(np.min)
+    _largest = True
+
+
+@register_kernel("ArgMax", "ArgMin")
+class ArgExtremumKernel(OpKernel):
+    """Index of the largest (ArgMax) or smallest (ArgMin) value along one axis."""
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        self.dtype = attr_type_in(self, "T", REAL | {BOOL})
+        self.output_type = attr_type_in(self, "output_type", INDEX_TYPES, default=np.dtype(np.int64))
+        self.fn = np.argmax if self.op == "ArgMax" else np.argmin
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        x, dimension = inputs
+        check_input_dtype(self, 0, x, self.dtype)
+        if dimension.ndim != 0 or dimension.dtype not in INDEX_TYPES:
+            raise kernel_error(
+                self, f"dim must be a scalar, but received tensor of shape: {shape_str(dimension.shape)}"
+            )
+        dim = int(dimension)
+        if not -x.ndim <= dim < x.ndim:
+            raise kernel_error(self, f"Expected dimension in the range [{-x.ndim}, {x.ndim}), but got {dim}")
+        axis = dim % x.ndim
+        if x.shape[axis] == 0:
+            raise kernel_error(self, f"Reduction axis {dim} is empty in shape {shape_str(x.shape)}")
+        return [array(self.fn(x.astype(compute_dtype(self.dtype), copy=False), axis=axis), self.output_type)]
+
+
+@register_kernel("Softmax")
+class SoftmaxKernel(OpKernel):
+    """exp(x) / sum(exp(x)) over the last dimension, computed stably."""
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        self.dtype = attr_type_in(self, "T", FLOATS)
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        (logits,) = inputs
+        check_input_dtype(self, 0, logits, self.dtype)
+        if logits.ndim < 1:
+            raise kernel_error(self, f"logits must have >= 1 dimension, got {shape_str(logits.shape)}")
+        if logits.size == 0:
+            return [np.array(logits, copy=True)]
+        x = logits.astype(_ACCUMULATE.get(self.dtype, self.dtype), copy=False)
+        with np.errstate(all="ignore"):
+            shifted = np.exp(x - np.max(x, axis=-1, keepdims=True))
+            return [array(shifted / np.sum(shifted, axis=-1, keepdims=True), self.dtype)]
+
+
+__all__ = [
+    "AddNKernel",
+    "ArgExtremumKernel",
+    "BiasAddKernel",
+    "BinaryOpKernel",
+    "CastKernel",
+    "EqualityKernel",
+    "MatMulKernel",
+    "MaxKernel",
+    "MeanKernel",
+    "MinKernel",
+    "ProdKernel",
+    "SoftmaxKernel",
+    "SumKernel",
+    "UnaryOpKernel",
+]

@@ -1,0 +1,393 @@
+"""Resource-variable kernels, as TensorFlow's graph mode builds them.
+
+A variable is a `VariableResource` in the task's `ResourceManager`, named by the
+`ResourceHandle` that `VarHandleOp` outputs. `AssignVariableOp` creates it when it is
+absent (TF's LookupOrCreate); reading one that does not exist (or was destroyed) is
+TF's FailedPrecondition "Could not find variable ...".
+
+Concurrency: every read-modify-write (AssignAdd/Sub, the optimizer updates) runs
+under the variables' locks, taken in a fixed order, so concurrent steps never lose an
+update and never deadlock. Updates replace the stored array instead of writing into
+it, so a value handed to a reader stays unchanged while later steps update the
+variable (TF's copy-on-write, without the reference counting).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+
+from distserver import errors
+from distserver.kernels._common import (
+    ALL_TYPES,
+    COMPLEX,
+    FLOATS,
+    NUMBER,
+    array,
+    attr_shape,
+    attr_type_in,
+    check_input_dtype,
+    handle_input,
+    handle_output,
+    kernel_error,
+    shape_str,
+    type_name,
+)
+from distserver.kernels.registry import KernelContext, OpKernel, register_kernel
+from distserver.kernels.resources import DEFAULT_CONTAINER, VariableResource
+from distserver.tensors import ResourceHandle
+
+if TYPE_CHECKING:
+    from distserver.protos.node_def_pb2 import NodeDef
+
+# TensorFlow names resources by their C++ type in lookup errors; keep its text.
+_VAR_TYPE_NAME = "N10tensorflow3VarE"
+
+
+def _missing_text(handle: ResourceHandle) -> str:
+    return f"Resource {handle.container or DEFAULT_CONTAINER}/{handle.name}/{_VAR_TYPE_NAME} does not exist."
+
+
+class _VariableKernel(OpKernel):
+    """Shared handle checks and lookups for the kernels that take a variable handle."""
+
+    def _handle(self, ctx: KernelContext, value: Any) -> ResourceHandle:
+        handle = handle_input(self, value)
+        if handle.device and ctx.device and handle.device != ctx.device:
+            raise kernel_error(
+                self,
+                f"Trying to access resource {handle.name} located in device {handle.device} "
+                f"from device {ctx.device}",
+            )
+        return handle
+
+    def _find(self, ctx: KernelContext, handle: ResourceHandle) -> VariableResource | None:
+        """The initialized variable `handle` names, or None."""
+        try:
+            resource = ctx.resources.lookup(handle.container, handle.name)
+        except errors.NotFoundError:
+            return None
+        if isinstance(resource, VariableResource) and resource.is_initialized:
+            return resource
+        return None
+
+    def _lookup(self, ctx: KernelContext, handle: ResourceHandle) -> VariableResource:
+        """The variable `handle` names; TF's NotFound text when there is none."""
+        variable = self._find(ctx, handle)
+        if variable is None:
+            raise kernel_error(self, _missing_text(handle), errors.NotFoundError)
+        return variable
+
+    def _current(self, variable: VariableResource, handle: ResourceHandle) -> np.ndarray:
+        """The value of a variable whose lock is held (it may have been destroyed meanwhile)."""
+        value = variable.value
+        if value is None:
+            raise kernel_error(self, _missing_text(handle), errors.NotFoundError)
+        return value
+
+
+@register_kernel("VarHandleOp")
+class VarHandleOpKernel(OpKernel):
+    """Outputs the handle of variable `shared_name` (or the node's name) on this device."""
+
+    is_stateful = True
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        self.container = self.attr_str("container", "") or DEFAULT_CONTAINER
+        self.var_name = self.attr_str("shared_name", "") or self.name
+        self.dtype = self.attr_type("dtype")
+        self.shape = attr_shape(self, "shape") if self.has_attr("shape") else None
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        return [
+            handle_output(ResourceHandle(ctx.device, self.container, self.var_name, self.dtype, self.shape))
+        ]
+
+
+@register_kernel("ReadVariableOp")
+class ReadVariableOpKernel(_VariableKernel):
+    """The variable's current value (the stored array itself: it is never mutated)."""
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        self.dtype = self.attr_type("dtype")
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        handle = self._handle(ctx, inputs[0])
+        variable = self._find(ctx, handle)
+        value = None if variable is None else variable.value  # one atomic read, no lock needed
+        if value is None:
+            raise kernel_error(
+                self,
+                f"Could not find variable {handle.name}. This could mean that the variable has been "
+                "deleted. In TF1, it can also mean the variable is uninitialized. Debug info: "
+                f"container={handle.container or DEFAULT_CONTAINER}, "
+                f"status error message={_missing_text(handle)}",
+                errors.FailedPreconditionError,
+            )
+        if value.dtype != self.dtype:
+            raise kernel_error(
+                self,
+                f"Trying to read variable with wrong dtype. Expected {type_name(self.dtype)} "
+                f"got {type_name(value.dtype)}",
+            )
+        return [value]
+
+
+@register_kernel("AssignVariableOp")
+class AssignVariableOpKernel(_VariableKernel):
+    """Stores a copy of `value`, creating the variable when absent; shapes may change.
+
+    With `validate_shape=True` (newer TF) the new value must keep the current shape.
+    """
+
+    is_stateful = True
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        self.dtype = attr_type_in(self, "dtype", ALL_TYPES)
+        self.validate_shape = self.attr_bool("validate_shape", False)
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        handle = self._handle(ctx, inputs[0])
+        value = inputs[1]
+        if value.dtype != self.dtype:
+            raise kernel_error(
+                self,
+                f"Variable and value dtypes don't match; respectively, {type_name(self.dtype)} "
+                f"and {type_name(value.dtype)}",
+            )
+        variable = ctx.resources.lookup_or_create(
+            handle.container, handle.name, lambda: VariableResource(self.dtype, handle.shape)
+        )
+        if not isinstance(variable, VariableResource):
+            raise kernel_error(
+                self, f"Resource {handle.container}/{handle.name} exists and is not a variable"
+            )
+        with variable.lock:
+            if variable.dtype != self.dtype:
+                raise kernel_error(
+                    self,
+                    f"Trying to assign variable with wrong dtype. Expected {type_name(variable.dtype)} "
+                    f"got {type_name(self.dtype)}",
+                )
+            current = variable.value
+            if self.validate_shape and current is not None and current.shape != value.shape:
+                raise kernel_error(
+                    self,
+                    "Trying to assign to variable with tensor with wrong shape. Expected "
+                    f"{shape_str(current.shape)} got {shape_str(value.shape)}",
+                )
+            variable.assign(value)
+        return []
+
+
+@register_kernel("AssignAddVariableOp", "AssignSubVariableOp")
+class AssignUpdateVariableOpKernel(_VariableKernel):
+    """var += value / var -= value, atomically: concurrent updates all count."""
+
+    is_stateful = True
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        self.dtype = attr_type_in(self, "dtype", NUMBER)
+        self.fn = np.add if self.op == "AssignAddVariableOp" else np.subtract
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        handle = self._handle(ctx, inputs[0])
+        value = inputs[1]
+        check_input_dtype(self, 1, value, self.dtype)
+        variable = self._lookup(ctx, handle)
+        with variable.lock:
+            current = self._current(variable, handle)
+            if current.dtype != self.dtype:
+                raise kernel_error(
+                    self,
+                    f"Variable and value dtypes don't match; respectively, {type_name(current.dtype)} "
+                    f"and {type_name(self.dtype)}",
+                )
+            if current.shape != value.shape:
+                raise kernel_error(
+                    self,
+                    f"Cannot update variable with shape {shape_str(current.shape)} using a Tensor with "
+                    f"shape {shape_str(value.shape)}, shapes must be equal.",
+                )
+            with np.errstate(all="ignore"):
+                variable.replace(array(self.fn(current, value), self.dtype))
+        return []
+
+
+@register_kernel("VarIsInitializedOp")
+class VarIsInitializedOpKernel(_VariableKernel):
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        handle = self._handle(ctx, inputs[0])
+        return [np.array(self._find(ctx, handle) is not None)]
+
+
+@register_kernel("DestroyResourceOp")
+class DestroyResourceOpKernel(_VariableKernel):
+    """Deletes the resource a handle names (any resource type)."""
+
+    is_stateful = True
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        self.ignore_lookup_error = self.attr_bool("ignore_lookup_error", True)
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        handle = self._handle(ctx, inputs[0])
+        try:
+            ctx.resources.delete(handle.container, handle.name)
+        except errors.NotFoundError as exc:
+            if not self.ignore_lookup_error:
+                raise kernel_error(self, exc.message, errors.NotFoundError) from None
+        return []
+
+
+# --------------------------------------------------------------------------- optimizers
+
+
+@contextlib.contextmanager
+def _locked(variables: list[VariableResource]) -> Iterator[None]:
+    # One fixed order (by identity) for every kernel, so two updates never deadlock;
+    # a variable passed twice is locked once.
+    with contextlib.ExitStack() as stack:
+        for variable in sorted({id(v): v for v in variables}.values(), key=id):
+            stack.enter_context(variable.lock)
+        yield
+
+
+class _ApplyKernel(_VariableKernel):
+    """A dense optimizer update of one or more variables, per TF's formulas.
+
+    `signature` lists the inputs in TF's order as (name, kind): "var" inputs are
+    variable handles updated in place, "scalar" inputs must be scalars (TF's legacy
+    scalars: [] or [1]) and "tensor" inputs must have the shape of `var`. Every
+    update happens under the locks of all the variables involved, whatever
+    `use_locking` says: taking an uncontended lock is cheap, lost updates are not.
+    """
+
+    is_stateful = True
+    signature: ClassVar[tuple[tuple[str, str], ...]]
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        self.dtype = attr_type_in(self, "T", FLOATS | COMPLEX)
+        self.use_locking = self.attr_bool("use_locking", False)
+        self.use_nesterov = self.attr_bool("use_nesterov", False)
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        handles: dict[str, ResourceHandle] = {}
+        values: dict[str, np.ndarray] = {}
+        for i, ((name, kind), value) in enumerate(zip(self.signature, inputs, strict=True)):
+            if kind == "var":
+                handles[name] = self._handle(ctx, value)
+                continue
+            check_input_dtype(self, i, value, self.dtype)
+            if kind == "scalar" and (value.size != 1 or value.ndim > 1):
+                raise kernel_error(self, f"{name} is not a scalar: {shape_str(value.shape)}")
+            values[name] = value.reshape(()) if kind == "scalar" else value
+        variables = {name: self._lookup(ctx, handle) for name, handle in handles.items()}
+        with _locked(list(variables.values())):
+            for name, variable in variables.items():
+                values[name] = self._current(variable, handles[name])
+                check_input_dtype(self, 0, values[name], self.dtype)
+            shape = values["var"].shape
+            for name, kind in self.signature[1:]:
+                if kind != "scalar" and values[name].shape != shape:
+                    raise kernel_error(
+                        self,
+                        f"var and {name} do not have the same shape"
+                        f"{shape_str(shape)} {shape_str(values[name].shape)}",
+                    )
+            with np.errstate(all="ignore"):
+                updated = self.update(**values)
+            for name, new_value in updated.items():
+                variables[name].replace(array(new_value, self.dtype))
+        return []
+
+    def update(self, **x: np.ndarray) -> dict[str, Any]:
+        """New values of the "var" inputs, from every input's current value."""
+        raise NotImplementedError
+
+
+@register_kernel("ResourceApplyGradientDescent")
+class ResourceApplyGradientDescentKernel(_ApplyKernel):
+    """var -= alpha * delta"""
+
+    signature = (("var", "var"), ("alpha", "scalar"), ("delta", "tensor"))
+
+    def update(self, **x: np.ndarray) -> dict[str, Any]:
+        return {"var": x["var"] - x["alpha"] * x["delta"]}
+
+
+@register_kernel("ResourceApplyMomentum")
+class ResourceApplyMomentumKernel(_ApplyKernel):
+    """accum = accum * momentum + grad; var -= lr * accum (Nesterov: lr * (grad + momentum * accum))."""
+
+    signature = (
+        ("var", "var"),
+        ("accum", "var"),
+        ("lr", "scalar"),
+        ("grad", "tensor"),
+        ("momentum", "scalar"),
+    )
+
+    def update(self, **x: np.ndarray) -> dict[str, Any]:
+        accum = x["accum"] * x["momentum"] + x["grad"]
+        if self.use_nesterov:
+            var = x["var"] - (x["grad"] * x["lr"] + accum * x["momentum"] * x["lr"])
+        else:
+            var = x["var"] - x["lr"] * accum
+        return {"var": var, "accum": accum}
+
+
+@register_kernel("ResourceApplyAdam")
+class ResourceApplyAdamKernel(_ApplyKernel):
+    """TF's ApplyAdam:
+
+    lr_t = lr * sqrt(1 - beta2_power) / (1 - beta1_power)
+    m += (grad - m) * (1 - beta1);  v += (grad^2 - v) * (1 - beta2)
+    var -= lr_t * m / (sqrt(v) + epsilon)
+        (Nesterov: lr_t * (grad * (1 - beta1) + beta1 * m) / (sqrt(v) + epsilon))
+    """
+
+    signature = (
+        ("var", "var"),
+        ("m", "var"),
+        ("v", "var"),
+        ("beta1_power", "scalar"),
+        ("beta2_power", "scalar"),
+        ("lr", "scalar"),
+        ("beta1", "scalar"),
+        ("beta2", "scalar"),
+        ("epsilon", "scalar"),
+        ("grad", "tensor"),
+    )
+
+    def update(self, **x: np.ndarray) -> dict[str, Any]:
+        one = np.ones((), dtype=self.dtype)
+        grad, beta1, beta2 = x["grad"], x["beta1"], x["beta2"]
+        alpha = x["lr"] * np.sqrt(one - x["beta2_power"]) / (one - x["beta1_power"])
+        m = x["m"] + (grad - x["m"]) * (one - beta1)
+        v = x["v"] + (grad * grad - x["v"]) * (one - beta2)
+        step = grad * (one - beta1) + beta1 * m if self.use_nesterov else m
+        var = x["var"] - step * alpha / (np.sqrt(v) + x["epsilon"])
+        return {"var": var, "m": m, "v": v}
+
+
+__all__ = [
+    "AssignUpdateVariableOpKernel",
+    "AssignVariableOpKernel",
+    "DestroyResourceOpKernel",
+    "ReadVariableOpKernel",
+    "ResourceApplyAdamKernel",
+    "ResourceApplyGradientDescentKernel",
+    "ResourceApplyMomentumKernel",
+    "VarHandleOpKernel",
+    "VarIsInitializedOpKernel",
+]

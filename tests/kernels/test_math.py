@@ -1,0 +1,461 @@
+"""Math kernels against numpy references: broadcasting, 0-d, empty, dtypes, TF errors."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from distserver import errors
+
+RNG = np.random.default_rng(0)
+
+# (x shape, y shape): same, broadcast row, scalar vs vector, both 0-d, empty, outer.
+BROADCAST_SHAPES = [
+    ((2, 3), (2, 3)),
+    ((2, 3), (3,)),
+    ((), (4,)),
+    ((), ()),
+    ((0, 3), (1, 3)),
+    ((3, 1), (1, 4)),
+]
+
+
+def _values(shape, dtype, *, nonzero=False, positive=False):
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return RNG.integers(0, 2, size=shape).astype(bool)
+    if dtype.kind in "iu":
+        low = 1 if positive or nonzero else (-5 if dtype.kind == "i" else 0)
+        values = RNG.integers(low, 6, size=shape)
+        if nonzero and dtype.kind == "i":
+            values = values * RNG.choice([-1, 1], size=shape)
+        return np.asarray(values, dtype=dtype)
+    values = RNG.uniform(0.5 if positive or nonzero else -2, 2, size=shape)
+    return np.asarray(values, dtype=dtype)
+
+
+def _floor_div_reference(x, y):
+    return np.floor_divide(x, y) if x.dtype.kind in "iu" else np.floor(x / y)
+
+
+def _truncate_reference(x, y):
+    if x.dtype.kind in "iu":
+        return np.trunc(x.astype(np.float64) / y.astype(np.float64)).astype(x.dtype)
+    return x / y
+
+
+BINARY_CASES = [
+    ("AddV2", np.add, [np.float32, np.int32, np.int64, np.complex64, np.uint8]),
+    ("Add", np.add, [np.float64, np.int16]),
+    ("Sub", np.subtract, [np.float32, np.int64]),
+    ("Mul", np.multiply, [np.float16, np.int32]),
+    ("RealDiv", _truncate_reference, [np.float32, np.float64]),
+    ("Div", _truncate_reference, [np.float32, np.int32, np.int64]),
+    ("FloorDiv", _floor_div_reference, [np.float32, np.int32, np.int64]),
+    ("FloorMod", np.mod, [np.float64, np.int32]),
+    ("Pow", np.power, [np.float32, np.int32]),
+    ("Maximum", np.maximum, [np.float32, np.int64]),
+    ("Minimum", np.minimum, [np.float32, np.uint8]),
+    ("Greater", np.greater, [np.float32, np.int32]),
+    ("GreaterEqual", np.greater_equal, [np.float32]),
+    ("Less", np.less, [np.int64]),
+    ("LessEqual", np.less_equal, [np.float64]),
+    ("Equal", np.equal, [np.float32, np.int32, np.bool_]),
+    ("NotEqual", np.not_equal, [np.int64, np.bool_]),
+]
+
+
+@pytest.mark.parametrize(("x_shape", "y_shape"), BROADCAST_SHAPES)
+@pytest.mark.parametrize(("op", "reference", "dtypes"), BINARY_CASES, ids=[c[0] for c in BINARY_CASES])
+def test_binary_ops_match_numpy(run_op, op, reference, dtypes, x_shape, y_shape):
+    for dtype in dtypes:
+        divides = op in ("RealDiv", "Div", "FloorDiv", "FloorMod")
+        x = _values(x_shape, dtype)
+        y = _values(y_shape, dtype, nonzero=divides, positive=op == "Pow")
+        (out,) = run_op(op, x, y, T=dtype)
+        with np.errstate(invalid="ignore"):  # negative ** fractional is nan in both
+            expected = np.asarray(reference(x, y))
+        assert isinstance(out, np.ndarray)
+        assert out.shape == np.broadcast_shapes(x_shape, y_shape)
+        assert out.dtype == (np.bool_ if expected.dtype == np.bool_ else np.dtype(dtype))
+        np.testing.assert_allclose(out, expected.astype(out.dtype), rtol=1e-3)
+
+
+def test_integer_division_semantics(run_op):
+    x = np.array([-7, 7, -7, 7, 6], np.int32)
+    y = np.array([2, 2, -2, -2, 3], np.int32)
+    # Div truncates toward zero (C++); FloorDiv/FloorMod round toward -inf (Python).
+    np.testing.assert_array_equal(run_op("Div", x, y, T=np.int32)[0], [-3, 3, 3, -3, 2])
+    np.testing.assert_array_equal(run_op("TruncateDiv", x, y, T=np.int32)[0], [-3, 3, 3, -3, 2])
+    np.testing.assert_array_equal(run_op("FloorDiv", x, y, T=np.int32)[0], [-4, 3, 3, -4, 2])
+    np.testing.assert_array_equal(run_op("FloorMod", x, y, T=np.int32)[0], [1, 1, -1, -1, 0])
+
+
+def test_float_floor_div_and_mod(run_op):
+    x = np.array([-7.5, 7.5, 1.0], np.float64)
+    y = np.array([2.0, -2.0, 0.1], np.float64)
+    np.testing.assert_array_equal(run_op("FloorDiv", x, y, T=np.float64)[0], np.floor(x / y))
+    np.testing.assert_allclose(run_op("FloorMod", x, y, T=np.float64)[0], [0.5, -0.5, np.mod(1.0, 0.1)])
+
+
+@pytest.mark.parametrize("op", ["Div", "TruncateDiv", "FloorDiv", "FloorMod"])
+def test_integer_division_by_zero_is_an_error(run_op, op):
+    with pytest.raises(errors.InvalidArgumentError, match="Integer division by zero") as info:
+        run_op(op, np.array([1, 2], np.int32), np.array([1, 0], np.int32), T=np.int32, name="divide")
+    assert info.value.node_name == "divide"
+    assert "{{node divide}}" in info.value.message
+
+
+def test_float_division_by_zero_gives_ieee_results(run_op):
+    (out,) = run_op("RealDiv", np.array([1.0, -1.0, 0.0], np.float32), np.zeros(3, np.float32), T=np.float32)
+    np.testing.assert_array_equal(out[:2], [np.inf, -np.inf])
+    assert np.isnan(out[2])
+
+
+def test_integer_pow_negative_exponent_is_an_error(run_op):
+    with pytest.raises(
+        errors.InvalidArgumentError, match="Integers to negative integer powers are not allowed"
+    ):
+        run_op("Pow", np.array([2], np.int32), np.array([-1], np.int32), T=np.int32)
+
+
+def test_incompatible_shapes_error_names_node(run_op):
+    with pytest.raises(errors.InvalidArgumentError) as info:
+        run_op("AddV2", np.ones((2, 3), np.float32), np.ones(4, np.float32), T=np.float32, name="add")
+    assert info.value.message.startswith("Incompatible shapes: [2,3] vs. [4]")
+    assert "[[{{node add}}]]" in info.value.message
+    assert info.value.node_name == "add"
+
+
+def test_input_dtype_must_match_attr(run_op):
+    with pytest.raises(
+        errors.InvalidArgumentError, match=r"AddV2 input 1 has type int32 but the node expects float"
+    ):
+        run_op("AddV2", np.ones(2, np.float32), np.ones(2, np.int32), T=np.float32, name="mixed")
+
+
+def test_unsupported_type_attr_is_refused_at_creation(make_node):
+    from distserver.kernels import create_kernel
+
+    with pytest.raises(
+        errors.InvalidArgumentError, match=r"No OpKernel was registered to support Op 'AddV2'"
+    ):
+        create_kernel(make_node("AddV2", ["a", "b"], name="add", T=np.bool_))
+    with pytest.raises(errors.InvalidArgumentError, match=r"\[T=DT_STRING\]"):
+        create_kernel(make_node("Sqrt", ["a"], T=object))
+    with pytest.raises(errors.InvalidArgumentError, match=r"\[T=DT_INT32\]"):
+        create_kernel(make_node("RealDiv", ["a", "b"], T=np.int32))  # TF casts ints before truediv
+
+
+def test_equal_with_incompatible_shapes_and_no_error(run_op):
+    a, b = np.ones(2, np.int32), np.ones(3, np.int32)
+    assert run_op("Equal", a, b, T=np.int32, incompatible_shape_error=False)[0].item() is False
+    assert run_op("NotEqual", a, b, T=np.int32, incompatible_shape_error=False)[0].item() is True
+    with pytest.raises(errors.InvalidArgumentError, match="Incompatible shapes"):
+        run_op("Equal", a, b, T=np.int32)
+
+
+def test_strings_add_and_compare(run_op):
+    x = np.array([b"ab", b"c"], dtype=object)
+    y = np.array([b"x", b"c"], dtype=object)
+    np.testing.assert_array_equal(run_op("Add", x, y, T=object)[0], np.array([b"abx", b"cc"], dtype=object))
+    np.testing.assert_array_equal(run_op("Equal", x, y, T=object)[0], [False, True])
+
+
+def test_logical_ops(run_op):
+    x = np.array([True, True, False, False])
+    y = np.array([True, False, True, False])
+    np.testing.assert_array_equal(run_op("LogicalAnd", x, y)[0], x & y)
+    np.testing.assert_array_equal(run_op("LogicalOr", x, y)[0], x | y)
+    np.testing.assert_array_equal(run_op("LogicalNot", x)[0], ~x)
+    with pytest.raises(errors.InvalidArgumentError, match="LogicalAnd input 0 has type int32"):
+        run_op("LogicalAnd", np.ones(2, np.int32), y[:2])
+
+
+def _sigmoid(x):
+    return 1 / (1 + np.exp(-x))
+
+
+UNARY_CASES = [
+    ("Neg", np.negative, [np.float32, np.int32, np.complex64], {}),
+    ("Square", np.square, [np.float64, np.int64], {}),
+    ("Sqrt", np.sqrt, [np.float32, np.float64], {"positive": True}),
+    ("Rsqrt", lambda x: 1 / np.sqrt(x), [np.float32], {"positive": True}),
+    ("Exp", np.exp, [np.float32, np.complex128], {}),
+    ("Log", np.log, [np.float64], {"positive": True}),
+    ("Tanh", np.tanh, [np.float32], {}),
+    ("Sigmoid", _sigmoid, [np.float32, np.float64], {}),
+    ("Relu", lambda x: np.maximum(x, 0), [np.float32, np.int32], {}),
+    ("Abs", np.abs, [np.float32, np.int64], {}),
+    ("Sign", np.sign, [np.float32, np.int32], {}),
+    ("Reciprocal", lambda x: 1 / x, [np.float64], {"nonzero": True}),
+]
+
+
+@pytest.mark.parametrize("shape", [(), (0,), (2, 3)])
+@pytest.mark.parametrize(
+    ("op", "reference", "dtypes", "value_kwargs"), UNARY_CASES, ids=[c[0] for c in UNARY_CASES]
+)
+def test_unary_ops_match_numpy(run_op, op, reference, dtypes, value_kwargs, shape):
+    for dtype in dtypes:
+        x = _values(shape, dtype, **value_kwargs)
+        if np.dtype(dtype).kind == "c":
+            x = (x + 1j * _values(shape, np.float32)).astype(dtype)
+        (out,) = run_op(op, x, T=dtype)
+        assert isinstance(out, np.ndarray)
+        assert out.dtype == np.dtype(dtype)
+        assert out.shape == shape
+        np.testing.assert_allclose(out, np.asarray(reference(x)).astype(dtype), rtol=1e-5)
+
+
+def test_sigmoid_saturates_without_warnings(run_op):
+    (out,) = run_op("Sigmoid", np.array([-1000.0, 0.0, 1000.0], np.float32), T=np.float32)
+    np.testing.assert_array_equal(out, [0.0, 0.5, 1.0])
+
+
+def test_bfloat16_unary_rounds_back(run_op):
+    x = np.array([1.0, 4.0, 9.0], ml_dtypes.bfloat16)
+    (out,) = run_op("Sqrt", x, T=ml_dtypes.bfloat16)
+    assert out.dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(out.astype(np.float32), [1.0, 2.0, 3.0])
+
+
+# --------------------------------------------------------------------------- Cast
+
+
+@pytest.mark.parametrize(
+    ("value", "src", "dst", "expected"),
+    [
+        ([1.7, -1.7, 0.2], np.float32, np.int32, [1, -1, 0]),  # truncation toward zero
+        ([0.0, 2.5, -1.0], np.float64, np.bool_, [False, True, True]),
+        ([1, 0, 3], np.int64, np.float32, [1.0, 0.0, 3.0]),
+        ([True, False], np.bool_, np.int32, [1, 0]),
+        ([300, -1], np.int32, np.uint8, [44, 255]),  # wraps like a C cast
+        ([], np.float32, np.int64, []),
+    ],
+)
+def test_cast(run_op, value, src, dst, expected):
+    (out,) = run_op("Cast", np.array(value, dtype=src), SrcT=src, DstT=dst)
+    assert out.dtype == np.dtype(dst)
+    np.testing.assert_array_equal(out, np.array(expected, dtype=dst))
+
+
+def test_cast_complex_to_real_keeps_real_part(run_op):
+    (out,) = run_op("Cast", np.array([1.5 + 2j, -3 - 1j], np.complex64), SrcT=np.complex64, DstT=np.float32)
+    np.testing.assert_array_equal(out, [1.5, -3.0])
+
+
+def test_cast_scalar_and_same_type(run_op):
+    (out,) = run_op("Cast", np.array(2.9, np.float32), SrcT=np.float32, DstT=np.int64)
+    assert isinstance(out, np.ndarray)
+    assert out.shape == ()
+    assert out == 2
+    x = np.array([1, 2], np.int32)
+    assert run_op("Cast", x, SrcT=np.int32, DstT=np.int32)[0] is x
+
+
+def test_cast_truncate_to_bfloat16(run_op):
+    # 1 + 2**-8 + 2**-9 rounds up to 1 + 2**-7 in bfloat16 but truncates to 1.
+    x = np.array([1 + 2**-8 + 2**-9, np.nan], np.float32)
+    (rounded,) = run_op("Cast", x, SrcT=np.float32, DstT=ml_dtypes.bfloat16)
+    (truncated,) = run_op("Cast", x, SrcT=np.float32, DstT=ml_dtypes.bfloat16, Truncate=True)
+    assert float(rounded[0]) == 1 + 2**-7
+    assert float(truncated[0]) == 1.0
+    assert np.isnan(float(truncated[1]))
+
+
+def test_cast_of_strings_is_unimplemented(make_node):
+    from distserver.kernels import create_kernel
+
+    with pytest.raises(errors.UnimplementedError, match="Cast string to float is not supported"):
+        create_kernel(make_node("Cast", ["x"], name="cast", SrcT=object, DstT=np.float32))
+
+
+# --------------------------------------------------------------------------- MatMul, BiasAdd, AddN
+
+
+@pytest.mark.parametrize("transpose_a", [False, True])
+@pytest.mark.parametrize("transpose_b", [False, True])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32, np.complex64])
+def test_matmul(run_op, transpose_a, transpose_b, dtype):
+    a = _values((3, 2) if transpose_a else (2, 3), dtype)
+    b = _values((4, 3) if transpose_b else (3, 4), dtype)
+    (out,) = run_op("MatMul", a, b, T=dtype, transpose_a=transpose_a, transpose_b=transpose_b)
+    expected = (a.T if transpose_a else a) @ (b.T if transpose_b else b)
+    assert out.dtype == np.dtype(dtype)
+    np.testing.assert_allclose(out, expected, rtol=1e-5)
+
+
+def test_matmul_empty_inner_dimension_gives_zeros(run_op):
+    (out,) = run_op("MatMul", np.ones((2, 0), np.float32), np.ones((0, 3), np.float32), T=np.float32)
+    np.testing.assert_array_equal(out, np.zeros((2, 3)))
+
+
+def test_matmul_half_precision(run_op):
+    for dtype in (np.float16, ml_dtypes.bfloat16):
+        a = np.arange(6).reshape(2, 3).astype(dtype)
+        (out,) = run_op("MatMul", a, a, T=dtype, transpose_b=True)
+        assert out.dtype == np.dtype(dtype)
+        np.testing.assert_array_equal(out.astype(np.float32), [[5, 14], [14, 50]])
+
+
+def test_matmul_errors(run_op):
+    with pytest.raises(errors.InvalidArgumentError) as info:
+        run_op("MatMul", np.ones((2, 3), np.float32), np.ones((4, 5), np.float32), T=np.float32, name="mm")
+    assert info.value.message.startswith("Matrix size-incompatible: In[0]: [2,3], In[1]: [4,5]")
+    assert info.value.node_name == "mm"
+    with pytest.raises(
+        errors.InvalidArgumentError, match=r"In\[1\] is not a matrix. Instead it has shape \[3\]"
+    ):
+        run_op("MatMul", np.ones((2, 3), np.float32), np.ones(3, np.float32), T=np.float32)
+
+
+@pytest.mark.parametrize("data_format", ["NHWC", "NCHW"])
+def test_bias_add(run_op, data_format):
+    value = _values((2, 3, 4, 5), np.float32)
+    channels = 3 if data_format == "NCHW" else 5
+    bias = _values((channels,), np.float32)
+    (out,) = run_op("BiasAdd", value, bias, T=np.float32, data_format=data_format)
+    expected = value + (bias.reshape(1, 3, 1, 1) if data_format == "NCHW" else bias)
+    np.testing.assert_allclose(out, expected)
+
+
+def test_bias_add_errors(run_op):
+    with pytest.raises(errors.InvalidArgumentError, match=r"Input tensor must be at least 2D: \[3\]"):
+        run_op("BiasAdd", np.ones(3, np.float32), np.ones(3, np.float32), T=np.float32)
+    with pytest.raises(
+        errors.InvalidArgumentError,
+        match=r"Must provide as many biases as the last dimension of the input tensor: \[4\] vs. \[2,3\]",
+    ):
+        run_op("BiasAdd", np.ones((2, 3), np.float32), np.ones(4, np.float32), T=np.float32)
+
+
+def test_add_n(run_op):
+    inputs = [_values((2, 3), np.float32) for _ in range(4)]
+    (out,) = run_op("AddN", *inputs, T=np.float32, N=4)
+    np.testing.assert_allclose(out, sum(inputs), rtol=1e-6)
+    assert all(out is not x for x in inputs)
+    (single,) = run_op("AddN", np.array(5, np.int32), T=np.int32, N=1)
+    assert single.shape == ()
+    assert single == 5
+    with pytest.raises(errors.InvalidArgumentError, match=r"Input 0: \[2\] != input 1: \[3\]"):
+        run_op("AddN", np.ones(2, np.float32), np.ones(3, np.float32), T=np.float32, N=2)
+
+
+# --------------------------------------------------------------------------- reductions
+
+REDUCTIONS = {
+    "Sum": np.sum,
+    "Prod": np.prod,
+    "Mean": np.mean,
+    "Max": np.max,
+    "Min": np.min,
+}
+
+REDUCTION_AXES = [
+    ((2, 3, 4), [1]),
+    ((2, 3, 4), [0, 2]),
+    ((2, 3, 4), [-1]),
+    ((2, 3, 4), 1),  # scalar axis
+    ((2, 3, 4), []),  # nothing reduced
+    ((2, 3, 4), [0, 1, 2]),
+    ((5,), [0]),
+    ((), []),
+]
+
+
+@pytest.mark.parametrize("keep_dims", [False, True])
+@pytest.mark.parametrize(("shape", "axes"), REDUCTION_AXES)
+@pytest.mark.parametrize("op", sorted(REDUCTIONS))
+@pytest.mark.parametrize("index_type", [np.int32, np.int64])
+def test_reductions_match_numpy(run_op, op, shape, axes, keep_dims, index_type):
+    x = _values(shape, np.float64)
+    (out,) = run_op(op, x, np.array(axes, index_type), T=np.float64, Tidx=index_type, keep_dims=keep_dims)
+    axis = tuple(np.atleast_1d(axes).tolist())
+    expected = REDUCTIONS[op](x, axis=axis, keepdims=keep_dims)
+    assert isinstance(out, np.ndarray)
+    assert out.dtype == np.float64
+    assert out.shape == np.shape(expected)
+    np.testing.assert_allclose(out, expected)
+
+
+def test_reductions_of_empty_ranges(run_op):
+    empty = np.zeros((0, 3), np.float32)
+    axis = np.array([0], np.int32)
+    np.testing.assert_array_equal(run_op("Sum", empty, axis, T=np.float32)[0], [0, 0, 0])
+    np.testing.assert_array_equal(run_op("Prod", empty, axis, T=np.float32)[0], [1, 1, 1])
+    np.testing.assert_array_equal(run_op("Max", empty, axis, T=np.float32)[0], [-np.inf] * 3)
+    np.testing.assert_array_equal(run_op("Min", empty, axis, T=np.float32)[0], [np.inf] * 3)
+    assert np.isnan(run_op("Mean", empty, axis, T=np.float32)[0]).all()
+    int_empty = np.zeros((0,), np.int32)
+    assert run_op("Max", int_empty, axis, T=np.int32)[0] == np.iinfo(np.int32).min
+
+
+def test_integer_reductions_keep_dtype_and_truncate_mean(run_op):
+    x = np.array([[-3, -4], [3, 4]], np.int32)
+    axis = np.array([1], np.int32)
+    (mean,) = run_op("Mean", x, axis, T=np.int32)
+    assert mean.dtype == np.int32
+    np.testing.assert_array_equal(mean, [-3, 3])  # -3.5 truncates toward zero
+    (total,) = run_op("Sum", np.full(3, 2**30, np.int32), np.array(0, np.int32), T=np.int32)
+    assert total.dtype == np.int32  # no silent widening to int64
+
+
+def test_half_sum_accumulates_in_float32(run_op):
+    x = np.full(4096, 1.0, np.float16)
+    x[0] = 2048
+    (out,) = run_op("Sum", x, np.array([0], np.int32), T=np.float16)
+    assert out.dtype == np.float16
+    assert float(out) == 6144.0  # 2048 + 4095 in float32, rounded once
+
+
+def test_reduction_axis_errors(run_op):
+    x = np.ones((2, 3), np.float32)
+    with pytest.raises(errors.InvalidArgumentError) as info:
+        run_op("Sum", x, np.array([2], np.int32), T=np.float32, name="total")
+    assert info.value.message.startswith("Invalid reduction dimension (2 for input with 2 dimension(s)")
+    assert info.value.node_name == "total"
+    with pytest.raises(errors.InvalidArgumentError, match="Axes contains duplicate dimension: 1"):
+        run_op("Sum", x, np.array([1, -1], np.int32), T=np.float32)
+    with pytest.raises(errors.InvalidArgumentError, match="reduction_indices must be int32 or int64"):
+        run_op("Sum", x, np.array([1.0], np.float32), T=np.float32)
+
+
+@pytest.mark.parametrize("op", ["ArgMax", "ArgMin"])
+@pytest.mark.parametrize("output_type", [np.int32, np.int64])
+def test_arg_extremum(run_op, op, output_type):
+    x = _values((3, 4, 5), np.float32)
+    reference = np.argmax if op == "ArgMax" else np.argmin
+    for dim in (0, 1, -1):
+        (out,) = run_op(op, x, np.array(dim, np.int32), T=np.float32, output_type=output_type)
+        assert out.dtype == np.dtype(output_type)
+        np.testing.assert_array_equal(out, reference(x, axis=dim))
+    (scalar,) = run_op(op, np.array([1, 5, 2], np.int32), np.array(0, np.int64), T=np.int32, Tidx=np.int64)
+    assert scalar.shape == ()
+    assert scalar.dtype == np.int64  # the default output_type
+
+
+def test_arg_extremum_errors(run_op):
+    with pytest.raises(errors.InvalidArgumentError, match=r"Reduction axis 0 is empty in shape \[0,2\]"):
+        run_op("ArgMax", np.zeros((0, 2), np.float32), np.array(0, np.int32), T=np.float32)
+    with pytest.raises(
+        errors.InvalidArgumentError, match=r"Expected dimension in the range \[-2, 2\), but got 2"
+    ):
+        run_op("ArgMax", np.zeros((1, 2), np.float32), np.array(2, np.int32), T=np.float32)
+
+
+@pytest.mark.parametrize("shape", [(5,), (2, 3), (2, 0), (2, 3, 4)])
+def test_softmax(run_op, shape):
+    x = _values(shape, np.float32) * 50
+    (out,) = run_op("Softmax", x, T=np.float32)
+    if x.size:
+        e = np.exp(x.astype(np.float64) - x.max(axis=-1, keepdims=True))
+        np.testing.assert_allclose(out, e / e.sum(axis=-1, keepdims=True), rtol=1e-5, atol=1e-7)
+    assert out.shape == shape
+    assert out.dtype == np.float32
+
+
+def test_softmax_needs_a_vector(run_op):
+    with pytest.raises(errors.InvalidArgumentError, match=r"logits must have >= 1 dimension, got \[\]"):
+        run_op("Softmax", np.array(1.0, np.float32), T=np.float32)
