@@ -1,1 +1,36 @@
-"""distserver: TensorFlow's distributed runtime server in pure, asyncio-native Python."""
+"""distserver: TensorFlow's distributed runtime server in pure, asyncio-native Python.
+
+The public API:
+
+* Servers: `AsyncServer` (asyncio) and `Server` (blocking, `tf.distribute.Server`).
+* Sessions: `AsyncSession` and `Session` (`tf.compat.v1.Session`).
+* Clusters: `ClusterSpec`, `TFConfigClusterResolver`.
+* Graph building, TF 1.x style: `Graph`, `placeholder`, `constant`, `matmul`,
+  `Variable`, `device`, ... (also importable as `distserver.graph`).
+* Errors: `distserver.errors` (`OpError` and TensorFlow's 16 subclasses).
+"""
+
+from distserver import errors as errors
+from distserver.cluster import ClusterSpec as ClusterSpec
+from distserver.cluster import TFConfigClusterResolver as TFConfigClusterResolver
+from distserver.facade import Server as Server
+from distserver.facade import Session as Session
+from distserver.graph import *  # noqa: F403 - the graph API is part of the top-level API
+from distserver.graph import __all__ as _graph_all
+from distserver.server import AsyncServer as AsyncServer
+from distserver.session import AsyncSession as AsyncSession
+
+__version__ = "0.1.0"
+
+__all__ = sorted(
+    [
+        "AsyncServer",
+        "AsyncSession",
+        "ClusterSpec",
+        "Server",
+        "Session",
+        "TFConfigClusterResolver",
+        "errors",
+        *_graph_all,
+    ]
+)

@@ -299,8 +299,11 @@ def to_status(error: BaseException) -> tuple[int, str]:
         code, message = DEADLINE_EXCEEDED, str(error) or "Deadline exceeded"
     else:
         code, message = UNKNOWN, f"{type(error).__name__}: {error}"
-    if len(message) > MAX_WIRE_MESSAGE_LENGTH:
-        message = message[:MAX_WIRE_MESSAGE_LENGTH] + " ... [truncated]"
+    encoded = message.encode("utf-8", "surrogatepass")
+    if len(encoded) > MAX_WIRE_MESSAGE_LENGTH:
+        # Like TensorFlow's "%.3072s ... [truncated]": the limit counts UTF-8 bytes; a
+        # character cut in half at the limit is dropped.
+        message = encoded[:MAX_WIRE_MESSAGE_LENGTH].decode("utf-8", "ignore") + " ... [truncated]"
     return code, message
 
 

@@ -112,8 +112,8 @@ class AsyncServer:
             server_or_cluster_def, job_name, task_index, protocol, config
         )
         self._transport: Transport = get_transport(self._server_def.protocol)
-        validate_cluster(self._server_def.cluster)
         self._host, self._requested_port = local_address(self._server_def)
+        validate_cluster(self._server_def.cluster)
         self._listen_everywhere = listen_on_all_interfaces
         self._serve = serve
         self._cluster = ClusterSpec(self._server_def.cluster)

@@ -27,6 +27,7 @@ from distserver import errors
 from distserver.kernels.registry import KernelContext, OpKernel, create_kernel
 from distserver.kernels.resources import ResourceManager
 from distserver.protos.graph_pb2 import GraphDef
+from distserver.runtime.concurrency import first_error
 from distserver.runtime.names import parse_input
 from distserver.runtime.rendezvous import StepRendezvous
 
@@ -157,27 +158,6 @@ class Executor:
                     wake.clear()
         except BaseExceptionGroup as group_error:
             raise first_error(group_error) from None
-
-
-def first_error(group: BaseExceptionGroup[Any]) -> BaseException:
-    """The error to report for a failed group: an OpError before cancellations."""
-    leaves: list[BaseException] = []
-
-    def walk(exc: BaseException) -> None:
-        if isinstance(exc, BaseExceptionGroup):
-            for inner in exc.exceptions:
-                walk(inner)
-        else:
-            leaves.append(exc)
-
-    walk(group)
-    for exc in leaves:
-        if isinstance(exc, errors.OpError) and not isinstance(exc, errors.CancelledError):
-            return exc
-    for exc in leaves:
-        if not isinstance(exc, asyncio.CancelledError):
-            return exc
-    return leaves[0]
 
 
 def _output(nodes: list[_Node], outputs: list[list[Any] | None], src: int, k: int, consumer: _Node) -> Any:

@@ -32,7 +32,7 @@ from distserver.protos.device_attributes_pb2 import DeviceAttributes
 from distserver.protos.graph_pb2 import GraphDef
 from distserver.protos.node_def_pb2 import NodeDef
 from distserver.protos.services import MASTER_METHODS, snake_case
-from distserver.runtime.executor import first_error
+from distserver.runtime.concurrency import gather_all
 from distserver.runtime.names import canonical_tensor_name
 from distserver.runtime.partition import partition
 from distserver.runtime.placement import place
@@ -162,9 +162,7 @@ class Master:
                 logger.info("CreateSession still waiting for response from worker: %s", task)
 
     async def _devices(self, tasks: Sequence[str], timeout: float) -> list[DeviceAttributes]:
-        async with asyncio.TaskGroup() as group:
-            lookups = [group.create_task(self._device_of(task, timeout)) for task in tasks]
-        return [lookup.result() for lookup in lookups]
+        return await gather_all(self._device_of(task, timeout) for task in tasks)
 
     def _connect_timeout(self, config: ConfigProto) -> float:
         ms = config.operation_timeout_in_ms
@@ -188,16 +186,10 @@ class Master:
         tasks = self._filtered_tasks(list(config.device_filters))
         devices = await self._devices(tasks, self._connect_timeout(config))
         handle = f"{random.getrandbits(64):016x}"
-        async with asyncio.TaskGroup() as group:
-            for task in tasks:
-                group.create_task(
-                    self._worker(task).call(
-                        "CreateWorkerSession",
-                        w.CreateWorkerSessionRequest(
-                            session_handle=handle, isolate_session_state=config.isolate_session_state
-                        ),
-                    )
-                )
+        create = w.CreateWorkerSessionRequest(
+            session_handle=handle, isolate_session_state=config.isolate_session_state
+        )
+        await gather_all(self._worker(task).call("CreateWorkerSession", create) for task in tasks)
         session = MasterSession(handle=handle, config=config, tasks=tasks, devices=devices)
         _extend_graph(session, request.graph_def)
         self._sessions[handle] = session
@@ -272,11 +264,8 @@ class Master:
         for session in sessions:
             await self._close(session)
         tasks = self._filtered_tasks(list(request.device_filters))
-        async with asyncio.TaskGroup() as group:
-            for task in tasks:
-                group.create_task(
-                    self._worker(task).call("CleanupAll", w.CleanupAllRequest(container=request.container))
-                )
+        cleanup = w.CleanupAllRequest(container=request.container)
+        await gather_all(self._worker(task).call("CleanupAll", cleanup) for task in tasks)
         return m.ResetResponse()
 
     # -- steps ------------------------------------------------------------------------
@@ -326,24 +315,22 @@ class Master:
                 raise errors.InvalidArgumentError(f"Duplicated feeds: {name}")
             feed_values[tensor] = value
         fetch_names = list(dict.fromkeys(canonical_tensor_name(f) for f in fetches))
-        plan = await self._plan(session, feed_values, fetch_names, list(targets))
+        # A fetched feed is answered with the fed value; the graph never computes it.
+        computed = [name for name in fetch_names if name not in feed_values]
+        plan = await self._plan(session, feed_values, computed, list(targets))
         step_id = new_step_id()
         results: dict[str, Any] = {}
         try:
-            async with asyncio.TaskGroup() as group:
-                runs = [
-                    group.create_task(self._run_partition(p, session.handle, step_id, plan, feed_values))
-                    for p in plan.partitions
-                ]
-        except BaseExceptionGroup as group_error:
-            raise first_error(group_error) from None
+            runs = await gather_all(
+                self._run_partition(p, session.handle, step_id, plan, feed_values) for p in plan.partitions
+            )
         finally:
             self._cleanup_step(plan, step_id)
         by_key = {}
         for run in runs:
-            by_key.update(run.result())
+            by_key.update(run)
         for name in fetch_names:
-            results[name] = by_key[plan.fetch_keys[name]]
+            results[name] = feed_values[name] if name in feed_values else by_key[plan.fetch_keys[name]]
         return results
 
     async def _run_partition(
@@ -444,13 +431,8 @@ class Master:
                 fetch_keys=sorted(keys & fetch_keys),
             )
 
-        try:
-            async with asyncio.TaskGroup() as group:
-                registrations = [group.create_task(register(t, g)) for t, g in parts.items()]
-        except BaseExceptionGroup as group_error:
-            raise first_error(group_error) from None
         return _Plan(
-            partitions=[r.result() for r in registrations],
+            partitions=await gather_all(register(t, g) for t, g in parts.items()),
             feed_keys=step.feed_keys,
             fetch_keys=step.fetch_keys,
         )

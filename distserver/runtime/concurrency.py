@@ -1,0 +1,50 @@
+"""Run coroutines together; the first real error wins and cancels the others."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Iterable
+from typing import Any, TypeVar
+
+from distserver import errors
+
+T = TypeVar("T")
+
+
+def first_error(group: BaseExceptionGroup[Any]) -> BaseException:
+    """The error to report for a failed task group: an OpError before cancellations."""
+    leaves: list[BaseException] = []
+
+    def walk(exc: BaseException) -> None:
+        if isinstance(exc, BaseExceptionGroup):
+            for inner in exc.exceptions:
+                walk(inner)
+        else:
+            leaves.append(exc)
+
+    walk(group)
+    for exc in leaves:
+        if isinstance(exc, errors.OpError) and not isinstance(exc, errors.CancelledError):
+            return exc
+    for exc in leaves:
+        if not isinstance(exc, asyncio.CancelledError):
+            return exc
+    return leaves[0]
+
+
+async def gather_all(awaitables: Iterable[Awaitable[T]]) -> list[T]:
+    """Await all concurrently in a task group; results in order.
+
+    The first failure cancels the rest and is raised as itself (not as an
+    ExceptionGroup), preferring an OpError over the cancellations it caused.
+    """
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(_as_coroutine(a)) for a in awaitables]
+    except BaseExceptionGroup as group_error:
+        raise first_error(group_error) from None
+    return [task.result() for task in tasks]
+
+
+async def _as_coroutine(awaitable: Awaitable[T]) -> T:
+    return await awaitable

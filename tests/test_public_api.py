@@ -1,0 +1,36 @@
+"""The top-level API: sorted, complete, and importable without TensorFlow."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import distserver as ds
+
+
+def test_all_is_sorted_unique_and_resolvable():
+    assert ds.__all__ == sorted(set(ds.__all__))
+    for name in ds.__all__:
+        assert hasattr(ds, name), name
+
+
+def test_every_public_name_is_in_all():
+    public = {name for name in vars(ds) if not name.startswith("_")}
+    modules = {
+        "cluster", "devices", "facade", "graph", "kernels", "protos", "runtime", "server",
+        "session", "tensors", "transports", "testing", "cli",
+    }  # fmt: skip
+    assert public - modules == set(ds.__all__)
+
+
+def test_core_names():
+    for name in ("AsyncServer", "AsyncSession", "Server", "Session", "ClusterSpec", "Graph", "Variable"):
+        assert name in ds.__all__
+
+
+def test_import_does_not_import_tensorflow(python_env):
+    code = "import sys, distserver; assert 'tensorflow' not in sys.modules; print('ok')"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=python_env, timeout=60
+    )
+    assert result.stdout.strip() == "ok", result.stderr
