@@ -451,6 +451,27 @@ class ProdKernel(_ReductionKernel):
         return np.prod(x, axis=axes, dtype=x.dtype, keepdims=self.keep_dims)
 
 
+class _LogicalReductionKernel(_ReductionKernel):
+    """All / Any: reductions of a bool tensor (these ops have no `T` attr)."""
+
+    def __init__(self, node: NodeDef) -> None:
+        OpKernel.__init__(self, node)
+        self.dtype = BOOL
+        self.keep_dims = self.attr_bool("keep_dims", False)
+
+
+@register_kernel("All")
+class AllKernel(_LogicalReductionKernel):
+    def reduce(self, x: np.ndarray, axes: tuple[int, ...]) -> Any:
+        return np.all(x, axis=axes, keepdims=self.keep_dims)
+
+
+@register_kernel("Any")
+class AnyKernel(_LogicalReductionKernel):
+    def reduce(self, x: np.ndarray, axes: tuple[int, ...]) -> Any:
+        return np.any(x, axis=axes, keepdims=self.keep_dims)
+
+
 @register_kernel("Mean")
 class MeanKernel(_ReductionKernel):
     def reduce(self, x: np.ndarray, axes: tuple[int, ...]) -> Any:
@@ -550,5 +571,7 @@ __all__ = [
     "ProdKernel",
     "SoftmaxKernel",
     "SumKernel",
+    "AllKernel",
+    "AnyKernel",
     "UnaryOpKernel",
 ]

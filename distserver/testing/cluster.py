@@ -81,6 +81,8 @@ class LocalCluster:
         self.processes: dict[str, subprocess.Popen[str]] = {}
         # stderr goes to files: an undrained pipe would block a chatty task.
         self._stderr: dict[str, Any] = {}
+        self._commands: dict[str, list[str]] = {}
+        self._env: dict[str, str] = {}
 
     @property
     def targets(self) -> dict[str, str]:
@@ -118,6 +120,7 @@ class LocalCluster:
         self.cluster = {job: [f"{self.host}:{next(ports)}" for _ in range(n)] for job, n in self.jobs.items()}
         env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
         env.pop("TF_CONFIG", None)
+        self._env = env
         cluster_json = json.dumps(self.cluster)
         for job, addresses in self.cluster.items():
             for index in range(len(addresses)):
@@ -127,18 +130,34 @@ class LocalCluster:
                     "--protocol", self.protocol,
                 ]  # fmt: skip
                 task = f"/job:{job}/replica:0/task:{index}"
-                self._stderr[task] = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed in stop()
-                self.processes[task] = subprocess.Popen(
-                    command,
-                    stdout=subprocess.PIPE,
-                    stderr=self._stderr[task],
-                    text=True,
-                    env=env,
-                    preexec_fn=_die_with_parent,
-                )
+                self._commands[task] = command
+                self._spawn(task)
         deadline = time.monotonic() + self.start_timeout
         for task, proc in self.processes.items():
             self._wait_serving(task, proc, deadline)
+
+    def _spawn(self, task: str) -> None:
+        if task not in self._stderr:
+            self._stderr[task] = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed in stop()
+        self.processes[task] = subprocess.Popen(
+            self._commands[task],
+            stdout=subprocess.PIPE,
+            stderr=self._stderr[task],
+            text=True,
+            env=self._env,
+            preexec_fn=_die_with_parent,
+        )
+
+    def restart(self, job: str, task: int = 0) -> None:
+        """Start a task again at the same address (after `kill`); waits until it serves."""
+        name = f"/job:{job}/replica:0/task:{task}"
+        old = self.processes[name]
+        if old.poll() is None:
+            raise RuntimeError(f"{name} is still running; kill() it first")
+        if old.stdout is not None:
+            old.stdout.close()
+        self._spawn(name)
+        self._wait_serving(name, self.processes[name], time.monotonic() + self.start_timeout)
 
     def _wait_serving(self, task: str, proc: subprocess.Popen[str], deadline: float) -> None:
         assert proc.stdout is not None

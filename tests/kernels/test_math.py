@@ -459,3 +459,12 @@ def test_softmax(run_op, shape):
 def test_softmax_needs_a_vector(run_op):
     with pytest.raises(errors.InvalidArgumentError, match=r"logits must have >= 1 dimension, got \[\]"):
         run_op("Softmax", np.array(1.0, np.float32), T=np.float32)
+
+
+@pytest.mark.parametrize(("op", "fn"), [("All", np.all), ("Any", np.any)])
+@pytest.mark.parametrize("keep_dims", [False, True])
+def test_logical_reductions(op, fn, keep_dims, run_op):
+    x = np.array([[True, False, True], [True, True, True]])
+    for axis in ([0], [1], [0, 1], []):
+        (out,) = run_op(op, x, np.array(axis, np.int32), keep_dims=keep_dims, Tidx=np.int32)
+        np.testing.assert_array_equal(out, fn(x, axis=tuple(axis), keepdims=keep_dims))

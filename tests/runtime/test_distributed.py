@@ -1,0 +1,258 @@
+"""Steps spanning several tasks, each task its own OS process."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import distserver as ds
+from distserver import errors
+from distserver.testing import LocalCluster
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with LocalCluster({"ps": 2, "worker": 2}) as cluster:
+        yield cluster
+
+
+def three_task_graph(with_devices: bool):
+    """A graph whose nodes sit on ps0, ps1 and worker1 (and the client's task)."""
+
+    def on(device):
+        return ds.device(device if with_devices else None)
+
+    graph = ds.Graph()
+    with graph.as_default():
+        with on("/job:ps/task:0"):
+            a = ds.constant(np.arange(12, dtype=np.float32).reshape(3, 4), name="a")
+            fa = ds.placeholder(ds.float32, shape=[4], name="feed_ps0")
+            a2 = a * fa
+        with on("/job:ps/task:1"):
+            b = ds.constant(np.linspace(0, 1, 8, dtype=np.float32).reshape(4, 2), name="b")
+            fb = ds.placeholder(ds.float32, shape=[], name="feed_ps1")
+            ab = ds.matmul(a2, b) + fb
+        with on("/job:worker/task:1"):
+            fw = ds.placeholder(ds.float32, shape=[3, 2], name="feed_w1")
+            c = ds.tanh(ab) - fw
+            s = ds.reduce_sum(c, axis=0)
+        total = ds.reduce_mean(s) * 2.0
+    feeds = {
+        "feed_ps0:0": np.array([1, 2, 3, 4], np.float32),
+        "feed_ps1:0": np.float32(0.5),
+        "feed_w1:0": np.full((3, 2), 0.25, np.float32),
+    }
+    fetches = [a2.name, ab.name, c.name, s.name, total.name]
+    return graph, feeds, fetches
+
+
+def test_graph_across_three_tasks_matches_the_in_process_run(cluster):
+    graph, feeds, fetches = three_task_graph(with_devices=True)
+    with ds.Session(cluster.target("worker", 0), graph=graph) as session:
+        distributed = session.run(fetches, feed_dict=feeds)
+    local_graph, _, _ = three_task_graph(with_devices=False)
+    with ds.Session(graph=local_graph) as session:
+        local = session.run(fetches, feed_dict=feeds)
+    for got, want in zip(distributed, local, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_fetches_and_feeds_on_every_task(cluster):
+    graph = ds.Graph()
+    tasks = ["/job:ps/task:0", "/job:ps/task:1", "/job:worker/task:0", "/job:worker/task:1"]
+    outs, ins = [], []
+    with graph.as_default():
+        for i, task in enumerate(tasks):
+            with ds.device(task):
+                x = ds.placeholder(ds.int32, shape=[], name=f"x{i}")
+                ins.append(x)
+                outs.append(x * (i + 1))
+        total = ds.add_n(outs)
+    with ds.Session(cluster.target("worker", 1), graph=graph) as session:
+        values = session.run([*outs, total], feed_dict={x: 10 + i for i, x in enumerate(ins)})
+    assert [int(v) for v in values] == [10, 22, 36, 52, 120]
+
+
+def test_a_256_mib_tensor_crosses_tasks_intact(cluster):
+    n = 64 * 1024 * 1024  # int32 -> 256 MiB
+    graph = ds.Graph()
+    with graph.as_default():
+        with ds.device("/job:ps/task:0"):
+            produced = ds.range(0, n, dtype=ds.int32)
+        with ds.device("/job:worker/task:1"):
+            expected = ds.range(0, n, dtype=ds.int32)
+            intact = ds.reduce_all(ds.equal(produced, expected))
+            head = produced[:3]
+            tail = produced[-3:]
+    with ds.Session(cluster.target("worker", 0), graph=graph) as session:
+        ok, first, last = session.run([intact, head, tail])
+    assert bool(ok)
+    assert first.tolist() == [0, 1, 2]
+    assert last.tolist() == [n - 3, n - 2, n - 1]
+
+
+def test_concurrent_steps_from_two_clients_do_not_mix_tensors(cluster):
+    graph = ds.Graph()
+    with graph.as_default():
+        x = ds.placeholder(ds.float32, shape=[1000], name="x")
+        with ds.device("/job:ps/task:0"):
+            y = x * 3.0
+        with ds.device("/job:ps/task:1"):
+            z = y + 1.0
+    results: dict[tuple[int, int], np.ndarray] = {}
+
+    async def client(index: int) -> None:
+        target = cluster.target("worker", index)
+        async with ds.AsyncSession(target, graph=graph) as session:
+            # Warm up (plan + registration) before the concurrent burst.
+            await session.run(z, feed_dict={x: np.zeros(1000, np.float32)})
+
+            async def step(k: int) -> None:
+                value = np.full(1000, 100 * index + k, np.float32)
+                results[(index, k)] = await session.run(z, feed_dict={x: value})
+
+            await asyncio.gather(*(step(k) for k in range(8)))
+
+    def run_client(index: int) -> None:
+        asyncio.run(client(index))
+
+    threads = [threading.Thread(target=run_client, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert len(results) == 16
+    for (index, k), value in results.items():
+        np.testing.assert_array_equal(value, np.full(1000, (100 * index + k) * 3.0 + 1.0, np.float32))
+
+
+def test_concurrent_assign_add_from_two_workers_loses_no_update(cluster):
+    graph = ds.Graph()
+    with graph.as_default():
+        with ds.device("/job:ps/task:1"):
+            counter = ds.Variable(0, dtype=ds.int64, name="shared_counter")
+        bump = counter.assign_add(ds.constant(1, ds.int64), read_value=False)
+        read = counter.read_value()
+    with ds.Session(cluster.target("worker", 0), graph=graph) as session:
+        session.run(counter.initializer)
+    steps = 200
+    errors_seen: list[BaseException] = []
+
+    def worker(index: int) -> None:
+        try:
+            with ds.Session(cluster.target("worker", index), graph=graph) as session:
+                for _ in range(steps):
+                    session.run(bump)
+        except BaseException as exc:  # reported below
+            errors_seen.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert not errors_seen
+    with ds.Session(cluster.target("worker", 1), graph=graph) as session:
+        assert int(session.run(read)) == 2 * steps
+
+
+def test_variables_on_ps_persist_across_sessions_and_clients(cluster):
+    graph = ds.Graph()
+    with graph.as_default(), ds.device(ds.replica_device_setter(ps_tasks=2)):
+        w = ds.Variable(np.zeros(3, np.float32), name="persist_w")
+        v = ds.Variable(np.ones(3, np.float32), name="persist_v")
+        update = ds.group(w.assign_add(v.read_value()), v.assign(v.read_value() * 2.0))
+    assert w.device == "/job:ps/task:0"
+    assert v.device == "/job:ps/task:1"
+    with ds.Session(cluster.target("worker", 0), graph=graph) as session:
+        session.run(ds.variables_initializer([w, v]))
+        session.run(update)
+    with ds.Session(cluster.target("worker", 1), graph=graph) as session:
+        session.run(update)
+        np.testing.assert_array_equal(session.run(w.read_value()), [3, 3, 3])
+        np.testing.assert_array_equal(session.run(v.read_value()), [4, 4, 4])
+
+
+def test_placement_errors_name_the_node(cluster):
+    graph = ds.Graph()
+    with graph.as_default():
+        with ds.device("/job:nope/task:0"):
+            bad = ds.constant(1.0, name="misplaced")
+        with ds.device("/job:ps/task:7"):
+            bad_task = ds.constant(2.0, name="no_such_task")
+    with ds.Session(cluster.target("worker", 0), graph=graph) as session:
+        with pytest.raises(
+            errors.InvalidArgumentError, match=r"operation misplaced.*/job:nope/task:0"
+        ) as info:
+            session.run(bad)
+        assert "/job:ps/replica:0/task:0/device:CPU:0" in info.value.message
+        with pytest.raises(errors.InvalidArgumentError, match="no_such_task"):
+            session.run(bad_task)
+
+
+def test_error_on_a_remote_task_names_the_task_and_node(cluster):
+    graph = ds.Graph()
+    with graph.as_default():
+        with ds.device("/job:ps/task:1"):
+            x = ds.placeholder(ds.float32, shape=[None], name="px")
+            y = ds.placeholder(ds.float32, shape=[None], name="py")
+            bad = ds.add(x, y, name="remote_add")
+    with ds.Session(cluster.target("worker", 0), graph=graph) as session:
+        with pytest.raises(errors.InvalidArgumentError) as info:
+            session.run(bad, feed_dict={x: [1.0, 2.0], y: [1.0, 2.0, 3.0]})
+    assert "remote_add" in info.value.message
+    assert "Incompatible shapes" in info.value.message
+
+
+def test_a_killed_task_fails_pending_steps_fast_and_a_restart_aborts():
+    with LocalCluster({"ps": 1, "worker": 1}) as cluster:
+        graph = ds.Graph()
+        with graph.as_default():
+            with ds.device("/job:ps/task:0"):
+                queue = ds.FIFOQueue(capacity=1, dtypes=[ds.float32], name="blocker")
+                waiting = queue.dequeue()
+                value = ds.constant(5.0, name="on_ps")
+            result = waiting + 1.0
+            fetch_value = value * 2.0
+        session = ds.Session(cluster.target("worker"), graph=graph)
+        assert session.run(fetch_value) == 10.0
+        failure: list[BaseException] = []
+
+        def blocked_step() -> None:
+            try:
+                session.run(result)
+            except BaseException as exc:
+                failure.append(exc)
+
+        thread = threading.Thread(target=blocked_step)
+        thread.start()
+        time.sleep(0.5)
+        started = time.monotonic()
+        cluster.kill("ps")
+        thread.join(timeout=60)
+        assert not thread.is_alive()
+        assert time.monotonic() - started < 30
+        assert failure
+        assert isinstance(failure[0], errors.UnavailableError | errors.AbortedError), failure[0]
+        # A restarted task has a new incarnation: old plans abort instead of giving wrong data.
+        cluster.restart("ps")
+        deadline = time.monotonic() + 30
+        while True:
+            # The channel may still be backing off from the refused connections.
+            try:
+                session.run(fetch_value)
+            except errors.UnavailableError:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+                continue
+            except errors.AbortedError as exc:
+                assert "not found" in exc.message or "incarnation" in exc.message
+                break
+            pytest.fail("a step planned for the old ps ran on the restarted one")
+        session.close()
