@@ -559,6 +559,8 @@ class SoftmaxKernel(OpKernel):
 
 __all__ = [
     "AddNKernel",
+    "AllKernel",
+    "AnyKernel",
     "ArgExtremumKernel",
     "BiasAddKernel",
     "BinaryOpKernel",
@@ -571,7 +573,5 @@ __all__ = [
     "ProdKernel",
     "SoftmaxKernel",
     "SumKernel",
-    "AllKernel",
-    "AnyKernel",
     "UnaryOpKernel",
 ]
