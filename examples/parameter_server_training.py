@@ -8,7 +8,7 @@ it on the ps with `assign_sub` (no locking between workers, as in asynchronous
 PS training). The loss on the whole data set goes down as they train.
 
     python examples/parameter_server_training.py --local            # 1 ps + 2 workers, one process each
-    python examples/parameter_server_training.py --cluster '{"ps": ["h0:2222"], "worker": ["h1:2222", "h2:2222"]}'
+    python examples/parameter_server_training.py --cluster '{"ps": ["h0:2222"], "worker": ["h1:2222"]}'
     TF_CONFIG='{"cluster": {...}}' python examples/parameter_server_training.py
 """
 
