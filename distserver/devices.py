@@ -18,6 +18,7 @@ incarnation as 16 lowercase hex digits (`rendezvous_key`, `parse_rendezvous_key`
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from typing import Final, NamedTuple
 
@@ -97,7 +98,7 @@ class DeviceSpec:
 
     @classmethod
     def from_string(cls, spec: str) -> DeviceSpec:
-        """Parse a device name in any form TensorFlow accepts.
+        """Parse a device name in any form TensorFlow accepts (results are cached).
 
         Components may come in any order, each at most once:
 
@@ -120,6 +121,12 @@ class DeviceSpec:
             ValueError: When `spec` is not a device name; the message names it and the
                 expected form.
         """
+        if cls is DeviceSpec:
+            return _parse_device_spec(spec)
+        return cls._parse(spec)
+
+    @classmethod
+    def _parse(cls, spec: str) -> DeviceSpec:
         fields: dict[str, str | int | None] = {}
         position = 0 if spec != "/" else 1
         while position < len(spec):
@@ -239,6 +246,7 @@ def task_name(job: str, task: int, replica: int = 0) -> str:
     return DeviceSpec(job, replica, task).to_string()
 
 
+@functools.lru_cache(maxsize=4096)
 def task_of_device(name: str) -> str:
     """Return the name of the task a device belongs to: its name up to the task.
 
@@ -322,6 +330,7 @@ def rendezvous_key(
     return f"{src_device};{incarnation:016x};{dst_device};{tensor_name};{frame_id}:{iter_id}"
 
 
+@functools.lru_cache(maxsize=16384)
 def parse_rendezvous_key(key: str) -> RendezvousKey:
     """Split a rendezvous key into its parts.
 
@@ -364,3 +373,9 @@ def _is_full_device_name(name: str) -> bool:
         return DeviceSpec.from_string(name).is_fully_specified
     except ValueError:
         return False
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_device_spec(spec: str) -> DeviceSpec:
+    # Device names repeat endlessly (every node, every step); specs are immutable.
+    return DeviceSpec._parse(spec)

@@ -41,6 +41,14 @@ class SendKernel(_SendRecvKernel):
 
 @register_kernel("_Recv", "_HostRecv")
 class RecvKernel(_SendRecvKernel):
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        # Set by the master when the sender's RunGraph response brings the value.
+        self.pushed = self.attr_bool("_recv_pushed", False)
+
     async def compute_async(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
-        value, _is_dead = await ctx.rendezvous.recv(self.key)
+        if self.pushed:
+            value, _is_dead = await ctx.rendezvous.recv_local(self.key)
+        else:
+            value, _is_dead = await ctx.rendezvous.recv(self.key)
         return [value]

@@ -36,8 +36,8 @@ from distserver.runtime.concurrency import gather_all
 from distserver.runtime.names import canonical_tensor_name
 from distserver.runtime.partition import partition
 from distserver.runtime.placement import place
-from distserver.runtime.subgraph import rewrite_for_step
-from distserver.runtime.worker import WorkerClient
+from distserver.runtime.subgraph import move_client_endpoints, rewrite_for_step
+from distserver.runtime.worker import Worker, WorkerClient
 from distserver.tensors import as_datatype, from_tensor_proto, to_tensor_proto
 
 logger = logging.getLogger(__name__)
@@ -61,6 +61,11 @@ class _Partition:
     graph_handle: str
     feed_keys: list[str]
     fetch_keys: list[str]
+    # Values this (remote) partition sends to the master's task, returned in its
+    # RunGraph response instead of fetched with RecvTensor (see `_push_plan`).
+    pushed_keys: list[str] = field(default_factory=list)
+    # Whether the worker keeps step state that only CleanupGraph releases.
+    needs_cleanup: bool = False
 
 
 @dataclass
@@ -101,7 +106,7 @@ class Master:
         *,
         task_name: str,
         tasks: Sequence[str],
-        local_worker: WorkerClient,
+        local_worker: Worker,
         worker_client: Callable[[str], WorkerClient],
         default_session_config: ConfigProto | None = None,
     ) -> None:
@@ -320,12 +325,14 @@ class Master:
         plan = await self._plan(session, feed_values, computed, list(targets))
         step_id = new_step_id()
         results: dict[str, Any] = {}
+        failed = True
         try:
             runs = await gather_all(
                 self._run_partition(p, session.handle, step_id, plan, feed_values) for p in plan.partitions
             )
+            failed = False
         finally:
-            self._cleanup_step(plan, step_id)
+            self._cleanup_step(plan, step_id, failed)
         by_key = {}
         for run in runs:
             by_key.update(run)
@@ -346,12 +353,19 @@ class Master:
             create_worker_session_called=True,
             graph_handle=part.graph_handle,
             step_id=step_id,
-            recv_key=part.fetch_keys,
+            recv_key=[*part.fetch_keys, *part.pushed_keys],
             store_errors_in_response_body=True,
         )
         sends = {key: feeds[name] for name, key in plan.feed_keys.items() if key in part.feed_keys}
         try:
-            return await part.worker.run_graph(request, sends)
+            results = await part.worker.run_graph(request, sends)
+            for key in part.pushed_keys:
+                value = results.pop(key, None)
+                if value is None:
+                    # Withheld (too large to ride in the response): fetch it as usual.
+                    value, _ = await part.worker.recv_tensor(step_id, key)
+                self._local_worker.deliver(step_id, key, value)
+            return results
         except errors.OpError as exc:
             if part.task == self.task_name:
                 raise
@@ -359,8 +373,12 @@ class Master:
                 exc.error_code, f"From {part.task}:\n{exc.message}", node_name=exc.node_name
             ) from exc
 
-    def _cleanup_step(self, plan: _Plan, step_id: int) -> None:
+    def _cleanup_step(self, plan: _Plan, step_id: int, failed: bool) -> None:
+        # Workers drop a finished step's state themselves unless a value still
+        # waits for a RecvTensor; then (and after a failure) CleanupGraph frees it.
         for part in plan.partitions:
+            if not (failed or part.needs_cleanup):
+                continue
             request = w.CleanupGraphRequest(step_id=step_id)
             task = asyncio.get_running_loop().create_task(_quietly(part.worker.call("CleanupGraph", request)))
             self._background.add(task)
@@ -411,7 +429,9 @@ class Master:
             client_device=client.name,
             allow_soft_placement=session.config.allow_soft_placement,
         )
+        move_client_endpoints(step, incarnations.__getitem__)
         parts = partition(step.nodes, incarnation=incarnations.__getitem__)
+        pushed = _push_plan(parts, self.task_name)
         feed_keys = set(step.feed_keys.values())
         fetch_keys = set(step.fetch_keys.values())
 
@@ -423,12 +443,19 @@ class Master:
             request.graph_options.CopyFrom(session.config.graph_options)
             response: Any = await worker.call("RegisterGraph", request)
             keys = {_sendrecv_key(node) for node in graph.node if node.attr["client_terminated"].b}
+            cross_task_sends = {
+                _sendrecv_key(node)
+                for node in graph.node
+                if node.op == "_Send" and not node.attr["client_terminated"].b
+            }
             return _Partition(
                 task=task,
                 worker=worker,
                 graph_handle=response.graph_handle,
                 feed_keys=sorted(keys & feed_keys),
                 fetch_keys=sorted(keys & fetch_keys),
+                pushed_keys=sorted(pushed.get(task, ())),
+                needs_cleanup=bool(cross_task_sends - pushed.get(task, set())),
             )
 
         return _Plan(
@@ -543,6 +570,41 @@ def _extend_graph(session: MasterSession, graph_def: GraphDef) -> None:
         copy = NodeDef()
         copy.CopyFrom(node)
         session.nodes[node.name] = copy
+
+
+def _push_plan(parts: Mapping[str, GraphDef], master_task: str) -> dict[str, set[str]]:
+    """Which cross-task values ride back in RunGraph responses instead of RecvTensor.
+
+    A remote partition that receives nothing from other tasks finishes on its own,
+    so the values it sends to the master's task can come back with its RunGraph
+    response (one RPC less per value, and no CleanupGraph). The master's `_Recv`
+    nodes for them are marked `_recv_pushed` so they wait locally. A partition that
+    does receive from other tasks keeps RecvTensor: it might wait, through another
+    task, for a value the master's task computes only after receiving from it.
+    """
+    pushed: dict[str, set[str]] = {}
+    for task, graph in parts.items():
+        if task == master_task:
+            continue
+        receives = any(n.op == "_Recv" and not n.attr["client_terminated"].b for n in graph.node)
+        if receives:
+            continue
+        keys = {
+            _sendrecv_key(n)
+            for n in graph.node
+            if n.op == "_Send"
+            and not n.attr["client_terminated"].b
+            and task_of_device(n.attr["recv_device"].s.decode()) == master_task
+        }
+        if keys:
+            pushed[task] = keys
+    local = parts.get(master_task)
+    all_pushed = set().union(*pushed.values()) if pushed else set()
+    if local is not None and all_pushed:
+        for node in local.node:
+            if node.op == "_Recv" and _sendrecv_key(node) in all_pushed:
+                node.attr["_recv_pushed"].b = True
+    return pushed
 
 
 def _datatype(value: Any) -> int:

@@ -78,6 +78,19 @@ class StepRendezvous:
     def pending_keys(self) -> list[str]:
         return [key for key, slot in self._slots.items() if not slot.done()]
 
+    def only_local_or(self, returned: set[str]) -> bool:
+        """True when no other task still needs a value of this step from here.
+
+        That is: every key is either received on this task (the partition has run, so
+        it was) or was handed back in the RunGraph response (`returned`).
+        """
+        for key in self._slots:
+            if key in returned:
+                continue
+            if task_of_device(parse_rendezvous_key(key).dst_device) != self._local_task:
+                return False
+        return True
+
 
 class RendezvousTable:
     """The step rendezvous of one worker, by step id."""
@@ -93,6 +106,17 @@ class RendezvousTable:
             step = StepRendezvous(step_id, self._local_task, self._fetch_remote)
             self._steps[step_id] = step
         return step
+
+    def release_if_done(self, step_id: int, returned: set[str]) -> bool:
+        """Drop a step whose RunGraph finished when no other task needs its values.
+
+        Saves the CleanupGraph round trip for most steps; see `StepRendezvous.only_local_or`.
+        """
+        step = self._steps.get(step_id)
+        if step is not None and step.only_local_or(returned):
+            del self._steps[step_id]
+            return True
+        return False
 
     def cleanup(self, step_id: int) -> None:
         """Drop a finished step; receivers still waiting on it are cancelled."""

@@ -9,7 +9,7 @@ only the nodes the fetches and targets need are kept.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from distserver import errors
@@ -127,3 +127,37 @@ def _reachable(nodes: Mapping[str, NodeDef], roots: Sequence[str]) -> set[str]:
             if src not in keep:
                 stack.append(src)
     return keep
+
+
+def move_client_endpoints(step: ClientGraph, incarnation: Callable[[str], int]) -> None:
+    """Run each feed's `_Recv` and fetch's `_Send` on the device that uses the value.
+
+    After placement, a feed whose consumers all sit on one other device is received
+    there directly (the master puts the value in that task's RunGraph request), and
+    a fetch is sent from the device that computes it (the value comes back in that
+    task's RunGraph response). This saves the RecvTensor hops through the client
+    device that TensorFlow makes; rendezvous keys are updated to match.
+    """
+    by_name = {node.name: node for node in step.nodes}
+    consumers: dict[str, set[str]] = {}
+    for node in step.nodes:
+        for text in node.input:
+            consumers.setdefault(parse_input(text)[0], set()).add(node.device)
+    for node in step.nodes:
+        if node.op not in ("_Recv", "_Send") or not node.attr["client_terminated"].b:
+            continue
+        if node.op == "_Recv":
+            devices = consumers.get(node.name, set())
+        else:
+            producer = by_name.get(parse_input(node.input[0])[0])
+            devices = {producer.device} if producer is not None else set()
+        if len(devices) != 1:
+            continue
+        (device,) = devices
+        if device == node.device:
+            continue
+        tensor = node.attr["tensor_name"].s.decode()
+        _set_sendrecv_attrs(node, tensor, device, incarnation(device))
+        node.device = device
+        key = rendezvous_key(device, incarnation(device), device, tensor)
+        (step.feed_keys if node.op == "_Recv" else step.fetch_keys)[tensor] = key

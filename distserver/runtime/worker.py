@@ -23,16 +23,25 @@ from typing import Any, Protocol
 from google.protobuf.message import Message
 
 from distserver import errors
-from distserver.devices import parse_rendezvous_key
+from distserver.devices import parse_rendezvous_key, task_of_device
 from distserver.kernels.resources import ResourceManager
 from distserver.protos import worker_pb2 as w
 from distserver.protos.device_attributes_pb2 import DeviceAttributes
 from distserver.protos.services import WORKER_METHODS, snake_case
 from distserver.runtime.executor import Executor, StepContext
 from distserver.runtime.rendezvous import RendezvousTable
-from distserver.tensors import from_tensor_proto, to_tensor_proto
+from distserver.tensors import from_tensor_proto, tensor_nbytes, to_tensor_proto
 
 logger = logging.getLogger(__name__)
+
+# A value sent to another task rides back in the RunGraph response (when the
+# master asked for it) only up to this size; larger ones take the RecvTensor path,
+# whose transports move big tensors without protobuf copies.
+PUSH_LIMIT_BYTES = 1 << 20
+
+
+def _is_remote_dst(key: str, task: str) -> bool:
+    return task_of_device(parse_rendezvous_key(key).dst_device) != task
 
 
 class WorkerClient(Protocol):
@@ -125,7 +134,7 @@ class Worker:
             if fn is not None:
                 handlers[method] = fn
         handlers["RunGraph"] = self.run_graph_rpc
-        handlers["RecvTensor"] = self.recv_tensor_rpc
+        handlers["RecvTensor"] = self.recv_tensor_handler
         return handlers
 
     # -- control RPCs -------------------------------------------------------------
@@ -228,7 +237,10 @@ class Worker:
                 results = {}
                 for key in request.recv_key:
                     value, _ = await rendezvous.recv_local(key)
+                    if _is_remote_dst(key, self.task_name) and tensor_nbytes(value) > PUSH_LIMIT_BYTES:
+                        continue  # too large for the response: it waits for a RecvTensor
                     results[key] = value
+            self._rendezvous.release_if_done(step_id, set(results))
         except TimeoutError as exc:
             error = errors.DeadlineExceededError(
                 "Timed out waiting for the step to finish on " + self.task_name
@@ -274,11 +286,13 @@ class Worker:
         async with asyncio.timeout(timeout):
             return await rendezvous.recv_local(key)
 
-    async def recv_tensor_rpc(self, request: w.RecvTensorRequest) -> w.RecvTensorResponse:
-        value, is_dead = await self.recv_tensor(request.step_id, request.rendezvous_key)
-        response = w.RecvTensorResponse(is_dead=is_dead)
-        response.tensor.CopyFrom(to_tensor_proto(value))
-        return response
+    async def recv_tensor_handler(self, request: w.RecvTensorRequest) -> tuple[Any, bool]:
+        """The RecvTensor RPC: returns (value, is_dead); the transport encodes the value."""
+        return await self.recv_tensor(request.step_id, request.rendezvous_key)
+
+    def deliver(self, step_id: int, key: str, value: Any) -> None:
+        """Put a value another task sent into this task's rendezvous (pushed values)."""
+        self._rendezvous.find_or_create(step_id).send(key, value)
 
     async def _fetch_remote(self, step_id: int, key: str, src_task: str) -> tuple[Any, bool]:
         assert self._remote_worker is not None

@@ -26,7 +26,9 @@ from google.protobuf.message import Message
 
 # A service implementation: method name ("RunStep") -> coroutine taking the request
 # message and returning the response message. Raising an OpError reports that status.
-ServiceHandler = Mapping[str, Callable[[Any], Awaitable[Message]]]
+# The one exception is the data plane: WorkerService's "RecvTensor" handler returns
+# `(value, is_dead)` with a numpy value, and the transport encodes it its own way.
+ServiceHandler = Mapping[str, Callable[[Any], Awaitable[Any]]]
 
 
 @dataclass(frozen=True)

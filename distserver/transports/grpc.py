@@ -4,12 +4,26 @@ Message-size limits are lifted on both ends (TensorFlow uses INT32_MAX; we use
 unlimited), `SO_REUSEPORT` is off so a port in use is an error rather than a silent
 second listener, and proxies from the environment are ignored (cluster traffic is
 always direct).
+
+The data plane (RecvTensor) skips protobuf for tensor bytes (`distserver.wire`):
+
+* `/tensorflow.WorkerService/RecvTensor` (unary) answers with a valid
+  `RecvTensorResponse` built by hand, read back as a numpy view over the received
+  bytes. Any TensorFlow peer can call it.
+* Tensors larger than `STREAM_THRESHOLD` go through
+  `/distserver.WorkerService/RecvTensorChunks` (server streaming, `CHUNK_BYTES` per
+  message), which measured ~1.4x faster than one unary message at 16-64 MiB and has
+  no 2 GiB limit. A distserver receiver announces it can stream (request metadata);
+  the sender then answers a large tensor's unary call with only a trailing
+  "use the stream" flag, and the receiver remembers that tensor name so later steps
+  go straight to the stream.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 import grpc
@@ -18,7 +32,16 @@ from google.protobuf.message import Message
 
 from distserver import errors
 from distserver.protos.services import SERVICES, WORKER_SERVICE
+from distserver.protos.worker_pb2 import RecvTensorRequest
+from distserver.tensors import tensor_nbytes
 from distserver.transports.base import Channel, ChannelStatistics, Listener, ServiceHandler, Transport
+from distserver.wire import (
+    TensorAssembler,
+    chunk_tensor,
+    decode_recv_tensor_response,
+    encode_recv_tensor_response,
+    is_plain,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +64,16 @@ CHANNEL_OPTIONS = [
 _HANDLER_ERROR_KEY = "distserver-handler-error"
 
 _STATUS_BY_CODE = {status.value[0]: status for status in grpc.StatusCode}
+
+STREAM_METHOD = "/distserver.WorkerService/RecvTensorChunks"
+STREAM_THRESHOLD = 4 << 20
+CHUNK_BYTES = 1 << 20
+_STREAM_ABOVE_KEY = "distserver-stream-above"
+_USE_STREAM_KEY = "distserver-use-stream"
+# Tensors encoded or decoded in a thread rather than on the event loop.
+_OFFLOAD_BYTES = 1 << 20
+# How many streamed tensor names a channel remembers.
+_STREAMED_NAMES_LIMIT = 4096
 
 
 def grpc_status(code: int) -> grpc.StatusCode:
@@ -66,21 +99,64 @@ def error_from_rpc(exc: grpc.aio.AioRpcError, *, target: str, method: str) -> er
     return errors.from_status(code, message)
 
 
-def _wrap(
-    fn: Callable[[Any], Awaitable[Message]],
-) -> Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Any]:
-    async def handle(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Message:
+async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: Exception, where: Any) -> None:
+    if not isinstance(exc, errors.OpError):
+        logger.exception("unexpected error in %s", getattr(where, "__name__", where))
+    code, message = errors.to_status(exc)
+    await context.abort(grpc_status(code), message, trailing_metadata=((_HANDLER_ERROR_KEY, "1"),))
+
+
+def _wrap(fn: Callable[[Any], Awaitable[Any]]) -> Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Any]:
+    async def handle(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         try:
             return await fn(request)
-        except errors.OpError as exc:
-            code, message = errors.to_status(exc)
         except Exception as exc:
-            logger.exception("unexpected error in %s", getattr(fn, "__name__", fn))
-            code, message = errors.to_status(exc)
-        await context.abort(grpc_status(code), message, trailing_metadata=((_HANDLER_ERROR_KEY, "1"),))
+            await _abort(context, exc, fn)
         raise AssertionError("unreachable: context.abort raises")
 
     return handle
+
+
+async def _in_thread_if_large(nbytes: int, fn: Callable[..., Any], *args: Any) -> Any:
+    if nbytes < _OFFLOAD_BYTES:
+        return fn(*args)
+    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+
+def _recv_tensor_handlers(fetch: Callable[[Any], Awaitable[Any]]) -> tuple[Any, Any]:
+    """The unary (TF-compatible) and streaming RecvTensor handlers around `fetch`."""
+
+    async def unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+        try:
+            value, is_dead = await fetch(request)
+            stream_above = dict(context.invocation_metadata() or ()).get(_STREAM_ABOVE_KEY)
+            nbytes = tensor_nbytes(value)
+            if stream_above is not None and is_plain(value) and nbytes > int(stream_above):
+                context.set_trailing_metadata(((_USE_STREAM_KEY, "1"),))
+                return b""
+            encoded: bytes = await _in_thread_if_large(nbytes, encode_recv_tensor_response, value, is_dead)
+            return encoded
+        except Exception as exc:
+            await _abort(context, exc, fetch)
+        raise AssertionError("unreachable: context.abort raises")
+
+    async def stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[bytes]:
+        try:
+            value, is_dead = await fetch(request)
+        except Exception as exc:
+            await _abort(context, exc, fetch)
+            return
+        for chunk in chunk_tensor(value, is_dead, CHUNK_BYTES):
+            yield chunk
+
+    return (
+        grpc.unary_unary_rpc_method_handler(
+            unary, request_deserializer=RecvTensorRequest.FromString, response_serializer=_raw
+        ),
+        grpc.unary_stream_rpc_method_handler(
+            stream, request_deserializer=RecvTensorRequest.FromString, response_serializer=_raw
+        ),
+    )
 
 
 def _unimplemented(service: str, method: str) -> Callable[[Any], Awaitable[Message]]:
@@ -118,6 +194,13 @@ class GrpcChannel(Channel):
         self.target = address
         self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._callables: dict[tuple[str, str], Any] = {}
+        self._recv_unary = self._channel.unary_unary(
+            f"/{WORKER_SERVICE}/RecvTensor", request_serializer=_serialize, response_deserializer=_raw
+        )
+        self._recv_chunks = self._channel.unary_stream(
+            STREAM_METHOD, request_serializer=_serialize, response_deserializer=_raw
+        )
+        self._streamed: set[str] = set()
         self._closed = False
         self._calls_started = 0
         self._calls_failed = 0
@@ -159,13 +242,39 @@ class GrpcChannel(Channel):
         return response
 
     async def recv_tensor(self, request: Message, *, timeout: float | None = None) -> tuple[Any, bool]:
-        from distserver.tensors import from_tensor_proto, tensor_nbytes
-
-        response: Any = await self.call(WORKER_SERVICE, "RecvTensor", request, timeout=timeout)
-        value = from_tensor_proto(response.tensor)
+        if self._closed:
+            raise errors.UnavailableError(f"RecvTensor to {self.target} failed: the channel is closed")
+        key: str = getattr(request, "rendezvous_key", "")
+        name = key.split(";")[3] if key.count(";") >= 4 else key
+        self._calls_started += 1
+        try:
+            if name in self._streamed:
+                value, is_dead = await self._recv_stream(request, timeout)
+            else:
+                call = self._recv_unary(
+                    request, timeout=timeout, metadata=((_STREAM_ABOVE_KEY, str(STREAM_THRESHOLD)),)
+                )
+                data = await call
+                trailing: Any = await call.trailing_metadata()
+                if any(k == _USE_STREAM_KEY for k, _ in trailing or ()):
+                    if len(self._streamed) >= _STREAMED_NAMES_LIMIT:
+                        self._streamed.clear()
+                    self._streamed.add(name)
+                    value, is_dead = await self._recv_stream(request, timeout)
+                else:
+                    value, is_dead = await _in_thread_if_large(len(data), decode_recv_tensor_response, data)
+        except grpc.aio.AioRpcError as exc:
+            self._calls_failed += 1
+            raise error_from_rpc(exc, target=self.target, method="RecvTensor") from exc
         self._tensors_received += 1
         self._tensor_bytes_received += tensor_nbytes(value)
-        return value, bool(response.is_dead)
+        return value, is_dead
+
+    async def _recv_stream(self, request: Message, timeout: float | None) -> tuple[Any, bool]:
+        assembler = TensorAssembler()
+        async for message in self._recv_chunks(request, timeout=timeout):
+            assembler.add(message)
+        return assembler.result()
 
     async def close(self) -> None:
         self._closed = True
@@ -192,6 +301,10 @@ def _serialize(message: Message) -> bytes:
     return message.SerializeToString()
 
 
+def _raw(data: bytes) -> bytes:
+    return data
+
+
 class GrpcTransport(Transport):
     name = "grpc"
 
@@ -206,6 +319,13 @@ class GrpcTransport(Transport):
                     _wrap(fn),
                     request_deserializer=request_cls.FromString,
                     response_serializer=_serialize,
+                )
+            if service == WORKER_SERVICE and "RecvTensor" in handler:
+                unary, stream = _recv_tensor_handlers(handler["RecvTensor"])
+                rpc_handlers["RecvTensor"] = unary
+                service_name, method_name = STREAM_METHOD.strip("/").split("/")
+                server.add_generic_rpc_handlers(
+                    (grpc.method_handlers_generic_handler(service_name, {method_name: stream}),)
                 )
             server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, rpc_handlers),))
         try:
