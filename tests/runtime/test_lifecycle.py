@@ -186,3 +186,17 @@ async def test_call_to_a_stopped_server_fails_fast_with_unavailable():
     with pytest.raises(errors.UnavailableError, match=r"ListDevices to localhost:\d+ failed"):
         await list_devices(target, timeout=30)
     assert loop.time() - started < 10
+
+
+@pytest.mark.parametrize("everywhere", [False, True])
+async def test_binds_only_the_task_host_unless_asked_for_every_interface(everywhere):
+    (port,) = free_ports(1)
+    server = AsyncServer({"w": [f"127.0.0.1:{port}"]}, listen_on_all_interfaces=everywhere)
+    async with server:
+        assert await list_devices(f"127.0.0.1:{port}")
+        # 127.0.0.2 is another loopback address: reachable only on a wildcard bind.
+        if everywhere:
+            assert await list_devices(f"127.0.0.2:{port}")
+        else:
+            with pytest.raises(errors.UnavailableError):
+                await list_devices(f"127.0.0.2:{port}", timeout=5)
