@@ -65,6 +65,20 @@ def _keep_freed_memory() -> bool:
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Exit with the process that started us, when it asked (LocalCluster does)."""
+    parent = os.environ.get("DISTSERVER_PARENT_PID")
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(parent):  # the parent died before prctl took effect
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 async def _serve(args: argparse.Namespace) -> int:
@@ -152,6 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "serve":
+            _die_with_parent()
             _keep_freed_memory()
             return _run(_serve(args))
         if args.command == "status":

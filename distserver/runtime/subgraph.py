@@ -74,9 +74,8 @@ def rewrite_for_step(
         result.feed_keys[tensor] = rendezvous_key(client_device, client_incarnation, client_device, tensor)
 
     for name, original in graph.items():
-        if not replaced:
-            nodes[name] = original
-            continue
+        # Always copies: placement writes device names into the step's nodes, and
+        # the session's graph must keep what the client sent.
         copy = NodeDef()
         copy.CopyFrom(original)
         for i, text in enumerate(copy.input):

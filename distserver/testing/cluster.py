@@ -3,7 +3,8 @@
 Each task runs `python -m distserver serve` on a loopback port chosen for it.
 `start()` returns once every task prints that it is serving; `stop()` sends
 SIGTERM (a graceful stop), then SIGKILL after a bound. Children also die with the
-parent (Linux `PR_SET_PDEATHSIG`), so a crashed test leaves no server behind.
+parent (`distserver serve` sets Linux's `PR_SET_PDEATHSIG` when the environment
+names its parent), so a crashed test leaves no server behind.
 
 Ports: the cluster spec must list every address before any task starts, so free
 ports are picked up front by binding port 0 and releasing it. Another process
@@ -12,7 +13,6 @@ could take such a port in between; `start()` then retries with new ports.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import select
@@ -24,8 +24,6 @@ import tempfile
 import time
 from collections.abc import Mapping
 from typing import Any
-
-_PR_SET_PDEATHSIG = 1
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
@@ -40,14 +38,6 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     finally:
         for sock in sockets:
             sock.close()
-
-
-def _die_with_parent() -> None:
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass
 
 
 class LocalCluster:
@@ -118,7 +108,9 @@ class LocalCluster:
         total = sum(self.jobs.values())
         ports = iter(free_ports(total))
         self.cluster = {job: [f"{self.host}:{next(ports)}" for _ in range(n)] for job, n in self.jobs.items()}
-        env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
+        # DISTSERVER_PARENT_PID: the task kills itself when this process dies (set
+        # by the task itself; a preexec_fn would make Popen fork, which breaks gRPC).
+        env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1", "DISTSERVER_PARENT_PID": str(os.getpid())}
         env.pop("TF_CONFIG", None)
         self._env = env
         cluster_json = json.dumps(self.cluster)
@@ -145,7 +137,6 @@ class LocalCluster:
             stderr=self._stderr[task],
             text=True,
             env=self._env,
-            preexec_fn=_die_with_parent,
         )
 
     def restart(self, job: str, task: int = 0) -> None:
