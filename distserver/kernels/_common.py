@@ -253,3 +253,46 @@ def _element_text(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.6g}"
     return str(value)
+
+
+# --------------------------------------------------------------------------- scatter updates
+
+SCATTER_MODES = {"Add": np.add, "Sub": np.subtract, "Update": None}
+
+
+def scatter(
+    kernel: OpKernel, current: np.ndarray, indices: np.ndarray, updates: np.ndarray, mode: str
+) -> np.ndarray:
+    """A new array: `current` with rows `indices` added to, subtracted from or replaced by `updates`.
+
+    `updates` has shape `indices.shape + current.shape[1:]` (or is a scalar, applied to
+    every row named). Repeated indices all count for Add/Sub (the last wins for
+    Update). Indices outside [0, rows) are TF's InvalidArgumentError.
+    """
+    if current.ndim == 0:
+        raise kernel_error(kernel, "Scatter op requires a variable of rank >= 1")
+    limit = current.shape[0]
+    flat = indices.reshape(-1)
+    bad = np.flatnonzero((flat < 0) | (flat >= limit))
+    if bad.size:
+        raise kernel_error(kernel, f"indices[{int(bad[0])}] = {int(flat[bad[0]])} is not in [0, {limit})")
+    row_shape = current.shape[1:]
+    if updates.ndim == 0:
+        rows = np.broadcast_to(updates, (flat.size, *row_shape))
+    elif updates.shape != indices.shape + row_shape:
+        raise kernel_error(
+            kernel,
+            "updates must have shape indices.shape + params.shape[1:] or be a scalar, got "
+            f"updates.shape {shape_str(updates.shape)}, indices.shape {shape_str(indices.shape)}, "
+            f"params.shape {shape_str(current.shape)}",
+        )
+    else:
+        rows = updates.reshape((flat.size, *row_shape))
+    result = np.array(current, copy=True)
+    fn = SCATTER_MODES[mode]
+    with np.errstate(all="ignore"):
+        if fn is None:
+            result[flat] = rows
+        else:
+            fn.at(result, flat, rows)
+    return result

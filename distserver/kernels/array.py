@@ -623,17 +623,23 @@ class GatherKernel(OpKernel):
     gathers from its own slice. Indices out of range are an error, as on TF's CPU.
     """
 
+    params_type_attr = "Tparams"
+
     def __init__(self, node: NodeDef) -> None:
         super().__init__(node)
-        self.dtype = attr_type_in(self, "Tparams", ALL_TYPES)
+        self.dtype = attr_type_in(self, self.params_type_attr, ALL_TYPES)
         self.index_type = attr_type_in(self, "Tindices", INDEX_TYPES)
-        self.batch_dims = self.attr_int("batch_dims", 0) if self.op == "GatherV2" else 0
+        self.batch_dims = self.attr_int("batch_dims", 0) if self.op != "Gather" else 0
 
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
         params, indices = inputs[0], inputs[1]
         check_input_dtype(self, 0, params, self.dtype)
-        check_input_dtype(self, 1, indices, self.index_type)
         axis = int_scalar(self, inputs[2], "axis") if self.op == "GatherV2" else 0
+        return [self.gather(params, indices, axis)]
+
+    def gather(self, params: np.ndarray, indices: np.ndarray, axis: int) -> np.ndarray:
+        """The gathered values, after TF's checks of `indices` and `axis`."""
+        check_input_dtype(self, 1, indices, self.index_type)
         if params.ndim == 0:
             raise kernel_error(self, "params must be at least 1 dimensional")
         axis = normalize_axis(self, axis, params.ndim)
@@ -645,8 +651,8 @@ class GatherKernel(OpKernel):
             where = f"[{','.join(map(str, position))}]" if indices.ndim else ""
             raise kernel_error(self, f"indices{where} = {indices.reshape(-1)[bad[0]]} is not in [0, {limit})")
         if batch_dims == 0:
-            return [np.take(params, indices, axis=axis)]
-        return [_batched_take(params, indices, axis, batch_dims)]
+            return np.take(params, indices, axis=axis)
+        return _batched_take(params, indices, axis, batch_dims)
 
     def _batch_dims(self, params: np.ndarray, indices: np.ndarray, axis: int) -> int:
         batch_dims = self.batch_dims
@@ -729,6 +735,74 @@ class OneHotKernel(_TypedKernel):
         return [result if self.axis == -1 else np.moveaxis(result, -1, self.axis)]
 
 
+@register_kernel("Where")
+class WhereKernel(_TypedKernel):
+    """The coordinates of the true (non-zero) elements: int64 [count, rank], row-major order."""
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        if self.dtype == OBJECT:
+            raise kernel_error(self, "Where does not support string inputs", errors.UnimplementedError)
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        (condition,) = inputs
+        check_input_dtype(self, 0, condition, self.dtype)
+        return [np.argwhere(condition).astype(np.int64, copy=False)]
+
+
+@register_kernel("DynamicStitch", "ParallelDynamicStitch")
+class DynamicStitchKernel(OpKernel):
+    """Interleaves `data` into one tensor: merged[indices[m][i, ...], ...] = data[m][i, ...].
+
+    Inputs are N int32 `indices` tensors then N `data` tensors; data[m].shape must
+    start with indices[m].shape and continue with the same trailing shape for every m.
+    The first dimension of the result is max(index) + 1; rows no index names are
+    zeros. Later inputs win where indices repeat (TF guarantees that for
+    DynamicStitch only).
+    """
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        self.count = self.attr_int("N")
+        self.dtype = attr_type_in(self, "T", ALL_TYPES)
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        indices, data = inputs[: self.count], inputs[self.count :]
+        if len(data) != self.count:
+            raise kernel_error(self, f"{self.op} expects {2 * self.count} inputs, got {len(inputs)}")
+        trailing: tuple[int, ...] | None = None
+        for m, (index, values) in enumerate(zip(indices, data, strict=True)):
+            check_input_dtype(self, m, index, INT32)
+            check_input_dtype(self, self.count + m, values, self.dtype)
+            if values.shape[: index.ndim] != index.shape:
+                raise kernel_error(
+                    self,
+                    f"data[{m}].shape = {shape_str(values.shape)} does not start with "
+                    f"indices[{m}].shape = {shape_str(index.shape)}",
+                )
+            rest = values.shape[index.ndim :]
+            if trailing is None:
+                trailing = rest
+            elif rest != trailing:
+                raise kernel_error(
+                    self,
+                    f"Need data[0].shape[{indices[0].ndim}:] = {shape_str(trailing)} to match "
+                    f"data[{m}].shape[{index.ndim}:] = {shape_str(rest)}",
+                )
+        assert trailing is not None
+        flat_indices = [index.reshape(-1) for index in indices]
+        size = max((int(i.max()) + 1 for i in flat_indices if i.size), default=0)
+        for m, index in enumerate(flat_indices):
+            if index.size and int(index.min()) < 0:
+                raise kernel_error(self, f"indices[{m}] contains a negative index {int(index.min())}")
+        merged = np.zeros((size, *trailing), dtype=self.dtype)
+        if self.dtype == OBJECT:
+            merged.fill(b"")
+        for index, values in zip(flat_indices, data, strict=True):
+            merged[index] = values.reshape((index.size, *trailing))
+        return [merged]
+
+
 # --------------------------------------------------------------------------- Assert
 
 
@@ -759,6 +833,7 @@ __all__ = [
     "BroadcastToKernel",
     "ConcatV2Kernel",
     "ConstKernel",
+    "DynamicStitchKernel",
     "ExpandDimsKernel",
     "FillKernel",
     "FillLikeKernel",
@@ -782,4 +857,5 @@ __all__ = [
     "TileKernel",
     "TransposeKernel",
     "UnpackKernel",
+    "WhereKernel",
 ]

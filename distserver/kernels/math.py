@@ -106,6 +106,26 @@ def _pow(x: np.ndarray, y: np.ndarray) -> Any:
     return np.power(x, y)
 
 
+def _squared_difference(x: np.ndarray, y: np.ndarray) -> Any:
+    diff = x - y
+    return diff * np.conj(diff) if diff.dtype in COMPLEX else diff * diff
+
+
+def _div_no_nan(x: np.ndarray, y: np.ndarray) -> Any:
+    # 0 wherever the divisor is 0, even for 0/0 and inf/0.
+    return np.where(y == 0, np.zeros((), x.dtype), np.true_divide(x, np.where(y == 0, 1, y)))
+
+
+def _mul_no_nan(x: np.ndarray, y: np.ndarray) -> Any:
+    # 0 wherever y is 0, even when x is inf or nan.
+    return np.where(y == 0, np.zeros((), x.dtype), np.multiply(x, y))
+
+
+def _round(x: np.ndarray) -> Any:
+    # Half to even, as TF's Round; integers are already round.
+    return x if x.dtype in INTEGERS else np.rint(x)
+
+
 def _sigmoid(x: np.ndarray) -> Any:
     # exp(-x) overflows to inf for very negative x, giving the correct limit 0.
     return 1 / (1 + np.exp(-x))
@@ -169,6 +189,11 @@ _UNARY_OPS: dict[str, _OpSpec] = {
     "Abs": (SIGNED | FLOATS, np.abs, False),
     "Sign": (SIGNED | FLOATS | COMPLEX, np.sign, False),
     "LogicalNot": (None, np.logical_not, True),
+    "Floor": (FLOATS, np.floor, False),
+    "Ceil": (FLOATS, np.ceil, False),
+    "Round": (FLOATS | COMPLEX | SIGNED, _round, False),
+    "Log1p": (_UNARY_FLOAT, np.log1p, False),
+    "Expm1": (_UNARY_FLOAT, np.expm1, False),
 }
 
 
@@ -199,6 +224,9 @@ _BINARY_OPS: dict[str, _OpSpec] = {
     "FloorDiv": (REAL, _floor_div, False),
     "FloorMod": (REAL, _floor_mod, False),
     "Pow": (FLOATS | COMPLEX | SIGNED, _pow, False),
+    "SquaredDifference": (FLOATS | COMPLEX | SIGNED, _squared_difference, False),
+    "DivNoNan": (FLOATS | COMPLEX, _div_no_nan, False),
+    "MulNoNan": (FLOATS | COMPLEX, _mul_no_nan, False),
     "Maximum": (REAL, np.maximum, False),
     "Minimum": (REAL, np.minimum, False),
     "Greater": _comparison(np.greater),

@@ -14,12 +14,14 @@ TensorFlow clients.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 import numpy as np
 
 from distserver import errors
+from distserver.kernels.resources import VariableRef
 
 if TYPE_CHECKING:
     from distserver.kernels.resources import ResourceManager
@@ -33,7 +35,13 @@ class Rendezvous(Protocol):
         """Deliver `value` under `key`; each key is sent at most once per step."""
 
     async def recv(self, key: str) -> tuple[Any, bool]:
-        """Wait for the value sent under `key`; returns `(value, is_dead)`."""
+        """Wait for the value sent under `key`; returns `(value, is_dead)`.
+
+        A key whose sender is another task is fetched from that task."""
+        ...
+
+    async def recv_local(self, key: str) -> tuple[Any, bool]:
+        """Wait for a value delivered to this task's rendezvous, wherever it came from."""
         ...
 
 
@@ -72,10 +80,29 @@ class OpKernel:
           on the event loop and may wait (rendezvous, queues).
         * `is_stateful = True` marks kernels with side effects (never pruned as dead
           code, never cached).
+        * Inputs that are references to TF 1.x variables (`VariableRef`, the value of
+          a `T_ref` tensor) are replaced by the variable's current value before
+          `compute`/`compute_async` sees them, as TensorFlow's executor does, except
+          at the positions in `ref_inputs` (the op's `Ref(T)` inputs: `Assign`'s
+          input 0, ...). Reading an uninitialized variable that way is TF's
+          `FailedPreconditionError("Attempting to use uninitialized value <input>")`.
     """
 
     is_async: ClassVar[bool] = False
     is_stateful: ClassVar[bool] = False
+    ref_inputs: frozenset[int] = frozenset()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # Wrap the compute methods a subclass defines so that they never see a
+        # VariableRef where the op takes a value. The check is one type test per
+        # input; only graphs with legacy variables ever pay for a dereference.
+        compute = cls.__dict__.get("compute")
+        if compute is not None and not hasattr(compute, "__wrapped__"):
+            setattr(cls, "compute", _dereferencing(compute))  # noqa: B010
+        compute_async = cls.__dict__.get("compute_async")
+        if compute_async is not None and not hasattr(compute_async, "__wrapped__"):
+            setattr(cls, "compute_async", _dereferencing_async(compute_async))  # noqa: B010
 
     def __init__(self, node: NodeDef) -> None:
         self.node = node
@@ -133,6 +160,51 @@ class OpKernel:
         if default is not None and name not in self.node.attr:
             return default
         return list(self._attr(name).list.i)
+
+
+def _dereference(kernel: OpKernel, inputs: list[Any]) -> list[Any]:
+    """`inputs` with every VariableRef outside `kernel.ref_inputs` replaced by its value."""
+    values = list(inputs)
+    for i, value in enumerate(values):
+        if type(value) is VariableRef and i not in kernel.ref_inputs:
+            current = value.variable.value
+            if current is None:
+                data_inputs = [t for t in kernel.node.input if not t.startswith("^")]
+                requested = data_inputs[i] if i < len(data_inputs) else value.name
+                raise errors.FailedPreconditionError(
+                    f"Attempting to use uninitialized value {requested}\n\t [[{{{{node {kernel.name}}}}}]]",
+                    node_name=kernel.name,
+                )
+            values[i] = current
+    return values
+
+
+_Compute = Callable[[Any, KernelContext, list[Any]], list[Any]]
+_ComputeAsync = Callable[[Any, KernelContext, list[Any]], Coroutine[Any, Any, list[Any]]]
+
+
+def _dereferencing(method: _Compute) -> _Compute:
+    @functools.wraps(method)
+    def compute(self: OpKernel, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        for value in inputs:
+            if type(value) is VariableRef:
+                inputs = _dereference(self, inputs)
+                break
+        return method(self, ctx, inputs)
+
+    return compute
+
+
+def _dereferencing_async(method: _ComputeAsync) -> _ComputeAsync:
+    @functools.wraps(method)
+    async def compute_async(self: OpKernel, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        for value in inputs:
+            if type(value) is VariableRef:
+                inputs = _dereference(self, inputs)
+                break
+        return await method(self, ctx, inputs)
+
+    return compute_async
 
 
 _KERNELS: dict[str, type[OpKernel]] = {}
@@ -193,7 +265,10 @@ def _load_builtin_kernels() -> None:
         _loaded = True
         import distserver.kernels.array
         import distserver.kernels.math
+        import distserver.kernels.nn
         import distserver.kernels.queue
+        import distserver.kernels.random
+        import distserver.kernels.ref_variables
         import distserver.kernels.sendrecv
         import distserver.kernels.state  # noqa: F401
 

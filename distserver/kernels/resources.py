@@ -9,7 +9,8 @@ names no container.
 Every method is thread-safe: sync kernels run in worker threads while async ones run
 on the event loop, and both reach the same manager.
 
-Resource types: `VariableResource` (resource variables, see `kernels.state`) and
+Resource types: `VariableResource` (resource variables, see `kernels.state`),
+`LegacyVariable` (TF 1.x reference variables, see `kernels.ref_variables`) and
 `FIFOQueue` (see `kernels.queue`).
 """
 
@@ -149,6 +150,39 @@ class VariableResource:
     def __repr__(self) -> str:
         shape = None if self.value is None else self.value.shape
         return f"<VariableResource dtype={self.dtype} shape={shape}>"
+
+
+class LegacyVariable(VariableResource):
+    """The state of one TF 1.x reference variable (`VariableV2`, TensorFlow's `LegacyVar`).
+
+    Stored like a resource variable, but under its own key (`legacy_variable_key`), so a
+    resource variable and a reference variable of the same name do not collide, as in
+    TensorFlow, where the resource manager keys resources by type and name.
+    """
+
+
+def legacy_variable_key(name: str) -> str:
+    """The ResourceManager name a reference variable called `name` is stored under."""
+    # TF node names cannot contain ':', so this never equals another resource's name.
+    return f"{name}:legacy"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class VariableRef:
+    """A reference to a legacy variable: the value of a `float_ref`-typed tensor.
+
+    `VariableV2` outputs one, and `Assign`, `AssignAdd`, the `Apply*` optimizers and
+    `IsVariableInitialized` take one and act on the variable itself. Every other
+    kernel gets the variable's value instead, read when that kernel runs (the
+    registry's dereferencing wrapper does it, as TensorFlow's executor does), so a
+    read ordered after an update sees the update.
+    """
+
+    variable: LegacyVariable
+    name: str  # the variable's node name, for messages
+
+    def __repr__(self) -> str:
+        return f"<VariableRef {self.name} {self.variable!r}>"
 
 
 Element = tuple[np.ndarray, ...]

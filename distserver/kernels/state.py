@@ -1,4 +1,4 @@
-"""Resource-variable kernels, as TensorFlow's graph mode builds them.
+"""Resource-variable kernels, as TensorFlow's graph mode builds them, and the optimizers.
 
 A variable is a `VariableResource` in the task's `ResourceManager`, named by the
 `ResourceHandle` that `VarHandleOp` outputs. `AssignVariableOp` creates it when it is
@@ -10,6 +10,11 @@ under the variables' locks, taken in a fixed order, so concurrent steps never lo
 update and never deadlock. Updates replace the stored array instead of writing into
 it, so a value handed to a reader stays unchanged while later steps update the
 variable (TF's copy-on-write, without the reference counting).
+
+The optimizer kernels (`ResourceApplyGradientDescent`, `...Momentum`, `...Adam`,
+`...Adagrad`, `...AdagradV2`, `...RMSProp`) also run their TF 1.x twins without the
+`Resource` prefix (`ApplyAdam`, ...), which update reference variables (see
+`kernels.ref_variables`).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from distserver.kernels._common import (
     ALL_TYPES,
     COMPLEX,
     FLOATS,
+    INDEX_TYPES,
     NUMBER,
     array,
     attr_shape,
@@ -33,9 +39,12 @@ from distserver.kernels._common import (
     handle_input,
     handle_output,
     kernel_error,
+    scatter,
     shape_str,
     type_name,
 )
+from distserver.kernels.array import GatherKernel
+from distserver.kernels.ref_variables import ref_input, requested_input
 from distserver.kernels.registry import KernelContext, OpKernel, register_kernel
 from distserver.kernels.resources import DEFAULT_CONTAINER, VariableResource
 from distserver.tensors import ResourceHandle
@@ -248,6 +257,56 @@ class DestroyResourceOpKernel(_VariableKernel):
         return []
 
 
+@register_kernel("ResourceGather")
+class ResourceGatherKernel(GatherKernel):
+    """The variable's rows `indices` (`tf.gather` or an embedding lookup on a resource variable)."""
+
+    params_type_attr = "dtype"
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        handle = handle_input(self, inputs[0])
+        if handle.device and ctx.device and handle.device != ctx.device:
+            raise kernel_error(
+                self,
+                f"Trying to access resource {handle.name} located in device {handle.device} "
+                f"from device {ctx.device}",
+            )
+        try:
+            variable = ctx.resources.lookup(handle.container, handle.name)
+        except errors.NotFoundError:
+            variable = None
+        value = variable.value if isinstance(variable, VariableResource) else None
+        if value is None:
+            raise kernel_error(self, _missing_text(handle), errors.NotFoundError)
+        check_input_dtype(self, 0, value, self.dtype)
+        return [self.gather(value, inputs[1], 0)]
+
+
+@register_kernel("ResourceScatterAdd", "ResourceScatterSub", "ResourceScatterUpdate")
+class ResourceScatterKernel(_VariableKernel):
+    """var[indices] += / -= / = updates, atomically (sparse updates of a resource variable)."""
+
+    is_stateful = True
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        self.mode = self.op.removeprefix("ResourceScatter")
+        self.dtype = attr_type_in(self, "dtype", ALL_TYPES if self.mode == "Update" else NUMBER)
+        self.index_type = attr_type_in(self, "Tindices", INDEX_TYPES)
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        handle = self._handle(ctx, inputs[0])
+        indices, updates = inputs[1], inputs[2]
+        check_input_dtype(self, 1, indices, self.index_type)
+        check_input_dtype(self, 2, updates, self.dtype)
+        variable = self._lookup(ctx, handle)
+        with variable.lock:
+            current = self._current(variable, handle)
+            check_input_dtype(self, 0, current, self.dtype)
+            variable.replace(scatter(self, current, indices, updates, self.mode))
+        return []
+
+
 # --------------------------------------------------------------------------- optimizers
 
 
@@ -264,11 +323,14 @@ def _locked(variables: list[VariableResource]) -> Iterator[None]:
 class _ApplyKernel(_VariableKernel):
     """A dense optimizer update of one or more variables, per TF's formulas.
 
-    `signature` lists the inputs in TF's order as (name, kind): "var" inputs are
-    variable handles updated in place, "scalar" inputs must be scalars (TF's legacy
-    scalars: [] or [1]) and "tensor" inputs must have the shape of `var`. Every
-    update happens under the locks of all the variables involved, whatever
-    `use_locking` says: taking an uncontended lock is cheap, lost updates are not.
+    One class serves both flavours of an optimizer op: `ResourceApplyX` takes
+    variable handles, `ApplyX` (TF 1.x reference variables) takes references and
+    outputs the reference to `var`. `signature` lists the inputs in TF's order as
+    (name, kind): "var" inputs are the variables updated, "scalar" inputs must be
+    scalars (TF's legacy scalars: [] or [1]) and "tensor" inputs must have the shape
+    of `var`. Every update happens under the locks of all the variables involved,
+    whatever `use_locking` says: taking an uncontended lock is cheap, lost updates
+    are not.
     """
 
     is_stateful = True
@@ -279,23 +341,41 @@ class _ApplyKernel(_VariableKernel):
         self.dtype = attr_type_in(self, "T", FLOATS | COMPLEX)
         self.use_locking = self.attr_bool("use_locking", False)
         self.use_nesterov = self.attr_bool("use_nesterov", False)
+        self.on_refs = not self.op.startswith("Resource")
+        if self.on_refs:
+            self.ref_inputs = frozenset(i for i, (_, kind) in enumerate(self.signature) if kind == "var")
+
+    def _variable(self, ctx: KernelContext, index: int, value: Any) -> tuple[VariableResource, str]:
+        """The variable input `index` names, and the text naming it when it has no value."""
+        if self.on_refs:
+            return ref_input(self, value, index).variable, requested_input(self, index)
+        handle = self._handle(ctx, value)
+        return self._lookup(ctx, handle), _missing_text(handle)
 
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
-        handles: dict[str, ResourceHandle] = {}
+        variables: dict[str, tuple[VariableResource, str]] = {}
         values: dict[str, np.ndarray] = {}
         for i, ((name, kind), value) in enumerate(zip(self.signature, inputs, strict=True)):
             if kind == "var":
-                handles[name] = self._handle(ctx, value)
+                variables[name] = self._variable(ctx, i, value)
                 continue
             check_input_dtype(self, i, value, self.dtype)
             if kind == "scalar" and (value.size != 1 or value.ndim > 1):
                 raise kernel_error(self, f"{name} is not a scalar: {shape_str(value.shape)}")
             values[name] = value.reshape(()) if kind == "scalar" else value
-        variables = {name: self._lookup(ctx, handle) for name, handle in handles.items()}
-        with _locked(list(variables.values())):
-            for name, variable in variables.items():
-                values[name] = self._current(variable, handles[name])
-                check_input_dtype(self, 0, values[name], self.dtype)
+        with _locked([variable for variable, _ in variables.values()]):
+            for name, (variable, missing) in variables.items():
+                current = variable.value
+                if current is None:
+                    if self.on_refs:
+                        raise kernel_error(
+                            self,
+                            f"Attempting to use uninitialized variables: {missing}",
+                            errors.FailedPreconditionError,
+                        )
+                    raise kernel_error(self, missing, errors.NotFoundError)
+                check_input_dtype(self, 0, current, self.dtype)
+                values[name] = current
             shape = values["var"].shape
             for name, kind in self.signature[1:]:
                 if kind != "scalar" and values[name].shape != shape:
@@ -307,16 +387,16 @@ class _ApplyKernel(_VariableKernel):
             with np.errstate(all="ignore"):
                 updated = self.update(**values)
             for name, new_value in updated.items():
-                variables[name].replace(array(new_value, self.dtype))
-        return []
+                variables[name][0].replace(array(new_value, self.dtype))
+        return [inputs[0]] if self.on_refs else []
 
     def update(self, **x: np.ndarray) -> dict[str, Any]:
         """New values of the "var" inputs, from every input's current value."""
         raise NotImplementedError
 
 
-@register_kernel("ResourceApplyGradientDescent")
-class ResourceApplyGradientDescentKernel(_ApplyKernel):
+@register_kernel("ResourceApplyGradientDescent", "ApplyGradientDescent")
+class ApplyGradientDescentKernel(_ApplyKernel):
     """var -= alpha * delta"""
 
     signature = (("var", "var"), ("alpha", "scalar"), ("delta", "tensor"))
@@ -325,8 +405,8 @@ class ResourceApplyGradientDescentKernel(_ApplyKernel):
         return {"var": x["var"] - x["alpha"] * x["delta"]}
 
 
-@register_kernel("ResourceApplyMomentum")
-class ResourceApplyMomentumKernel(_ApplyKernel):
+@register_kernel("ResourceApplyMomentum", "ApplyMomentum")
+class ApplyMomentumKernel(_ApplyKernel):
     """accum = accum * momentum + grad; var -= lr * accum (Nesterov: lr * (grad + momentum * accum))."""
 
     signature = (
@@ -346,8 +426,8 @@ class ResourceApplyMomentumKernel(_ApplyKernel):
         return {"var": var, "accum": accum}
 
 
-@register_kernel("ResourceApplyAdam")
-class ResourceApplyAdamKernel(_ApplyKernel):
+@register_kernel("ResourceApplyAdam", "ApplyAdam")
+class ApplyAdamKernel(_ApplyKernel):
     """TF's ApplyAdam:
 
     lr_t = lr * sqrt(1 - beta2_power) / (1 - beta1_power)
@@ -380,14 +460,86 @@ class ResourceApplyAdamKernel(_ApplyKernel):
         return {"var": var, "m": m, "v": v}
 
 
+@register_kernel("ResourceApplyAdagrad", "ApplyAdagrad")
+class ApplyAdagradKernel(_ApplyKernel):
+    """accum += grad^2 (unless `update_slots` is false); var -= lr * grad / sqrt(accum)."""
+
+    signature: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("var", "var"),
+        ("accum", "var"),
+        ("lr", "scalar"),
+        ("grad", "tensor"),
+    )
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        self.update_slots = self.attr_bool("update_slots", True)
+
+    def update(self, **x: np.ndarray) -> dict[str, Any]:
+        grad = x["grad"]
+        accum = x["accum"] + grad * grad if self.update_slots else x["accum"]
+        return {"var": x["var"] - x["lr"] * grad / np.sqrt(accum), "accum": accum}
+
+
+@register_kernel("ResourceApplyAdagradV2", "ApplyAdagradV2")
+class ApplyAdagradV2Kernel(ApplyAdagradKernel):
+    """Adagrad with epsilon: var -= lr * grad / (sqrt(accum) + epsilon)."""
+
+    signature = (
+        ("var", "var"),
+        ("accum", "var"),
+        ("lr", "scalar"),
+        ("epsilon", "scalar"),
+        ("grad", "tensor"),
+    )
+
+    def update(self, **x: np.ndarray) -> dict[str, Any]:
+        grad = x["grad"]
+        accum = x["accum"] + grad * grad if self.update_slots else x["accum"]
+        return {"var": x["var"] - x["lr"] * grad / (np.sqrt(accum) + x["epsilon"]), "accum": accum}
+
+
+@register_kernel("ResourceApplyRMSProp", "ApplyRMSProp")
+class ApplyRMSPropKernel(_ApplyKernel):
+    """TF's ApplyRMSProp:
+
+    ms += (grad^2 - ms) * (1 - rho)
+    mom = mom * momentum + lr * grad / sqrt(ms + epsilon)
+    var -= mom
+    """
+
+    signature = (
+        ("var", "var"),
+        ("ms", "var"),
+        ("mom", "var"),
+        ("lr", "scalar"),
+        ("rho", "scalar"),
+        ("momentum", "scalar"),
+        ("epsilon", "scalar"),
+        ("grad", "tensor"),
+    )
+
+    def update(self, **x: np.ndarray) -> dict[str, Any]:
+        one = np.ones((), dtype=self.dtype)
+        grad = x["grad"]
+        ms = x["ms"] + (grad * grad - x["ms"]) * (one - x["rho"])
+        mom = x["mom"] * x["momentum"] + x["lr"] * grad / np.sqrt(ms + x["epsilon"])
+        return {"var": x["var"] - mom, "ms": ms, "mom": mom}
+
+
 __all__ = [
+    "ApplyAdagradKernel",
+    "ApplyAdagradV2Kernel",
+    "ApplyAdamKernel",
+    "ApplyGradientDescentKernel",
+    "ApplyMomentumKernel",
+    "ApplyRMSPropKernel",
     "AssignUpdateVariableOpKernel",
     "AssignVariableOpKernel",
     "DestroyResourceOpKernel",
     "ReadVariableOpKernel",
-    "ResourceApplyAdamKernel",
-    "ResourceApplyGradientDescentKernel",
-    "ResourceApplyMomentumKernel",
+    "ResourceGatherKernel",
+    "ResourceScatterKernel",
     "VarHandleOpKernel",
     "VarIsInitializedOpKernel",
 ]

@@ -25,6 +25,8 @@ import numpy as np
 
 from distserver import errors
 from distserver.devices import task_of_device
+from distserver.kernels import has_kernel
+from distserver.kernels.ref_variables import REF_OUTPUT_OPS
 from distserver.protos import master_pb2 as m
 from distserver.protos import worker_pb2 as w
 from distserver.protos.config_pb2 import CallableOptions, ConfigProto, RunOptions
@@ -33,7 +35,7 @@ from distserver.protos.graph_pb2 import GraphDef
 from distserver.protos.node_def_pb2 import NodeDef
 from distserver.protos.services import MASTER_METHODS, snake_case
 from distserver.runtime.concurrency import gather_all
-from distserver.runtime.names import canonical_tensor_name
+from distserver.runtime.names import canonical_tensor_name, parse_input
 from distserver.runtime.partition import partition
 from distserver.runtime.placement import place
 from distserver.runtime.subgraph import move_client_endpoints, rewrite_for_step
@@ -188,6 +190,7 @@ class Master:
                 "ClusterSpec propagation (ConfigProto.cluster_def) is not supported by distserver; "
                 "start the servers with the full cluster instead."
             )
+        _check_kernels(request.graph_def)
         tasks = self._filtered_tasks(list(config.device_filters))
         devices = await self._devices(tasks, self._connect_timeout(config))
         handle = f"{random.getrandbits(64):016x}"
@@ -206,6 +209,7 @@ class Master:
             raise errors.AbortedError(
                 f"Current version is {session.version} but caller expected {request.current_graph_version}."
             )
+        _check_kernels(request.graph_def)
         _extend_graph(session, request.graph_def)
         session.version += 1
         return m.ExtendSessionResponse(new_graph_version=session.version)
@@ -429,6 +433,7 @@ class Master:
             client_device=client.name,
             allow_soft_placement=session.config.allow_soft_placement,
         )
+        _read_refs_late(step.nodes)
         move_client_endpoints(step, incarnations.__getitem__)
         parts = partition(step.nodes, incarnation=incarnations.__getitem__)
         pushed = _push_plan(parts, self.task_name)
@@ -512,6 +517,13 @@ class Master:
             response.status_code, response.status_error_message = errors.to_status(exc)  # type: ignore[assignment]
         return response
 
+    async def partial_run_setup(self, request: m.PartialRunSetupRequest) -> m.PartialRunSetupResponse:
+        self._session(request.session_handle)
+        raise errors.UnimplementedError(
+            "Partial runs (Session.partial_run_setup / partial_run) are not supported by distserver; "
+            "run each step with Session.run instead."
+        )
+
     async def make_callable(self, request: m.MakeCallableRequest) -> m.MakeCallableResponse:
         session = self._session(request.session_handle)
         options: CallableOptions = request.options
@@ -557,6 +569,95 @@ class Master:
         session = self._session(request.session_handle)
         session.callables.pop(request.handle, None)
         return m.ReleaseCallableResponse()
+
+
+# Ops that call graph functions: what TF 2.x control flow (`tf.cond`/`tf.while_loop` with
+# control flow v2) and `tf.function` put into a graph.
+_FUNCTION_CALL_OPS = frozenset(
+    {"If", "StatelessIf", "While", "StatelessWhile", "Case", "StatelessCase", "PartitionedCall",
+     "StatefulPartitionedCall", "SymbolicGradient", "RemoteCall"}
+)  # fmt: skip
+# Ops of TF 1.x control flow (tf.cond / tf.while_loop without control flow v2).
+_CONTROL_FLOW_V1_OPS = frozenset(
+    {"Switch", "RefSwitch", "Merge", "RefMerge", "Enter", "RefEnter", "Exit", "RefExit", "NextIteration",
+     "RefNextIteration", "LoopCond", "ControlTrigger"}
+)  # fmt: skip
+_MAX_LISTED_OPS = 10
+
+
+def _check_kernels(graph_def: GraphDef) -> None:
+    """Refuse a graph that uses an op distserver has no kernel for, naming the op and the node.
+
+    TensorFlow would refuse an unknown op when the graph is imported (CreateSession or
+    ExtendSession), and an op without a kernel when the step runs; distserver has one
+    registry for both, so it refuses up front, before any worker is involved.
+
+    Raises:
+        UnimplementedError: listing every unsupported op type with a node that uses it.
+    """
+    unsupported: dict[str, list[str]] = {}
+    for node in graph_def.node:
+        if not has_kernel(node.op):
+            unsupported.setdefault(node.op, []).append(node.name)
+    if not unsupported:
+        return
+    parts = []
+    for op, nodes in list(unsupported.items())[:_MAX_LISTED_OPS]:
+        more = f" and {len(nodes) - 1} more" if len(nodes) > 1 else ""
+        parts.append(f"'{op}' (node '{nodes[0]}'{more})")
+    if len(unsupported) > _MAX_LISTED_OPS:
+        parts.append(f"and {len(unsupported) - _MAX_LISTED_OPS} more op types")
+    message = (
+        f"distserver has no kernel for {'this op' if len(unsupported) == 1 else 'these ops'}: "
+        f"{', '.join(parts)}. The supported ops are listed in docs/tf-compat.md "
+        "(distserver.kernels.registered_ops())."
+    )
+    # distserver's FunctionDefLibrary keeps the functions as unknown fields only.
+    if graph_def.library.ByteSize() or not _FUNCTION_CALL_OPS.isdisjoint(unsupported):
+        message += (
+            " Graph functions (tf.function, control flow v2) are not supported: build the graph "
+            "with tf.compat.v1.disable_v2_behavior() (or disable_control_flow_v2())."
+        )
+    if not _CONTROL_FLOW_V1_OPS.isdisjoint(unsupported):
+        message += " Control flow (tf.cond, tf.while_loop) is not supported."
+    first_node = next(iter(unsupported.values()))[0]
+    raise errors.UnimplementedError(message, node_name=first_node)
+
+
+def _read_refs_late(nodes: list[NodeDef]) -> None:
+    """Read a reference variable sent to another task only after the consumer's control inputs.
+
+    A consumer of a reference (TF 1.x variable) reads the variable when it runs, so
+    `with tf.control_dependencies([update]): v.read_value()` sees the update. When
+    the consumer is on another task than the variable, the value crosses in a
+    `_Send` that would otherwise read as soon as `VariableV2` has run. TensorFlow
+    gets the late read from sending the variable's live buffer; distserver inserts
+    an `Identity` next to the variable that waits for the consumer's control inputs,
+    and sends its output instead. Pure; changes `nodes` in place.
+    """
+    by_name = {node.name: node for node in nodes}
+    added: list[NodeDef] = []
+    for position, node in enumerate(nodes):
+        controls = [text for text in node.input if text.startswith("^")]
+        if not controls:
+            continue
+        for i, text in enumerate(node.input):
+            if text.startswith("^"):
+                continue
+            src = by_name.get(parse_input(text)[0])
+            if src is None or src.op not in REF_OUTPUT_OPS:
+                continue
+            if task_of_device(src.device) == task_of_device(node.device):
+                continue
+            if nodes[position] is node:  # the session's own NodeDef: change a copy
+                copy = NodeDef()
+                copy.CopyFrom(node)
+                nodes[position] = copy
+            read = NodeDef(name=f"{node.name}/_late_read_{i}", op="Identity", device=src.device)
+            read.input.extend([text, *controls])
+            nodes[position].input[i] = read.name
+            added.append(read)
+    nodes.extend(added)
 
 
 def _extend_graph(session: MasterSession, graph_def: GraphDef) -> None:

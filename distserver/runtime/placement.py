@@ -8,7 +8,14 @@ Rules (TensorFlow's, as far as a CPU-only cluster can see them):
   named job; the device is the task's CPU:0.
 * Nodes that must share a device are placed together: a node colocated by a
   `_class: "loc:@other"` attr, and a node consuming a resource handle (a variable or
-  a queue) from a resource-producing node, go where that node goes.
+  a queue) from a resource-producing node, go where that node goes. The requests of
+  a group's members merge (`/job:ps` and `/task:1` give `/job:ps/task:1`); requests
+  that contradict each other are an error, except that a resource consumer's own
+  request yields to its resource's device, as in TensorFlow ("Ignoring device
+  specification ... because the input edge ... is a reference connection"): under
+  `replica_device_setter`, `VarIsInitializedOp` or `AssignAddVariableOp` ask for
+  the worker but run on the variable's ps task. (TF 1.x reference variables are
+  colocated through the `_class` attrs `tf.compat.v1` gives their consumers.)
 * A request that matches no device of the cluster is an `InvalidArgumentError`
   naming the node and the device, unless `allow_soft_placement` lets a device type
   that does not exist (a GPU) fall back to the CPU.
@@ -49,18 +56,25 @@ class _Groups:
             self.parent[rb] = ra
 
 
-def _colocation_targets(node: NodeDef, by_name: dict[str, NodeDef]) -> list[str]:
-    targets = []
+# Feeds and fetches stay on the client device even when the value is a resource handle.
+_SEND_RECV = frozenset({"_Send", "_Recv", "_HostSend", "_HostRecv"})
+
+
+def _colocation_targets(node: NodeDef, by_name: dict[str, NodeDef]) -> tuple[list[str], list[str]]:
+    """(nodes named by `_class` colocation, resource producers `node` consumes)."""
+    classes = []
     if "_class" in node.attr:
         for entry in node.attr["_class"].list.s:
             text = entry.decode()
             if text.startswith("loc:@") and text[5:] in by_name:
-                targets.append(text[5:])
-    for text in node.input:
-        src, _, is_control = parse_input(text)
-        if not is_control and src in by_name and by_name[src].op in RESOURCE_PRODUCERS:
-            targets.append(src)
-    return targets
+                classes.append(text[5:])
+    resources = []
+    if node.op not in _SEND_RECV:
+        for text in node.input:
+            src, _, is_control = parse_input(text)
+            if not is_control and src in by_name and by_name[src].op in RESOURCE_PRODUCERS:
+                resources.append(src)
+    return classes, resources
 
 
 def place(
@@ -84,19 +98,26 @@ def place(
     """
     by_name = {node.name: node for node in nodes}
     groups = _Groups(by_name)
+    resource_consumers: set[str] = set()
     for node in nodes:
-        for target in _colocation_targets(node, by_name):
+        classes, resources = _colocation_targets(node, by_name)
+        for target in classes + resources:
             groups.union(target, node.name)
+        if resources:
+            resource_consumers.add(node.name)
 
-    # The requested device of a group: the merge of its members' requests.
+    # The requested device of a group: the merge of its members' requests. Resource
+    # consumers come last, so that their requests can yield to the rest of the group.
     requests: dict[str, tuple[DeviceSpec, NodeDef]] = {}
-    for node in nodes:
+    for node in sorted(nodes, key=lambda n: n.name in resource_consumers):
         spec = _parse(node)
         root = groups.find(node.name)
         seen = requests.get(root)
         if seen is None or _is_empty(seen[0]):
             requests[root] = (spec, node)
-        elif not _is_empty(spec) and not _compatible(seen[0], spec):
+        elif _compatible(seen[0], spec):
+            requests[root] = (seen[0].make_merged_spec(spec), seen[1])
+        elif node.name not in resource_consumers:
             raise errors.InvalidArgumentError(
                 f"Cannot colocate nodes {seen[1].name!r} and {node.name!r}: they request "
                 f"{seen[1].device!r} and {node.device!r}",

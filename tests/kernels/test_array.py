@@ -645,3 +645,53 @@ def test_assert(run_op):
 
 def test_assert_is_stateful(make_node):
     assert create_kernel(make_node("Assert", ["c"], T=[])).is_stateful
+
+
+# --------------------------------------------------------------------------- Where, DynamicStitch
+
+
+@pytest.mark.parametrize("dtype", [np.bool_, np.float32, np.int64])
+def test_where_lists_the_coordinates_of_true_elements(run_op, dtype):
+    condition = np.array([[True, False, True], [False, False, True]]).astype(dtype)
+    (coordinates,) = run_op("Where", condition, T=dtype)
+    assert coordinates.dtype == np.int64
+    np.testing.assert_array_equal(coordinates, [[0, 0], [0, 2], [1, 2]])
+
+
+def test_where_of_nothing_and_of_a_scalar(run_op):
+    (none,) = run_op("Where", np.zeros((2, 2), bool), T=np.bool_)
+    assert none.shape == (0, 2)
+    (scalar,) = run_op("Where", np.array(True), T=np.bool_)
+    assert scalar.shape == (1, 0)
+
+
+def test_dynamic_stitch_interleaves(run_op):
+    indices = [np.array(6, np.int32), np.array([4, 1], np.int32), np.array([[5, 2], [0, 3]], np.int32)]
+    data = [
+        np.array([61, 62], np.float32),
+        np.array([[41, 42], [11, 12]], np.float32),
+        np.array([[[51, 52], [21, 22]], [[1, 2], [31, 32]]], np.float32),
+    ]
+    for op in ("DynamicStitch", "ParallelDynamicStitch"):
+        (merged,) = run_op(op, *indices, *data, N=3, T=np.float32)
+        np.testing.assert_array_equal(
+            merged, [[1, 2], [11, 12], [21, 22], [31, 32], [41, 42], [51, 52], [61, 62]]
+        )
+
+
+def test_dynamic_stitch_later_inputs_win_and_gaps_are_zero(run_op):
+    (merged,) = run_op(
+        "DynamicStitch",
+        np.array([0, 3], np.int32),
+        np.array([3], np.int32),
+        np.array([1, 2], np.int64),
+        np.array([9], np.int64),
+        N=2,
+        T=np.int64,
+    )
+    np.testing.assert_array_equal(merged, [1, 0, 0, 9])
+
+
+def test_dynamic_stitch_checks_shapes(run_op):
+    with pytest.raises(errors.InvalidArgumentError, match=r"does not start with indices\[0\].shape"):
+        run_op("DynamicStitch", np.array([0, 1], np.int32), np.array([1.0], np.float32), N=1, T=np.float32)

@@ -468,3 +468,46 @@ def test_logical_reductions(op, fn, keep_dims, run_op):
     for axis in ([0], [1], [0, 1], []):
         (out,) = run_op(op, x, np.array(axis, np.int32), keep_dims=keep_dims, Tidx=np.int32)
         np.testing.assert_array_equal(out, fn(x, axis=tuple(axis), keepdims=keep_dims))
+
+
+# --------------------------------------------------------------------------- ops of TF 1.x training graphs
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32, np.complex64])
+def test_squared_difference(run_op, dtype):
+    x, y = _values((2, 3), dtype), _values((3,), dtype)
+    (z,) = run_op("SquaredDifference", x, y, T=dtype)
+    diff = x - y
+    np.testing.assert_allclose(z, diff * np.conj(diff), rtol=1e-6)
+    assert z.dtype == dtype
+
+
+def test_div_no_nan_gives_zero_for_zero_divisors(run_op):
+    x = np.array([1.0, 0.0, np.inf, 6.0], np.float32)
+    y = np.array([0.0, 0.0, 0.0, 3.0], np.float32)
+    (z,) = run_op("DivNoNan", x, y, T=np.float32)
+    np.testing.assert_array_equal(z, [0.0, 0.0, 0.0, 2.0])
+
+
+def test_mul_no_nan_gives_zero_for_zero_factors(run_op):
+    x = np.array([np.nan, np.inf, 2.0], np.float64)
+    y = np.array([0.0, 0.0, 3.0], np.float64)
+    (z,) = run_op("MulNoNan", x, y, T=np.float64)
+    np.testing.assert_array_equal(z, [0.0, 0.0, 6.0])
+
+
+@pytest.mark.parametrize(
+    ("op", "reference"),
+    [("Floor", np.floor), ("Ceil", np.ceil), ("Log1p", np.log1p), ("Expm1", np.expm1)],
+)
+def test_more_unary_float_ops(run_op, op, reference):
+    x = _values((3, 4), np.float64, positive=True)
+    (y,) = run_op(op, x, T=np.float64)
+    np.testing.assert_allclose(y, reference(x))
+
+
+def test_round_is_half_to_even(run_op):
+    (y,) = run_op("Round", np.array([0.5, 1.5, 2.5, -0.5, -1.7], np.float32), T=np.float32)
+    np.testing.assert_array_equal(y, [0.0, 2.0, 2.0, -0.0, -2.0])
+    (ints,) = run_op("Round", np.array([3, -4], np.int32), T=np.int32)
+    np.testing.assert_array_equal(ints, [3, -4])

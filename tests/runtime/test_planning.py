@@ -126,11 +126,36 @@ class TestPlacement:
 
     def test_conflicting_colocation_is_an_error(self):
         nodes = [
-            node("v", "VarHandleOp", device="/job:ps/task:0"),
-            node("r", "ReadVariableOp", ["v"], device=PS1),
+            node("v", "VariableV2", device="/job:ps/task:0"),
+            node("r", "Identity", ["v"], device=PS1, **{"_class": ["loc:@v"]}),
         ]
         with pytest.raises(errors.InvalidArgumentError, match="Cannot colocate"):
             place(nodes, devices=DEVICES, client_device=W0)
+
+    def test_a_resource_consumer_request_yields_to_the_resource(self):
+        # TF: "Ignoring device specification ... because the input edge ... is a
+        # reference connection"; replica_device_setter asks for the worker here.
+        nodes = [
+            node("v", "VarHandleOp", device="/job:ps/task:0"),
+            node("r", "ReadVariableOp", ["v"], device=PS1),
+            node("init", "VarIsInitializedOp", ["v"], device="/job:worker"),
+        ]
+        place(nodes, devices=DEVICES, client_device=W0)
+        assert [n.device for n in nodes] == [PS0, PS0, PS0]
+
+    def test_requests_of_a_group_merge(self):
+        nodes = [
+            node("v", "VarHandleOp", device="/job:ps"),
+            node("r", "ReadVariableOp", ["v"], device="/job:ps/task:1"),
+            node("c", "Const", device="/device:CPU:0", **{"_class": ["loc:@v"]}),
+        ]
+        place(nodes, devices=DEVICES, client_device=W0)
+        assert {n.device for n in nodes} == {PS1}
+
+    def test_feeds_and_fetches_of_handles_stay_on_the_client_device(self):
+        nodes = [node("v", "VarHandleOp", device=PS1), node("_send_v_0", "_Send", ["v"], device=W0)]
+        place(nodes, devices=DEVICES, client_device=W0)
+        assert [n.device for n in nodes] == [PS1, W0]
 
 
 class TestPartition:
