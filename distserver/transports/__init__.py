@@ -31,9 +31,11 @@ def _load_builtins() -> None:
     if _builtins_loaded:
         return
     from distserver.transports.grpc import GrpcTransport
+    from distserver.transports.verbs._transport import VerbsTransport
 
     with _lock:
         _registry.setdefault("grpc", GrpcTransport())
+        _registry.setdefault("grpc+verbs", VerbsTransport())
         _builtins_loaded = True
 
 

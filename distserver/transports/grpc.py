@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -309,7 +309,23 @@ class GrpcTransport(Transport):
     name = "grpc"
 
     async def listen(self, address: str, services: Mapping[str, ServiceHandler]) -> Listener:
+        server, port = await self.bind_server(address, services)
+        return GrpcListener(server, port)
+
+    async def bind_server(
+        self,
+        address: str,
+        services: Mapping[str, ServiceHandler],
+        extra_handlers: Sequence[Any] = (),
+    ) -> tuple[grpc.aio.Server, int]:
+        """A grpc.aio server bound to `address` serving `services` (+ `extra_handlers`).
+
+        Returns the server (not started) and its bound port. Transports built on this
+        one add their own RPCs through `extra_handlers` (generic RPC handlers).
+        """
         server = grpc.aio.server(options=SERVER_OPTIONS)
+        if extra_handlers:
+            server.add_generic_rpc_handlers(tuple(extra_handlers))
         for service, handler in services.items():
             table = SERVICES[service]
             rpc_handlers = {}
@@ -339,7 +355,7 @@ class GrpcTransport(Transport):
         if port == 0:
             await server.stop(None)
             raise errors.UnknownError(f"Could not start gRPC server: cannot bind {address}")
-        return GrpcListener(server, port)
+        return server, port
 
     def connect(self, address: str) -> Channel:
         return GrpcChannel(address)

@@ -16,9 +16,15 @@ from distserver.testing import LocalCluster
 pytestmark = pytest.mark.slow
 
 
+@pytest.fixture(scope="module", params=["grpc", "grpc+verbs"])
+def protocol(request):
+    """Every test here runs once per transport."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def cluster():
-    with LocalCluster({"ps": 2, "worker": 2}) as cluster:
+def cluster(protocol):
+    with LocalCluster({"ps": 2, "worker": 2}, protocol=protocol) as cluster:
         yield cluster
 
 
@@ -211,8 +217,8 @@ def test_error_on_a_remote_task_names_the_task_and_node(cluster):
     assert "Incompatible shapes" in info.value.message
 
 
-def test_a_killed_task_fails_pending_steps_fast_and_a_restart_aborts():
-    with LocalCluster({"ps": 1, "worker": 1}) as cluster:
+def test_a_killed_task_fails_pending_steps_fast_and_a_restart_aborts(protocol):
+    with LocalCluster({"ps": 1, "worker": 1}, protocol=protocol) as cluster:
         graph = ds.Graph()
         with graph.as_default():
             with ds.device("/job:ps/task:0"):

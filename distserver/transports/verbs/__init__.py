@@ -62,6 +62,7 @@ from distserver.transports.verbs._tensor import (
     TensorServer,
     TensorSource,
 )
+from distserver.transports.verbs._transport import VerbsChannel, VerbsTransport
 from distserver.transports.verbs._wire import MAX_SEND_BYTES
 
 __all__ = [
@@ -91,7 +92,9 @@ __all__ = [
     "TensorReply",
     "TensorServer",
     "TensorSource",
+    "VerbsChannel",
     "VerbsListener",
+    "VerbsTransport",
     "WcStatus",
     "WorkCompletion",
     "connect",
