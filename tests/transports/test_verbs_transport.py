@@ -96,7 +96,7 @@ async def test_strict_verbs_refuses_a_foreign_host(monkeypatch):
         "grpc+verbs-strict", ps_env={HOST_ID_OVERRIDE_ENV: "boot_id=another-host"}, monkeypatch=monkeypatch
     )
     try:
-        with pytest.raises(errors.FailedPreconditionError, match="strict.*another host"):
+        with pytest.raises(errors.FailedPreconditionError, match=r"strict.*another host"):
             await run_steps(worker)
     finally:
         await worker.stop()
