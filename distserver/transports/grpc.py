@@ -22,6 +22,7 @@ The data plane (RecvTensor) skips protobuf for tensor bytes (`distserver.wire`):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
@@ -202,6 +203,11 @@ class GrpcChannel(Channel):
         )
         self._streamed: set[str] = set()
         self._closed = False
+        self._aborted = False
+        self._closing: asyncio.Future[None] | None = None
+        self._in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
         self._calls_started = 0
         self._calls_failed = 0
         self._tensors_received = 0
@@ -220,6 +226,36 @@ class GrpcChannel(Channel):
             self._callables[key] = mc
         return mc
 
+    @contextlib.asynccontextmanager
+    async def _tracked(self, method: str) -> AsyncIterator[None]:
+        """Count one call, map its errors, and let `close()` wait for it."""
+        if self._closed:
+            raise errors.UnavailableError(f"{method} to {self.target} failed: the channel is closed")
+        self._calls_started += 1
+        self._in_flight += 1
+        self._idle.clear()
+        try:
+            yield
+        except grpc.aio.AioRpcError as exc:
+            self._calls_failed += 1
+            raise error_from_rpc(exc, target=self.target, method=method) from exc
+        except errors.OpError:
+            self._calls_failed += 1
+            raise
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self._aborted and task is not None and not task.cancelling():
+                # Our abort() cancelled the RPC, not the caller: report it as an OpError.
+                self._calls_failed += 1
+                raise errors.CancelledError(
+                    f"{method} to {self.target} was cancelled: the channel was aborted"
+                ) from None
+            raise
+        finally:
+            self._in_flight -= 1
+            if not self._in_flight:
+                self._idle.set()
+
     async def call(
         self,
         service: str,
@@ -229,46 +265,37 @@ class GrpcChannel(Channel):
         timeout: float | None = None,
         wait_for_ready: bool = False,
     ) -> Message:
-        if self._closed:
-            raise errors.UnavailableError(f"{method} to {self.target} failed: the channel is closed")
-        self._calls_started += 1
-        try:
+        async with self._tracked(method):
             response: Message = await self._callable(service, method)(
                 request, timeout=timeout, wait_for_ready=wait_for_ready
             )
-        except grpc.aio.AioRpcError as exc:
-            self._calls_failed += 1
-            raise error_from_rpc(exc, target=self.target, method=method) from exc
         return response
 
     async def recv_tensor(self, request: Message, *, timeout: float | None = None) -> tuple[Any, bool]:
-        if self._closed:
-            raise errors.UnavailableError(f"RecvTensor to {self.target} failed: the channel is closed")
-        key: str = getattr(request, "rendezvous_key", "")
-        name = key.split(";")[3] if key.count(";") >= 4 else key
-        self._calls_started += 1
-        try:
-            if name in self._streamed:
-                value, is_dead = await self._recv_stream(request, timeout)
-            else:
-                call = self._recv_unary(
-                    request, timeout=timeout, metadata=((_STREAM_ABOVE_KEY, str(STREAM_THRESHOLD)),)
-                )
-                data = await call
-                trailing: Any = await call.trailing_metadata()
-                if any(k == _USE_STREAM_KEY for k, _ in trailing or ()):
-                    if len(self._streamed) >= _STREAMED_NAMES_LIMIT:
-                        self._streamed.clear()
-                    self._streamed.add(name)
-                    value, is_dead = await self._recv_stream(request, timeout)
-                else:
-                    value, is_dead = await _in_thread_if_large(len(data), decode_recv_tensor_response, data)
-        except grpc.aio.AioRpcError as exc:
-            self._calls_failed += 1
-            raise error_from_rpc(exc, target=self.target, method="RecvTensor") from exc
+        async with self._tracked("RecvTensor"):
+            value, is_dead = await self._fetch_tensor(request, timeout)
         self._tensors_received += 1
         self._tensor_bytes_received += tensor_nbytes(value)
         return value, is_dead
+
+    async def _fetch_tensor(self, request: Message, timeout: float | None) -> tuple[Any, bool]:
+        """The data plane of one RecvTensor (subclasses may take another path)."""
+        key: str = getattr(request, "rendezvous_key", "")
+        name = key.split(";")[3] if key.count(";") >= 4 else key
+        if name in self._streamed:
+            return await self._recv_stream(request, timeout)
+        call = self._recv_unary(
+            request, timeout=timeout, metadata=((_STREAM_ABOVE_KEY, str(STREAM_THRESHOLD)),)
+        )
+        data = await call
+        trailing: Any = await call.trailing_metadata()
+        if any(k == _USE_STREAM_KEY for k, _ in trailing or ()):
+            if len(self._streamed) >= _STREAMED_NAMES_LIMIT:
+                self._streamed.clear()
+            self._streamed.add(name)
+            return await self._recv_stream(request, timeout)
+        result: tuple[Any, bool] = await _in_thread_if_large(len(data), decode_recv_tensor_response, data)
+        return result
 
     async def _recv_stream(self, request: Message, timeout: float | None) -> tuple[Any, bool]:
         assembler = TensorAssembler()
@@ -277,14 +304,25 @@ class GrpcChannel(Channel):
         return assembler.result()
 
     async def close(self) -> None:
+        """Refuse new calls, let those in flight finish, then release the connection."""
         self._closed = True
-        await self._channel.close(grace=None)
+        await self._idle.wait()
+        await self._start_release()
 
     def abort(self) -> None:
-        # grpc.aio has no synchronous close; closing with zero grace cancels calls in
-        # flight. Callers that can await should prefer close().
+        """Refuse new calls and cancel those in flight at once (they raise CancelledError)."""
         self._closed = True
-        self._callables.clear()
+        self._aborted = True
+        self._start_release()
+
+    def _start_release(self) -> asyncio.Future[None]:
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self._release())
+        return self._closing
+
+    async def _release(self) -> None:
+        """Free the connection (subclasses free their own resources first)."""
+        await self._channel.close(grace=None)
 
     def statistics(self) -> ChannelStatistics:
         return ChannelStatistics(

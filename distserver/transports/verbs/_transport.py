@@ -34,7 +34,6 @@ import grpc
 from distserver import errors
 from distserver.protos.services import WORKER_SERVICE
 from distserver.protos.worker_pb2 import RecvTensorRequest
-from distserver.tensors import tensor_nbytes
 from distserver.transports.base import Channel, ChannelStatistics, Listener, ServiceHandler
 from distserver.transports.grpc import GrpcChannel, GrpcListener, GrpcTransport, error_from_rpc
 from distserver.transports.verbs._identity import HostIdentity, host_identity, viability_problem
@@ -128,12 +127,10 @@ class VerbsChannel(GrpcChannel):
             self._endpoint = await TensorEndpoint.connect(self._pd, reply["address"])
             return self._endpoint
 
-    async def recv_tensor(self, request: Any, *, timeout: float | None = None) -> tuple[Any, bool]:
-        if self._closed:
-            raise errors.UnavailableError(f"RecvTensor to {self.target} failed: the channel is closed")
+    async def _fetch_tensor(self, request: Any, timeout: float | None) -> tuple[Any, bool]:
         endpoint = await self._verbs_endpoint(timeout)
         if endpoint is None:
-            return await super().recv_tensor(request, timeout=timeout)
+            return await super()._fetch_tensor(request, timeout)
         assert self._pool is not None
         key = request.rendezvous_key
         name = key.split(";")[3] if key.count(";") >= 4 else key
@@ -143,19 +140,17 @@ class VerbsChannel(GrpcChannel):
             )
         except errors.UnimplementedError:
             # Not plain memory (strings, resources): this one tensor goes over gRPC.
-            return await super().recv_tensor(request, timeout=timeout)
-        self._tensors_received += 1
-        self._tensor_bytes_received += tensor_nbytes(got.value)
+            return await super()._fetch_tensor(request, timeout)
         return got.value, got.meta == _DEAD
 
-    async def close(self) -> None:
+    async def _release(self) -> None:
         try:
             if self._endpoint is not None:
                 await self._endpoint.close()
             if self._pd is not None:
                 await self._pd.close()
         finally:
-            await super().close()
+            await super()._release()
 
     def statistics(self) -> ChannelStatistics:
         stats = super().statistics()
