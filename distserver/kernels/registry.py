@@ -90,6 +90,9 @@ class OpKernel:
 
     is_async: ClassVar[bool] = False
     is_stateful: ClassVar[bool] = False
+    # Synchronous kernels that touch loop-bound state (the rendezvous): the executor
+    # runs them inline on the event loop even when their inputs are large.
+    runs_on_loop: ClassVar[bool] = False
     ref_inputs: frozenset[int] = frozenset()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:

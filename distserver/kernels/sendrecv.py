@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 class _SendRecvKernel(OpKernel):
     # Both run on the event loop: the rendezvous is loop-bound.
-    is_async = True
+    runs_on_loop = True
     is_stateful = True
 
     def __init__(self, node: NodeDef) -> None:
@@ -34,13 +34,16 @@ class _SendRecvKernel(OpKernel):
 
 @register_kernel("_Send", "_HostSend")
 class SendKernel(_SendRecvKernel):
-    async def compute_async(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+    # Synchronous (no task per send) but never sent to the thread pool.
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
         ctx.rendezvous.send(self.key, inputs[0])
         return []
 
 
 @register_kernel("_Recv", "_HostRecv")
 class RecvKernel(_SendRecvKernel):
+    is_async = True
+
     def __init__(self, node: NodeDef) -> None:
         super().__init__(node)
         # Set by the master when the sender's RunGraph response brings the value.

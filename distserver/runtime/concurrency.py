@@ -38,9 +38,12 @@ async def gather_all(awaitables: Iterable[Awaitable[T]]) -> list[T]:
     The first failure cancels the rest and is raised as itself (not as an
     ExceptionGroup), preferring an OpError over the cancellations it caused.
     """
+    items = list(awaitables)
+    if len(items) == 1:  # the common single-partition step: no task, no group
+        return [await items[0]]
     try:
         async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(_as_coroutine(a)) for a in awaitables]
+            tasks = [group.create_task(_as_coroutine(a)) for a in items]
     except BaseExceptionGroup as group_error:
         raise first_error(group_error) from None
     return [task.result() for task in tasks]

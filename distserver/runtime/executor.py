@@ -147,7 +147,11 @@ class Executor:
                         if node.kernel.is_async:
                             in_flight += 1
                             group.create_task(run_task(node, inputs, offload=False))
-                        elif ctx.pool is not None and _nbytes(inputs) >= OFFLOAD_BYTES:
+                        elif (
+                            ctx.pool is not None
+                            and not node.kernel.runs_on_loop
+                            and _nbytes(inputs) >= OFFLOAD_BYTES
+                        ):
                             in_flight += 1
                             group.create_task(run_task(node, inputs, offload=True))
                         else:
