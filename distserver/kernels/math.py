@@ -564,27 +564,6 @@ class ArgExtremumKernel(OpKernel):
         return [array(self.fn(x.astype(compute_dtype(self.dtype), copy=False), axis=axis), self.output_type)]
 
 
-@register_kernel("Softmax")
-class SoftmaxKernel(OpKernel):
-    """exp(x) / sum(exp(x)) over the last dimension, computed stably."""
-
-    def __init__(self, node: NodeDef) -> None:
-        super().__init__(node)
-        self.dtype = attr_type_in(self, "T", FLOATS)
-
-    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
-        (logits,) = inputs
-        check_input_dtype(self, 0, logits, self.dtype)
-        if logits.ndim < 1:
-            raise kernel_error(self, f"logits must have >= 1 dimension, got {shape_str(logits.shape)}")
-        if logits.size == 0:
-            return [np.array(logits, copy=True)]
-        x = logits.astype(_ACCUMULATE.get(self.dtype, self.dtype), copy=False)
-        with np.errstate(all="ignore"):
-            shifted = np.exp(x - np.max(x, axis=-1, keepdims=True))
-            return [array(shifted / np.sum(shifted, axis=-1, keepdims=True), self.dtype)]
-
-
 __all__ = [
     "AddNKernel",
     "AllKernel",
@@ -599,7 +578,6 @@ __all__ = [
     "MeanKernel",
     "MinKernel",
     "ProdKernel",
-    "SoftmaxKernel",
     "SumKernel",
     "UnaryOpKernel",
 ]

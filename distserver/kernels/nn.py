@@ -199,9 +199,8 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
     return result
 
 
-@register_kernel("LogSoftmax")
-class LogSoftmaxKernel(OpKernel):
-    """logits - log(sum(exp(logits))) over the last dimension."""
+class _SoftmaxFamilyKernel(OpKernel):
+    """Softmax / LogSoftmax: a numerically stable normalisation over the last dimension."""
 
     def __init__(self, node: NodeDef) -> None:
         super().__init__(node)
@@ -215,7 +214,28 @@ class LogSoftmaxKernel(OpKernel):
         if logits.size == 0:
             return [np.array(logits, copy=True)]
         with np.errstate(all="ignore"):
-            return [array(_log_softmax(logits.astype(_work_dtype(self.dtype), copy=False)), self.dtype)]
+            return [array(self.normalize(logits.astype(_work_dtype(self.dtype), copy=False)), self.dtype)]
+
+    def normalize(self, x: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+
+@register_kernel("Softmax")
+class SoftmaxKernel(_SoftmaxFamilyKernel):
+    """exp(x) / sum(exp(x)) over the last dimension."""
+
+    def normalize(self, x: np.ndarray) -> np.ndarray:
+        shifted = np.exp(x - np.max(x, axis=-1, keepdims=True))
+        result: np.ndarray = shifted / np.sum(shifted, axis=-1, keepdims=True)
+        return result
+
+
+@register_kernel("LogSoftmax")
+class LogSoftmaxKernel(_SoftmaxFamilyKernel):
+    """logits - log(sum(exp(logits))) over the last dimension."""
+
+    def normalize(self, x: np.ndarray) -> np.ndarray:
+        return _log_softmax(x)
 
 
 @register_kernel("SoftmaxCrossEntropyWithLogits")
