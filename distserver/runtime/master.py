@@ -363,12 +363,17 @@ class Master:
         sends = {key: feeds[name] for name, key in plan.feed_keys.items() if key in part.feed_keys}
         try:
             results = await part.worker.run_graph(request, sends)
+            withheld = False
             for key in part.pushed_keys:
                 value = results.pop(key, None)
                 if value is None:
-                    # Withheld (too large to ride in the response): fetch it as usual.
+                    # Withheld (too large to ride in the response): fetch it as usual;
+                    # the worker then keeps the step until CleanupGraph.
+                    withheld = True
                     value, _ = await part.worker.recv_tensor(step_id, key)
                 self._local_worker.deliver(step_id, key, value)
+            if withheld and not part.needs_cleanup:
+                self._send_cleanup(part, step_id)
             return results
         except errors.OpError as exc:
             if part.task == self.task_name:
@@ -381,12 +386,14 @@ class Master:
         # Workers drop a finished step's state themselves unless a value still
         # waits for a RecvTensor; then (and after a failure) CleanupGraph frees it.
         for part in plan.partitions:
-            if not (failed or part.needs_cleanup):
-                continue
-            request = w.CleanupGraphRequest(step_id=step_id)
-            task = asyncio.get_running_loop().create_task(_quietly(part.worker.call("CleanupGraph", request)))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            if failed or part.needs_cleanup:
+                self._send_cleanup(part, step_id)
+
+    def _send_cleanup(self, part: _Partition, step_id: int) -> None:
+        request = w.CleanupGraphRequest(step_id=step_id)
+        task = asyncio.get_running_loop().create_task(_quietly(part.worker.call("CleanupGraph", request)))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _plan(
         self,
