@@ -167,13 +167,7 @@ class AssignUpdateKernel(OpKernel):
         check_input_dtype(self, 1, value, self.dtype)
         variable = ref.variable
         with variable.lock:
-            current = variable.value
-            if current is None:
-                raise kernel_error(
-                    self,
-                    f"Attempting to use uninitialized parameters: {requested_input(self, 0)}",
-                    errors.FailedPreconditionError,
-                )
+            current = _initialized_value(self, variable.value)
             if current.shape != value.shape:
                 raise kernel_error(
                     self,
@@ -183,6 +177,17 @@ class AssignUpdateKernel(OpKernel):
             with np.errstate(all="ignore"):
                 variable.replace(array(self.fn(current, value), self.dtype))
         return [ref]
+
+
+def _initialized_value(kernel: OpKernel, value: np.ndarray | None) -> np.ndarray:
+    """The variable's value, or TF's error for updating an uninitialized one."""
+    if value is None:
+        raise kernel_error(
+            kernel,
+            f"Attempting to use uninitialized parameters: {requested_input(kernel, 0)}",
+            errors.FailedPreconditionError,
+        )
+    return value
 
 
 @register_kernel("ScatterAdd", "ScatterSub", "ScatterUpdate")
@@ -208,13 +213,7 @@ class ScatterKernel(OpKernel):
         check_input_dtype(self, 2, updates, self.dtype)
         variable = ref.variable
         with variable.lock:
-            current = variable.value
-            if current is None:
-                raise kernel_error(
-                    self,
-                    f"Attempting to use uninitialized parameters: {requested_input(self, 0)}",
-                    errors.FailedPreconditionError,
-                )
+            current = _initialized_value(self, variable.value)
             variable.replace(scatter(self, current, indices, updates, self.mode))
         return [ref]
 
