@@ -68,6 +68,8 @@ class _Partition:
     pushed_keys: list[str] = field(default_factory=list)
     # Whether the worker keeps step state that only CleanupGraph releases.
     needs_cleanup: bool = False
+    # Pushed keys whose values turned out too large for the response (learned).
+    large_keys: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -352,27 +354,34 @@ class Master:
         plan: _Plan,
         feeds: Mapping[str, Any],
     ) -> dict[str, Any]:
+        # Values that were too large to ride in the response last time are fetched
+        # with RecvTensor right away, alongside RunGraph, instead of after it.
+        early_keys = [key for key in part.pushed_keys if key in part.large_keys]
         request = w.RunGraphRequest(
             session_handle=handle,
             create_worker_session_called=True,
             graph_handle=part.graph_handle,
             step_id=step_id,
-            recv_key=[*part.fetch_keys, *part.pushed_keys],
+            recv_key=[*part.fetch_keys, *(k for k in part.pushed_keys if k not in part.large_keys)],
             store_errors_in_response_body=True,
         )
         sends = {key: feeds[name] for name, key in plan.feed_keys.items() if key in part.feed_keys}
+        early = {key: asyncio.ensure_future(part.worker.recv_tensor(step_id, key)) for key in early_keys}
         try:
             results = await part.worker.run_graph(request, sends)
-            withheld = False
+            fetched = bool(early)
             for key in part.pushed_keys:
                 value = results.pop(key, None)
-                if value is None:
-                    # Withheld (too large to ride in the response): fetch it as usual;
-                    # the worker then keeps the step until CleanupGraph.
-                    withheld = True
+                if key in early:
+                    value, _ = await early[key]
+                elif value is None:
+                    # Withheld (too large to ride in the response): fetch it as usual.
+                    part.large_keys.add(key)
+                    fetched = True
                     value, _ = await part.worker.recv_tensor(step_id, key)
                 self._local_worker.deliver(step_id, key, value)
-            if withheld and not part.needs_cleanup:
+            if fetched and not part.needs_cleanup:
+                # The worker keeps a step whose values were fetched by RecvTensor.
                 self._send_cleanup(part, step_id)
             return results
         except errors.OpError as exc:
@@ -381,6 +390,15 @@ class Master:
             raise errors.from_status(
                 exc.error_code, f"From {part.task}:\n{exc.message}", node_name=exc.node_name
             ) from exc
+        finally:
+            for future in early.values():
+                if not future.done():
+                    future.cancel()
+            if early:
+                await asyncio.wait(early.values())
+                for future in early.values():
+                    if not future.cancelled():
+                        future.exception()  # seen here; the step's error is what is raised
 
     def _cleanup_step(self, plan: _Plan, step_id: int, failed: bool) -> None:
         # Workers drop a finished step's state themselves unless a value still
