@@ -345,8 +345,8 @@ class AsyncSession:
                     await self._master.call(
                         "CloseSession", m.CloseSessionRequest(session_handle=self._handle)
                     )
-                except errors.AbortedError:
-                    pass  # the master restarted or was reset: nothing left to close
+                except (errors.AbortedError, errors.UnavailableError):
+                    pass  # the master restarted, was reset or is gone: nothing left to close
         finally:
             if self._channel is not None:
                 await self._channel.close()

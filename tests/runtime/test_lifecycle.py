@@ -80,12 +80,34 @@ async def test_join_times_out_then_returns_after_stop():
 
 
 async def test_stop_with_grace_cancels_a_call_in_flight():
-    # A RunStep blocked on an empty queue is in flight when the server stops.
-    async with AsyncServer(LOCAL) as server:
-        port = server.target.rsplit(":", 1)[1]
-    # Port released even though a client was connected.
-    async with AsyncServer({"localhost": [f"localhost:{port}"]}):
-        pass
+    import distserver as ds
+    from distserver.protos.config_pb2 import ConfigProto
+
+    server = AsyncServer(LOCAL)
+    await server.start()
+    port = server.target.rsplit(":", 1)[1]
+    graph = ds.Graph()
+    with graph.as_default():
+        blocked = ds.FIFOQueue(capacity=1, dtypes=[ds.float32], name="never_fed").dequeue()
+    config = ConfigProto()
+    config.rpc_options.use_rpc_for_inprocess_master = True  # a real RPC is in flight
+    session = ds.AsyncSession(server.target, graph=graph, config=config)
+    step = asyncio.create_task(session.run(blocked))
+    for _ in range(500):  # wait until the step is running on the server
+        if server.master is not None and any(s.steps for s in server.master._sessions.values()):
+            break
+        await asyncio.sleep(0.01)
+    assert not step.done()
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    await server.stop(grace=0.2)
+    with pytest.raises(errors.OpError):
+        await asyncio.wait_for(step, 10)
+    assert loop.time() - started < 10
+    await session.close()
+    # The port is free again at once.
+    async with AsyncServer({"localhost": [f"localhost:{port}"]}) as again:
+        assert again.target.endswith(f":{port}")
 
 
 async def test_three_tasks_list_every_device_from_any_task():

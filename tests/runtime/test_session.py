@@ -31,7 +31,7 @@ def session_config(mode: str, **fields) -> ConfigProto:
 
 
 @pytest.fixture
-def make_session(server, mode):
+async def make_session(server, mode):
     sessions = []
 
     def make(graph, **config_fields):
@@ -40,9 +40,8 @@ def make_session(server, mode):
         return session
 
     yield make
-    # Closed by each test through `async with` or here.
-    for session in sessions:
-        assert session is not None
+    for session in sessions:  # tests that did not use `async with`
+        await session.close()
 
 
 async def test_the_shortcut_is_taken_only_in_process(server, mode):
