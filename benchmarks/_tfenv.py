@@ -24,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from distserver import _grpc_env
+
 TF_REQUIREMENT = "tensorflow-cpu==2.21.0"
 ENV_VAR = "DISTSERVER_TF_PYTHON"
 REPO = Path(__file__).resolve().parent.parent
@@ -51,8 +53,15 @@ class TFEnv:
 
 
 def quiet_tf_env() -> dict[str, str]:
-    """The environment for TensorFlow processes: fewer C++ log lines on stderr."""
-    return {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"}
+    """The environment for TensorFlow processes: fewer C++ log lines on stderr.
+
+    TensorFlow runs with gRPC's defaults: the `GRPC_EXPERIMENTS` that importing
+    distserver set for our own processes (`distserver._grpc_env`) is not passed on.
+    """
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"}
+    if _grpc_env.APPLIED:
+        env.pop("GRPC_EXPERIMENTS", None)
+    return env
 
 
 def probe(python: str) -> TFEnv | str:

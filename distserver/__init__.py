@@ -10,6 +10,7 @@ The public API:
 * Errors: `distserver.errors` (`OpError` and TensorFlow's 16 subclasses).
 """
 
+from distserver import _grpc_env  # noqa: F401 - must run before anything imports grpc
 from distserver import errors as errors
 from distserver.cluster import ClusterSpec as ClusterSpec
 from distserver.cluster import TFConfigClusterResolver as TFConfigClusterResolver

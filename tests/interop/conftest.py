@@ -26,6 +26,8 @@ from typing import Any
 
 import pytest
 
+from distserver import _grpc_env
+
 ROOT = Path(__file__).resolve().parents[2]
 CLIENTS = Path(__file__).resolve().parent / "clients"
 SETUP = ROOT / "scripts" / "interop-setup"
@@ -45,6 +47,8 @@ class TFClient:
         env = dict(os.environ)
         env["PYTHONPATH"] = str(ROOT)  # the clients that build distserver servers import it
         env.pop("TF_CONFIG", None)
+        if _grpc_env.APPLIED:
+            env.pop("GRPC_EXPERIMENTS", None)  # TensorFlow runs with gRPC's defaults
         env["TF_CPP_MIN_LOG_LEVEL"] = "3"
         try:
             result = subprocess.run(
