@@ -100,12 +100,16 @@ class PlaceholderKernel(OpKernel):
 class IdentityKernel(OpKernel):
     """Passes its input through (PlaceholderWithDefault: the default, when not fed)."""
 
+    runs_on_loop = True  # a view or the shape: no thread hop
+
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
         return [inputs[0]]
 
 
 @register_kernel("IdentityN")
 class IdentityNKernel(OpKernel):
+    runs_on_loop = True  # a view or the shape: no thread hop
+
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
         return list(inputs)
 
@@ -122,6 +126,8 @@ class NoOpKernel(OpKernel):
 @register_kernel("Reshape")
 class ReshapeKernel(_TypedKernel):
     """Reshape with TF's rules: one -1 may be inferred, even next to zero-sized dims."""
+
+    runs_on_loop = True  # a view or the shape: no thread hop
 
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
         tensor, shape = inputs
@@ -164,6 +170,8 @@ class ReshapeKernel(_TypedKernel):
 
 class _OutTypeKernel(OpKernel):
     """Shape / Size / Rank: an int32 or int64 result chosen by `out_type`."""
+
+    runs_on_loop = True  # a view or the shape: no thread hop
 
     def __init__(self, node: NodeDef) -> None:
         super().__init__(node)
@@ -239,6 +247,8 @@ class TransposeKernel(_TypedKernel):
 
 @register_kernel("ExpandDims")
 class ExpandDimsKernel(_TypedKernel):
+    runs_on_loop = True  # a view or the shape: no thread hop
+
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
         x, dim_value = inputs
         if dim_value.size != 1:
@@ -251,6 +261,8 @@ class ExpandDimsKernel(_TypedKernel):
 
 @register_kernel("Squeeze")
 class SqueezeKernel(_TypedKernel):
+    runs_on_loop = True  # a view or the shape: no thread hop
+
     def __init__(self, node: NodeDef) -> None:
         super().__init__(node)
         self.squeeze_dims = self.attr_ints("squeeze_dims", [])
@@ -449,6 +461,8 @@ class RangeKernel(OpKernel):
 
 @register_kernel("Slice")
 class SliceKernel(_TypedKernel):
+    runs_on_loop = True  # a view or the shape: no thread hop
+
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
         x, begin_value, size_value = inputs
         if not (
@@ -484,6 +498,8 @@ class StridedSliceKernel(_TypedKernel):
     Without an ellipsis, one is implied at the end. Clamping of out-of-range ends is
     Python's, which is also TF's.
     """
+
+    runs_on_loop = True  # a view or the shape: no thread hop
 
     def __init__(self, node: NodeDef) -> None:
         super().__init__(node)

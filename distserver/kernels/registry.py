@@ -90,8 +90,10 @@ class OpKernel:
 
     is_async: ClassVar[bool] = False
     is_stateful: ClassVar[bool] = False
-    # Synchronous kernels that touch loop-bound state (the rendezvous): the executor
-    # runs them inline on the event loop even when their inputs are large.
+    # Synchronous kernels the executor runs inline on the event loop even when their
+    # inputs are large: those that touch loop-bound state (the rendezvous), and those
+    # whose cost does not grow with their inputs (a view, a shape), for which a
+    # thread hop would cost more than the work.
     runs_on_loop: ClassVar[bool] = False
     ref_inputs: frozenset[int] = frozenset()
 

@@ -238,3 +238,49 @@ async def test_invalid_sizes(pd):
     pool = verbs.RegionPool(pd)
     with pytest.raises(ValueError, match="positive size"):
         await pool.allocate(0)
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, (4 << 20) - 1, 8 << 20, (16 << 20) + 3])
+def test_copy_pieces_cover_the_destination_once_in_order(nbytes):
+    from distserver.transports.verbs._memory import COPY_THREADS, PARALLEL_COPY_BYTES, copy_bytes, copy_pieces
+
+    source = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
+    destination = bytearray(nbytes)
+    pieces = copy_pieces(memoryview(destination), source, nbytes)
+    expected = max(1, min(COPY_THREADS, nbytes // PARALLEL_COPY_BYTES))
+    assert len(pieces) == expected
+    assert sum(len(piece) for piece, _ in pieces) == nbytes
+    for piece, part in reversed(pieces):  # any order: the pieces do not overlap
+        copy_bytes(piece, part)
+    assert bytes(destination) == source.tobytes()
+
+
+def test_copy_pieces_keep_a_strided_array_whole():
+    from distserver.transports.verbs._memory import copy_bytes, copy_pieces
+
+    source = np.arange(2 * (8 << 20) // 4, dtype=np.float32).reshape(2, -1).T  # Fortran order
+    destination = bytearray(source.nbytes)
+    pieces = copy_pieces(memoryview(destination), source, source.nbytes)
+    assert len(pieces) == 1
+    copy_bytes(*pieces[0])
+    assert bytes(destination) == np.ascontiguousarray(source).tobytes()
+
+
+async def test_wait_offloaded_waits_for_every_job_and_raises_the_first_error():
+    import asyncio
+
+    from distserver.transports.verbs._memory import wait_offloaded
+
+    loop = asyncio.get_running_loop()
+    finished = []
+
+    def job(i: int) -> None:
+        threading.Event().wait(0.05 * (2 - i))
+        finished.append(i)
+        if i == 0:
+            raise ValueError("piece 0 failed")
+
+    jobs = [loop.run_in_executor(None, job, i) for i in range(2)]
+    with pytest.raises(ValueError, match="piece 0 failed"):
+        await wait_offloaded(jobs)
+    assert sorted(finished) == [0, 1]  # the failure did not return before the other job ended

@@ -45,9 +45,10 @@ from distserver.transports.verbs._memory import (
     as_byte_view,
     check_access,
     copy_bytes,
-    finish_offloaded,
+    copy_pieces,
     map_peer_fd,
     nbytes_of,
+    wait_offloaded,
 )
 
 __all__ = [
@@ -511,17 +512,20 @@ class QueuePair:
             self._release_if_idle()
 
     async def _copy(self, dst: memoryview, src: Any, nbytes: int) -> bool:
-        """Copy, off the loop when large; returns whether the caller was cancelled meanwhile."""
+        """Copy, off the loop (in parallel pieces) when large; returns whether the
+        caller was cancelled meanwhile."""
+        pieces = [(dst, src)]
         try:
             if nbytes <= OFFLOAD_BYTES:
                 copy_bytes(dst, src)
                 return False
-            job = self._loop.run_in_executor(self._executor, copy_bytes, dst, src)
-            _, cancelled = await finish_offloaded(job)
-            return cancelled
+            pieces = copy_pieces(dst, src, nbytes)
+            jobs = [self._loop.run_in_executor(self._executor, copy_bytes, *piece) for piece in pieces]
+            return await wait_offloaded(jobs)
         finally:
-            with contextlib.suppress(BufferError):
-                dst.release()
+            for view in (dst, *(piece for piece, _ in pieces)):  # release() is idempotent
+                with contextlib.suppress(BufferError):
+                    view.release()
 
     async def write(
         self,
