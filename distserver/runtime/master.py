@@ -66,8 +66,6 @@ class _Partition:
     # Values this (remote) partition sends to the master's task, returned in its
     # RunGraph response instead of fetched with RecvTensor (see `_push_plan`).
     pushed_keys: list[str] = field(default_factory=list)
-    # Whether the worker keeps step state that only CleanupGraph releases.
-    needs_cleanup: bool = False
     # Pushed keys whose values turned out too large for the response (learned).
     large_keys: set[str] = field(default_factory=set)
 
@@ -369,7 +367,6 @@ class Master:
         early = {key: asyncio.ensure_future(part.worker.recv_tensor(step_id, key)) for key in early_keys}
         try:
             results = await part.worker.run_graph(request, sends)
-            fetched = bool(early)
             for key in part.pushed_keys:
                 value = results.pop(key, None)
                 if key in early:
@@ -377,12 +374,8 @@ class Master:
                 elif value is None:
                     # Withheld (too large to ride in the response): fetch it as usual.
                     part.large_keys.add(key)
-                    fetched = True
                     value, _ = await part.worker.recv_tensor(step_id, key)
                 self._local_worker.deliver(step_id, key, value)
-            if fetched and not part.needs_cleanup:
-                # The worker keeps a step whose values were fetched by RecvTensor.
-                self._send_cleanup(part, step_id)
             return results
         except errors.OpError as exc:
             if part.task == self.task_name:
@@ -391,20 +384,20 @@ class Master:
                 exc.error_code, f"From {part.task}:\n{exc.message}", node_name=exc.node_name
             ) from exc
         finally:
-            for future in early.values():
-                if not future.done():
-                    future.cancel()
-            if early:
-                await asyncio.wait(early.values())
+            unfinished = [future for future in early.values() if not future.done()]
+            for future in unfinished:
+                future.cancel()
+            if unfinished:
+                await asyncio.wait(unfinished)
                 for future in early.values():
                     if not future.cancelled():
                         future.exception()  # seen here; the step's error is what is raised
 
     def _cleanup_step(self, plan: _Plan, step_id: int, failed: bool) -> None:
-        # Workers drop a finished step's state themselves unless a value still
-        # waits for a RecvTensor; then (and after a failure) CleanupGraph frees it.
-        for part in plan.partitions:
-            if failed or part.needs_cleanup:
+        # Workers drop a finished step's state themselves once every value another
+        # task needs has been handed over; only after a failure does CleanupGraph free it.
+        if failed:
+            for part in plan.partitions:
                 self._send_cleanup(part, step_id)
 
     def _send_cleanup(self, part: _Partition, step_id: int) -> None:
@@ -473,11 +466,6 @@ class Master:
             request.graph_options.CopyFrom(session.config.graph_options)
             response: Any = await worker.call("RegisterGraph", request)
             keys = {_sendrecv_key(node) for node in graph.node if node.attr["client_terminated"].b}
-            cross_task_sends = {
-                _sendrecv_key(node)
-                for node in graph.node
-                if node.op == "_Send" and not node.attr["client_terminated"].b
-            }
             return _Partition(
                 task=task,
                 worker=worker,
@@ -485,7 +473,6 @@ class Master:
                 feed_keys=sorted(keys & feed_keys),
                 fetch_keys=sorted(keys & fetch_keys),
                 pushed_keys=sorted(pushed.get(task, ())),
-                needs_cleanup=bool(cross_task_sends - pushed.get(task, set())),
             )
 
         return _Plan(

@@ -32,6 +32,10 @@ class StepRendezvous:
         self._fetch_remote = fetch_remote
         self._slots: dict[str, asyncio.Future[tuple[Any, bool]]] = {}
         self._error: errors.OpError | None = None
+        # Values for other tasks that were handed over (in a RunGraph response, or
+        # served by RecvTensor), and whether this step's RunGraph has finished.
+        self._handed_over: set[str] = set()
+        self.finished = False
 
     def _slot(self, key: str) -> asyncio.Future[tuple[Any, bool]]:
         slot = self._slots.get(key)
@@ -78,18 +82,22 @@ class StepRendezvous:
     def pending_keys(self) -> list[str]:
         return [key for key, slot in self._slots.items() if not slot.done()]
 
-    def only_local_or(self, returned: set[str]) -> bool:
-        """True when no other task still needs a value of this step from here.
+    def hand_over(self, keys: set[str] | list[str]) -> None:
+        """Record values another task has taken (returned in a response, or served)."""
+        self._handed_over.update(keys)
 
-        That is: every key is either received on this task (the partition has run, so
-        it was) or was handed back in the RunGraph response (`returned`).
+    def needed_elsewhere(self) -> bool:
+        """True while another task may still ask for a value of this step from here.
+
+        That is: some key is for a device of another task and was neither handed
+        back in the RunGraph response nor served by RecvTensor yet.
         """
         for key in self._slots:
-            if key in returned:
+            if key in self._handed_over:
                 continue
             if task_of_device(parse_rendezvous_key(key).dst_device) != self._local_task:
-                return False
-        return True
+                return True
+        return False
 
 
 class RendezvousTable:
@@ -108,15 +116,31 @@ class RendezvousTable:
         return step
 
     def release_if_done(self, step_id: int, returned: set[str]) -> bool:
-        """Drop a step whose RunGraph finished when no other task needs its values.
+        """Mark a step's RunGraph finished; drop the step unless another task still
+        needs one of its values (then `served` drops it once they are all taken).
 
-        Saves the CleanupGraph round trip for most steps; see `StepRendezvous.only_local_or`.
+        Saves the CleanupGraph round trip for most steps; see `StepRendezvous.needed_elsewhere`.
         """
         step = self._steps.get(step_id)
-        if step is not None and step.only_local_or(returned):
-            del self._steps[step_id]
-            return True
-        return False
+        if step is None:
+            return False
+        step.finished = True
+        step.hand_over(returned)
+        return self._release_if_unneeded(step)
+
+    def served(self, step_id: int, key: str) -> None:
+        """RecvTensor handed `key` to another task; a finished step may be dropped now."""
+        step = self._steps.get(step_id)
+        if step is not None:
+            step.hand_over([key])
+            if step.finished:
+                self._release_if_unneeded(step)
+
+    def _release_if_unneeded(self, step: StepRendezvous) -> bool:
+        if step.needed_elsewhere():
+            return False
+        del self._steps[step.step_id]
+        return True
 
     def cleanup(self, step_id: int) -> None:
         """Drop a finished step; receivers still waiting on it are cancelled."""

@@ -284,7 +284,9 @@ class Worker:
             )
         rendezvous = self._rendezvous.find_or_create(step_id)
         async with asyncio.timeout(timeout):
-            return await rendezvous.recv_local(key)
+            value = await rendezvous.recv_local(key)
+        self._rendezvous.served(step_id, key)
+        return value
 
     async def recv_tensor_handler(self, request: w.RecvTensorRequest) -> tuple[Any, bool]:
         """The RecvTensor RPC: returns (value, is_dead); the transport encodes the value."""

@@ -18,6 +18,7 @@ the remote handler raised comes back as the same class with the same message.
 from __future__ import annotations
 
 import abc
+import asyncio
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,43 @@ from google.protobuf.message import Message
 # The one exception is the data plane: WorkerService's "RecvTensor" handler returns
 # `(value, is_dead)` with a numpy value, and the transport encodes it its own way.
 ServiceHandler = Mapping[str, Callable[[Any], Awaitable[Any]]]
+
+
+class TensorHandOver:
+    """The RecvTensor handler plus values parked for a second call of the same receiver.
+
+    The worker hands each value over once (and may drop the step right after). When
+    a transport fetched a value but will send it through another path the receiver
+    calls next (the gRPC stream for a large tensor, gRPC for a string over verbs), it
+    `park`s the value; the next `fetch` of that step and key takes it from here. A
+    parked value that nobody asks for within `PARKED_SECONDS` is dropped (its
+    receiver is gone).
+    """
+
+    PARKED_SECONDS = 60.0
+
+    def __init__(self, fetch: Callable[[Any], Awaitable[Any]]) -> None:
+        self._fetch = fetch
+        self._parked: dict[tuple[int, str], tuple[Any, bool]] = {}
+
+    @classmethod
+    def of(cls, fetch: Callable[[Any], Awaitable[Any]]) -> TensorHandOver:
+        return fetch if isinstance(fetch, TensorHandOver) else cls(fetch)
+
+    async def fetch(self, request: Any) -> tuple[Any, bool]:
+        """`(value, is_dead)` for a RecvTensorRequest."""
+        found = self._parked.pop((request.step_id, request.rendezvous_key), None)
+        if found is not None:
+            return found
+        result: tuple[Any, bool] = await self._fetch(request)
+        return result
+
+    __call__ = fetch
+
+    def park(self, request: Any, value: Any, is_dead: bool) -> None:
+        key = (request.step_id, request.rendezvous_key)
+        self._parked[key] = (value, is_dead)
+        asyncio.get_running_loop().call_later(self.PARKED_SECONDS, self._parked.pop, key, None)
 
 
 @dataclass(frozen=True)

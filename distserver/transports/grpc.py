@@ -35,7 +35,14 @@ from distserver import errors
 from distserver.protos.services import SERVICES, WORKER_SERVICE
 from distserver.protos.worker_pb2 import RecvTensorRequest
 from distserver.tensors import tensor_nbytes
-from distserver.transports.base import Channel, ChannelStatistics, Listener, ServiceHandler, Transport
+from distserver.transports.base import (
+    Channel,
+    ChannelStatistics,
+    Listener,
+    ServiceHandler,
+    TensorHandOver,
+    Transport,
+)
 from distserver.wire import (
     TensorAssembler,
     chunk_tensor,
@@ -124,8 +131,12 @@ async def _in_thread_if_large(nbytes: int, fn: Callable[..., Any], *args: Any) -
     return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
 
-def _recv_tensor_handlers(fetch: Callable[[Any], Awaitable[Any]]) -> tuple[Any, Any]:
-    """The unary (TF-compatible) and streaming RecvTensor handlers around `fetch`."""
+def _recv_tensor_handlers(hand_over: TensorHandOver) -> tuple[Any, Any]:
+    """The unary (TF-compatible) and streaming RecvTensor handlers.
+
+    A value the unary call redirects to the stream is parked for the stream call.
+    """
+    fetch = hand_over.fetch
 
     async def unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
         try:
@@ -133,6 +144,7 @@ def _recv_tensor_handlers(fetch: Callable[[Any], Awaitable[Any]]) -> tuple[Any, 
             stream_above = dict(context.invocation_metadata() or ()).get(_STREAM_ABOVE_KEY)
             nbytes = tensor_nbytes(value)
             if stream_above is not None and is_plain(value) and nbytes > int(stream_above):
+                hand_over.park(request, value, is_dead)
                 context.set_trailing_metadata(((_USE_STREAM_KEY, "1"),))
                 return b""
             encoded: bytes = await _in_thread_if_large(nbytes, encode_recv_tensor_response, value, is_dead)
@@ -375,7 +387,7 @@ class GrpcTransport(Transport):
                     response_serializer=_serialize,
                 )
             if service == WORKER_SERVICE and "RecvTensor" in handler:
-                unary, stream = _recv_tensor_handlers(handler["RecvTensor"])
+                unary, stream = _recv_tensor_handlers(TensorHandOver.of(handler["RecvTensor"]))
                 rpc_handlers["RecvTensor"] = unary
                 service_name, method_name = STREAM_METHOD.strip("/").split("/")
                 server.add_generic_rpc_handlers(

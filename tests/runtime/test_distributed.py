@@ -103,6 +103,27 @@ def test_a_256_mib_tensor_crosses_tasks_intact(cluster):
     assert last.tolist() == [n - 3, n - 2, n - 1]
 
 
+def test_values_a_transport_asks_for_twice_still_arrive(cluster):
+    """ps0 frees a finished step as soon as its values for other tasks are handed
+    over; a string (which verbs leaves to gRPC) and a 6 MiB tensor (which a unary
+    RecvTensor redirects to the gRPC stream) are each asked for twice, and must
+    still arrive (the transport parks them between the two calls)."""
+    graph = ds.Graph()
+    with graph.as_default():
+        with ds.device("/job:ps/task:0"):
+            words = ds.constant(np.array([b"alpha", b"beta"], dtype=object), name="words")
+            big = ds.fill([6 << 18], 7.0)  # 6 MiB of float32
+        with ds.device("/job:worker/task:1"):
+            step_number = ds.placeholder(ds.float32, shape=[], name="step_number")
+            joined = ds.identity(words)
+            total = ds.reduce_sum(big) + step_number
+    with ds.Session(cluster.target("worker", 0), graph=graph) as session:
+        for step in range(3):
+            got_words, got_total = session.run([joined, total], feed_dict={step_number: float(step)})
+            assert list(got_words) == [b"alpha", b"beta"]
+            assert got_total == 7.0 * (6 << 18) + step
+
+
 def test_concurrent_steps_from_two_clients_do_not_mix_tensors(cluster):
     graph = ds.Graph()
     with graph.as_default():

@@ -34,7 +34,7 @@ import grpc
 from distserver import errors
 from distserver.protos.services import WORKER_SERVICE
 from distserver.protos.worker_pb2 import RecvTensorRequest
-from distserver.transports.base import Channel, ChannelStatistics, Listener, ServiceHandler
+from distserver.transports.base import Channel, ChannelStatistics, Listener, ServiceHandler, TensorHandOver
 from distserver.transports.grpc import GrpcChannel, GrpcListener, GrpcTransport, error_from_rpc
 from distserver.transports.verbs._identity import HostIdentity, host_identity, viability_problem
 from distserver.transports.verbs._memory import ProtectionDomain, RegionPool
@@ -186,9 +186,12 @@ class VerbsTransport(GrpcTransport):
 
     async def listen(self, address: str, services: Mapping[str, ServiceHandler]) -> Listener:
         fetch = services.get(WORKER_SERVICE, {}).get("RecvTensor")
+        hand_over = None if fetch is None else TensorHandOver(fetch)
+        if hand_over is not None:  # gRPC serves what verbs cannot, from the same hand-over
+            services = {**services, WORKER_SERVICE: {**services[WORKER_SERVICE], "RecvTensor": hand_over}}
         pd = ProtectionDomain()
         try:
-            tensor_server = await TensorServer.start(pd, _tensor_source(fetch))
+            tensor_server = await TensorServer.start(pd, _tensor_source(hand_over))
             announcement = json.dumps(
                 {"identity": host_identity().encode().decode(), "address": tensor_server.address}
             ).encode()
@@ -214,14 +217,14 @@ class VerbsTransport(GrpcTransport):
         return VerbsChannel(address, strict=self.strict)
 
 
-def _tensor_source(
-    fetch: Callable[[Any], Awaitable[Any]] | None,
-) -> Callable[[bytes], Awaitable[TensorReply]]:
+def _tensor_source(hand_over: TensorHandOver | None) -> Callable[[bytes], Awaitable[TensorReply]]:
     async def source(header: bytes) -> TensorReply:
-        if fetch is None:
+        if hand_over is None:
             raise errors.UnimplementedError("this server has no WorkerService to serve tensors from")
-        value, is_dead = await fetch(RecvTensorRequest.FromString(header))
+        request = RecvTensorRequest.FromString(header)
+        value, is_dead = await hand_over.fetch(request)
         if not is_plain(value):
+            hand_over.park(request, value, is_dead)  # the receiver asks again over gRPC
             raise errors.UnimplementedError("tensors that are not plain memory go over gRPC")
         return TensorReply(value, meta=_DEAD if is_dead else _ALIVE)
 
