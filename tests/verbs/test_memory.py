@@ -240,30 +240,46 @@ async def test_invalid_sizes(pd):
         await pool.allocate(0)
 
 
-@pytest.mark.parametrize("nbytes", [0, 1, (4 << 20) - 1, 8 << 20, (16 << 20) + 3])
-def test_copy_pieces_cover_the_destination_once_in_order(nbytes):
-    from distserver.transports.verbs._memory import COPY_THREADS, PARALLEL_COPY_BYTES, copy_bytes, copy_pieces
+@pytest.mark.parametrize("nbytes", [0, 1, (1 << 20) - 1, 8 << 20, (16 << 20) + 3])
+def test_a_shared_copy_covers_the_destination_once_with_any_number_of_threads(nbytes):
+    from distserver.transports.verbs._memory import COPY_PIECE_BYTES, SharedCopy
 
     source = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
     destination = bytearray(nbytes)
-    pieces = copy_pieces(memoryview(destination), source, nbytes)
-    expected = max(1, min(COPY_THREADS, nbytes // PARALLEL_COPY_BYTES))
-    assert len(pieces) == expected
-    assert sum(len(piece) for piece, _ in pieces) == nbytes
-    for piece, part in reversed(pieces):  # any order: the pieces do not overlap
-        copy_bytes(piece, part)
+    work = SharedCopy(memoryview(destination), source, nbytes)
+    assert len(work.views) == max(1, -(-nbytes // COPY_PIECE_BYTES))
+    inline = work.run(limit=3 * COPY_PIECE_BYTES)  # the event loop's bounded share
+    assert inline == min(nbytes, 3 * COPY_PIECE_BYTES) or nbytes <= COPY_PIECE_BYTES
+    threads = [threading.Thread(target=work.run) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
     assert bytes(destination) == source.tobytes()
 
 
-def test_copy_pieces_keep_a_strided_array_whole():
-    from distserver.transports.verbs._memory import copy_bytes, copy_pieces
+def test_a_shared_copy_keeps_a_strided_array_whole_and_off_a_bounded_loop():
+    from distserver.transports.verbs._memory import SharedCopy
 
     source = np.arange(2 * (8 << 20) // 4, dtype=np.float32).reshape(2, -1).T  # Fortran order
     destination = bytearray(source.nbytes)
-    pieces = copy_pieces(memoryview(destination), source, source.nbytes)
-    assert len(pieces) == 1
-    copy_bytes(*pieces[0])
+    work = SharedCopy(memoryview(destination), source, source.nbytes)
+    assert len(work.views) == 1
+    assert work.run(limit=1 << 20) == 0  # too large for the loop's share
+    assert work.run() == source.nbytes
     assert bytes(destination) == np.ascontiguousarray(source).tobytes()
+
+
+def test_after_a_failed_piece_no_thread_takes_another():
+    from distserver.transports.verbs._memory import COPY_PIECE_BYTES, SharedCopy
+
+    nbytes = 4 * COPY_PIECE_BYTES
+    destination = bytearray(nbytes)
+    work = SharedCopy(memoryview(destination), np.zeros(nbytes, np.uint8), nbytes)
+    work.views[1].release()  # the second piece cannot be written
+    with pytest.raises(ValueError, match="released"):
+        work.run()
+    assert work.run() == 0  # the rest is abandoned, not copied by another thread
 
 
 async def test_wait_offloaded_waits_for_every_job_and_raises_the_first_error():

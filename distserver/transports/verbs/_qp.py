@@ -39,13 +39,14 @@ from distserver.transports.verbs._channel import PacketChannel, peer_credentials
 from distserver.transports.verbs._cq import CQE, CompletionQueue, CqProducer, Opcode, WcStatus, WorkCompletion
 from distserver.transports.verbs._identity import HostIdentity, host_identity
 from distserver.transports.verbs._memory import (
+    INLINE_COPY_BYTES,
     OFFLOAD_BYTES,
     MemoryRegion,
     ProtectionDomain,
+    SharedCopy,
     as_byte_view,
     check_access,
     copy_bytes,
-    copy_pieces,
     map_peer_fd,
     nbytes_of,
     wait_offloaded,
@@ -512,18 +513,23 @@ class QueuePair:
             self._release_if_idle()
 
     async def _copy(self, dst: memoryview, src: Any, nbytes: int) -> bool:
-        """Copy, off the loop (in parallel pieces) when large; returns whether the
-        caller was cancelled meanwhile."""
-        pieces = [(dst, src)]
+        """Copy (large copies shared by the executor's threads and, for a bounded
+        part, the loop); returns whether the caller was cancelled meanwhile."""
+        views = [dst]
         try:
             if nbytes <= OFFLOAD_BYTES:
                 copy_bytes(dst, src)
                 return False
-            pieces = copy_pieces(dst, src, nbytes)
-            jobs = [self._loop.run_in_executor(self._executor, copy_bytes, *piece) for piece in pieces]
-            return await wait_offloaded(jobs)
+            work = SharedCopy(dst, src, nbytes)
+            views.extend(work.views)
+            jobs = [self._loop.run_in_executor(self._executor, work.run) for _ in range(work.threads_wanted)]
+            try:
+                work.run(limit=INLINE_COPY_BYTES)
+            finally:
+                cancelled = await wait_offloaded(jobs)
+            return cancelled
         finally:
-            for view in (dst, *(piece for piece, _ in pieces)):  # release() is idempotent
+            for view in views:  # release() is idempotent
                 with contextlib.suppress(BufferError):
                     view.release()
 
