@@ -430,6 +430,7 @@ def run(args: argparse.Namespace, tf_setup: dict[str, Any], deadline: float) -> 
             "warmup": args.warmup,
             "repeat": args.repeat,
             "rounds": args.rounds,
+            "settle_ms": args.settle_ms,
             "trivial_steps": args.trivial_steps,
             "memory_size": args.memory_size,
             "memory_repeat": args.memory_repeat,
@@ -499,6 +500,17 @@ def repeat_for(nbytes: int, repeat: int | None) -> int:
     return 500 if nbytes <= MiB else 60
 
 
+def _settled_block(side: Any, count: int, settle_ms: float, deadline: float) -> dict[str, Any]:
+    """`side.block(count)` after untimed steps for `settle_ms` (at least one when > 0)."""
+    if settle_ms > 0:
+        settled = time.perf_counter() + settle_ms / 1000
+        side.block(1, deadline)
+        while time.perf_counter() < settled:
+            side.block(1, deadline)
+    result: dict[str, Any] = side.block(count, deadline)
+    return result
+
+
 def measure(
     sides: list[Any],
     kind: str,
@@ -512,7 +524,12 @@ def measure(
 
     Each side first prepares (session, initialisation, warm-up); then the timed steps
     are split into `--rounds` blocks and the sides take turns, so slow drifts in the
-    machine's load hit both alike. A side that fails gets an error result.
+    machine's load hit both alike. Every block starts with `--settle-ms` of untimed
+    steps: after sitting idle while the others ran, a side's steps are slow for a
+    while (16 MiB over grpc+verbs after an 80 ms pause: 6.0, 4.8, 4.1, 3.5, 3.3,
+    3.2 ms against 2.6 ms back to back; idle vCPUs wake slowly on this VM), and
+    settling by time rather than by step count treats a fast side (many short steps)
+    like a slow one. A side that fails gets an error result.
     """
     what = f"{kind} {size_label(nbytes)}" if nbytes else kind
     dead = [side for side in sides if side.dead]
@@ -533,7 +550,9 @@ def measure(
                         errors,
                         side,
                         what,
-                        lambda s=side, n=count: blocks[s.name].append(s.block(n, deadline)),
+                        lambda s=side, n=count: blocks[s.name].append(
+                            _settled_block(s, n, args.settle_ms, deadline)
+                        ),
                     )
     finally:
         for side in sides:
@@ -668,13 +687,14 @@ def tables(report: dict[str, Any], header: bool = True) -> str:
     m = report["machine"]
     out: list[str] = _header(report) if header else []
     out += ["", _load_line(report)]
-    w, rounds = params["warmup"], params["rounds"]
+    w, rounds, settle = params["warmup"], params["rounds"], params.get("settle_ms", 0)
 
     # 1. RecvTensor
     out += [
         "",
         f"### RecvTensor ps -> worker (median step; {w} warm-up steps, then the timed "
-        f"steps in {rounds} blocks{', alternating with TF' if with_tf else ''})",
+        f"steps in {rounds} blocks{', alternating with TF' if with_tf else ''}, "
+        f"each after {settle:g} ms of untimed steps)",
         "",
     ]
     head = "| size | steps | ours step | ours MB/s |"
@@ -699,7 +719,7 @@ def tables(report: dict[str, Any], header: bool = True) -> str:
     out += [
         "",
         f"### Trivial step on a remote task (ops on ps, session on worker; median of {steps} steps "
-        f"in {rounds} blocks)",
+        f"in {rounds} blocks, each after {settle:g} ms of untimed steps)",
         "",
     ]
     variants = [("`a + 1.0`, `a` fed by the client", "trivial"), ("`s + 1.0`, `s` a variable", "trivial_var")]
@@ -985,6 +1005,9 @@ def main() -> None:
     parser.add_argument(
         "--rounds", type=int, default=10, help="timed steps split into this many alternating blocks (10)"
     )
+    parser.add_argument(
+        "--settle-ms", type=float, default=50.0, help="ms of untimed steps before each block, every side (50)"
+    )
     parser.add_argument("--trivial-steps", type=int, default=2000, help="timed trivial steps (2000)")
     parser.add_argument(
         "--memory-size", type=parse_size_or_zero, default=256 * MiB, help="memory test tensor (256M; 0 skips)"
@@ -1005,8 +1028,8 @@ def main() -> None:
     args = parser.parse_args()
     if min(args.repeat or 1, args.trivial_steps, args.memory_repeat, args.rounds, args.runs) < 1:
         parser.error("--repeat, --trivial-steps, --memory-repeat, --rounds and --runs must be >= 1")
-    if args.warmup < 0:
-        parser.error("--warmup must be >= 0")
+    if args.warmup < 0 or args.settle_ms < 0:
+        parser.error("--warmup and --settle-ms must be >= 0")
 
     # SIGTERM unwinds like Ctrl-C, so every process is stopped on the way out (the
     # children also die with this process, but only a clean stop releases ports at once).

@@ -14,7 +14,8 @@ the scalar fetched, session target on the worker), on:
   ``lo``), when a TensorFlow environment is available (`_tfenv.py`); otherwise the
   TF column is skipped with the reason.
 
-Warm-up steps, then the timed steps in blocks that take turns between the transports
+Warm-up steps, then the timed steps in blocks (each after ``--settle-ms`` of untimed steps)
+that take turns between the transports
 (forward, then reverse order, ...), so background load is shared fairly; median step
 time over all timed steps and MB/s = 10^6 bytes / median step seconds.
 
@@ -147,7 +148,13 @@ def run(args: argparse.Namespace, tf_setup: dict[str, Any], deadline: float) -> 
     report: dict[str, Any] = {
         "command": "benchmarks/bench_transports.py " + " ".join(sys.argv[1:]),
         "machine": {**bd.machine_info(), **tf_setup["machine"]},
-        "params": {"sizes": args.sizes, "warmup": args.warmup, "repeat": args.repeat, "rounds": args.rounds},
+        "params": {
+            "sizes": args.sizes,
+            "warmup": args.warmup,
+            "repeat": args.repeat,
+            "rounds": args.rounds,
+            "settle_ms": args.settle_ms,
+        },
         "tf_skipped": tf_setup["skipped"],
         "results": {name: {} for name, _ in COLUMNS},
         "errors": [],
@@ -233,7 +240,8 @@ def tables(report: dict[str, Any]) -> str:
     out += [
         "",
         f"### RecvTensor ps -> worker: median step / MB/s ({params['warmup']} warm-up steps, then the timed "
-        f"steps in {params['rounds']} interleaved blocks)",
+        f"steps in {params['rounds']} interleaved blocks, each after {params.get('settle_ms', 0):g} ms "
+        "of untimed steps)",
         "",
         "| size | steps | "
         + " | ".join(label for _, label in cols)
@@ -345,6 +353,9 @@ def main() -> None:
     )
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (3)")
     parser.add_argument("--rounds", type=int, default=10, help="timed steps split into this many blocks (10)")
+    parser.add_argument(
+        "--settle-ms", type=float, default=50.0, help="ms of untimed steps before each block, every side (50)"
+    )
     parser.add_argument("--skip-tf", action="store_true", help="no TensorFlow column")
     parser.add_argument("--no-create-tfenv", action="store_true", help="never pip-install TensorFlow")
     parser.add_argument(
@@ -355,8 +366,8 @@ def main() -> None:
     parser.add_argument("--max-seconds", type=float, default=600.0, help="bound on the whole command (600)")
     parser.add_argument("--json", type=Path, help="also write every figure (and raw step times) here")
     args = parser.parse_args()
-    if min(args.repeat or 1, args.rounds) < 1 or args.warmup < 0:
-        parser.error("--repeat and --rounds must be >= 1, --warmup >= 0")
+    if min(args.repeat or 1, args.rounds) < 1 or min(args.warmup, args.settle_ms) < 0:
+        parser.error("--repeat and --rounds must be >= 1, --warmup and --settle-ms >= 0")
 
     signal.signal(signal.SIGTERM, bd._terminate)
     started = time.monotonic()

@@ -828,6 +828,7 @@ class SharedCopy:
     """
 
     def __init__(self, dst: memoryview, src: object, nbytes: int) -> None:
+        self._nbytes = nbytes
         self._pieces: deque[tuple[int, memoryview, object]] = deque()  # (bytes, dst, src)
         self._lock = threading.Lock()
         self._failed = False
@@ -847,8 +848,11 @@ class SharedCopy:
 
     @property
     def threads_wanted(self) -> int:
-        """Executor threads for this copy besides the event loop (which copies too)."""
-        return min(max(1, COPY_THREADS - 1), len(self._pieces))
+        """Executor threads for this copy besides the event loop: the loop stands in for
+        one of `COPY_THREADS` when its share is a good part of the copy."""
+        mostly_threads = self._nbytes > 2 * INLINE_COPY_BYTES
+        wanted = COPY_THREADS if mostly_threads else max(1, COPY_THREADS - 1)
+        return min(wanted, len(self._pieces))
 
     def _take(self, limit: int) -> tuple[int, memoryview, object] | None:
         with self._lock:
