@@ -209,9 +209,9 @@ class OursSide:
             deadline=deadline,
         )
 
-    def block(self, repeat: int, deadline: float) -> dict[str, Any]:
+    def block(self, repeat: int, deadline: float, settle_ms: float = 0.0) -> dict[str, Any]:
         assert self._prepared is not None
-        return self._prepared.block(repeat, deadline)
+        return self._prepared.block(repeat, deadline, settle_ms)
 
     def finish(self) -> dict[str, Any]:
         prepared, self._prepared = self._prepared, None
@@ -339,8 +339,8 @@ class TFSide:
     def prepare(self, kind: str, nbytes: int, warmup: int, deadline: float) -> None:
         self.call("prepare", kind=kind, nbytes=nbytes, warmup=warmup)
 
-    def block(self, repeat: int, deadline: float) -> dict[str, Any]:
-        return self.call("block", repeat=repeat)
+    def block(self, repeat: int, deadline: float, settle_ms: float = 0.0) -> dict[str, Any]:
+        return self.call("block", repeat=repeat, settle_ms=settle_ms)
 
     def finish(self) -> dict[str, Any]:
         return self.call("finish")
@@ -500,17 +500,6 @@ def repeat_for(nbytes: int, repeat: int | None) -> int:
     return 500 if nbytes <= MiB else 60
 
 
-def _settled_block(side: Any, count: int, settle_ms: float, deadline: float) -> dict[str, Any]:
-    """`side.block(count)` after untimed steps for `settle_ms` (at least one when > 0)."""
-    if settle_ms > 0:
-        settled = time.perf_counter() + settle_ms / 1000
-        side.block(1, deadline)
-        while time.perf_counter() < settled:
-            side.block(1, deadline)
-    result: dict[str, Any] = side.block(count, deadline)
-    return result
-
-
 def measure(
     sides: list[Any],
     kind: str,
@@ -525,11 +514,7 @@ def measure(
     Each side first prepares (session, initialisation, warm-up); then the timed steps
     are split into `--rounds` blocks and the sides take turns, so slow drifts in the
     machine's load hit both alike. Every block starts with `--settle-ms` of untimed
-    steps: after sitting idle while the others ran, a side's steps are slow for a
-    while (16 MiB over grpc+verbs after an 80 ms pause: 6.0, 4.8, 4.1, 3.5, 3.3,
-    3.2 ms against 2.6 ms back to back; idle vCPUs wake slowly on this VM), and
-    settling by time rather than by step count treats a fast side (many short steps)
-    like a slow one. A side that fails gets an error result.
+    steps (`_shared.settle`). A side that fails gets an error result.
     """
     what = f"{kind} {size_label(nbytes)}" if nbytes else kind
     dead = [side for side in sides if side.dead]
@@ -550,9 +535,7 @@ def measure(
                         errors,
                         side,
                         what,
-                        lambda s=side, n=count: blocks[s.name].append(
-                            _settled_block(s, n, args.settle_ms, deadline)
-                        ),
+                        lambda s=side, n=count: blocks[s.name].append(s.block(n, deadline, args.settle_ms)),
                     )
     finally:
         for side in sides:

@@ -97,10 +97,11 @@ class MemcpySide:
         for _ in range(warmup):
             np.copyto(self.dst, self.src)
 
-    def block(self, repeat: int, deadline: float) -> dict[str, Any]:
+    def block(self, repeat: int, deadline: float, settle_ms: float = 0.0) -> dict[str, Any]:
         assert self.src is not None
         assert self.dst is not None
         src, dst = self.src, self.dst
+        _shared.settle(lambda: np.copyto(dst, src), settle_ms, deadline)
         pid = os.getpid()
         before = _shared.proc_counters(pid)
         times = []

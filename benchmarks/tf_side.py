@@ -229,7 +229,7 @@ def client(netns: bool, deadline_s: float) -> None:
                 elif op == "block":
                     if prepared is None:
                         raise RuntimeError("block before prepare")
-                    result = prepared.block(command["repeat"], deadline)
+                    result = prepared.block(command["repeat"], deadline, command.get("settle_ms", 0.0))
                 elif op == "finish":
                     if prepared is None:
                         raise RuntimeError("finish before prepare")
