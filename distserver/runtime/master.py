@@ -389,9 +389,9 @@ class Master:
                 future.cancel()
             if unfinished:
                 await asyncio.wait(unfinished)
-                for future in early.values():
-                    if not future.cancelled():
-                        future.exception()  # seen here; the step's error is what is raised
+            for future in early.values():
+                if not future.cancelled():
+                    future.exception()  # seen here; the step's error is what is raised
 
     def _cleanup_step(self, plan: _Plan, step_id: int, failed: bool) -> None:
         # Workers drop a finished step's state themselves once every value another

@@ -854,17 +854,17 @@ class SharedCopy:
         wanted = COPY_THREADS if mostly_threads else max(1, COPY_THREADS - 1)
         return min(wanted, len(self._pieces))
 
-    def _take(self, limit: int) -> tuple[int, memoryview, object] | None:
+    def _take(self, budget: float) -> tuple[int, memoryview, object] | None:
+        """The next piece, unless it is larger than `budget` bytes (or a piece failed)."""
         with self._lock:
-            if self._failed or not self._pieces or self._pieces[0][0] > limit:
+            if self._failed or not self._pieces or self._pieces[0][0] > budget:
                 return None
             return self._pieces.popleft()
 
     def run(self, limit: int | None = None) -> int:
         """Copy pieces until none is left (or `limit` bytes are copied); returns the bytes copied."""
         copied = 0
-        budget = limit if limit is not None else math.inf
-        while (piece := self._take(int(min(budget - copied, 1 << 62)))) is not None:
+        while (piece := self._take(math.inf if limit is None else limit - copied)) is not None:
             nbytes, dst, src = piece
             try:
                 copy_bytes(dst, src)
