@@ -14,10 +14,10 @@ the scalar fetched, session target on the worker), on:
   ``lo``), when a TensorFlow environment is available (`_tfenv.py`); otherwise the
   TF column is skipped with the reason.
 
-Warm-up steps, then the timed steps in blocks (each after ``--settle-ms`` of untimed steps)
-that take turns between the transports
-(forward, then reverse order, ...), so background load is shared fairly; median step
-time over all timed steps and MB/s = 10^6 bytes / median step seconds.
+Warm-up steps, then the timed steps in blocks (each after ``--settle-ms`` of untimed
+steps) that take turns between the transports (forward, then reverse order, ...), so
+background load is shared fairly; median step time over all timed steps and MB/s =
+10^6 bytes / median step seconds.
 
 Targets (issue #5): at 16 MiB and above, grpc+verbs >= 50% of memcpy bandwidth and
 >= 5x TensorFlow's gRPC throughput; at 4 KiB, grpc+verbs step time <= grpc's.
