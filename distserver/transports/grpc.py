@@ -35,6 +35,7 @@ from distserver import errors
 from distserver.protos.services import SERVICES, WORKER_SERVICE
 from distserver.protos.worker_pb2 import RecvTensorRequest
 from distserver.tensors import tensor_nbytes
+from distserver.transports import call_stream
 from distserver.transports.base import (
     Channel,
     ChannelStatistics,
@@ -80,6 +81,9 @@ _STREAM_ABOVE_KEY = "distserver-stream-above"
 _USE_STREAM_KEY = "distserver-use-stream"
 # Tensors encoded or decoded in a thread rather than on the event loop.
 _OFFLOAD_BYTES = 1 << 20
+# Calls whose request is larger than this go as their own unary call rather than
+# on the shared call stream (`call_stream`), so they do not hold the stream up.
+_STREAMED_CALL_BYTES = 4 << 20
 # How many streamed tensor names a channel remembers.
 _STREAMED_NAMES_LIMIT = 4096
 
@@ -180,9 +184,10 @@ def _unimplemented(service: str, method: str) -> Callable[[Any], Awaitable[Messa
 
 
 class GrpcListener(Listener):
-    def __init__(self, server: grpc.aio.Server, port: int) -> None:
+    def __init__(self, server: grpc.aio.Server, port: int, calls: call_stream.CallStreamServer) -> None:
         self._server = server
         self._port = port
+        self._calls = calls
         self._started = False
         self._stopped = False
 
@@ -199,6 +204,7 @@ class GrpcListener(Listener):
         if self._stopped:
             return
         self._stopped = True
+        self._calls.drain()  # call streams never end by themselves: the grace would always run out
         await self._server.stop(grace)
 
 
@@ -212,6 +218,9 @@ class GrpcChannel(Channel):
         )
         self._recv_chunks = self._channel.unary_stream(
             STREAM_METHOD, request_serializer=_serialize, response_deserializer=_raw
+        )
+        self._calls: call_stream.CallStream | None = call_stream.CallStream(
+            self._channel, address, lambda exc, method: error_from_rpc(exc, target=address, method=method)
         )
         self._streamed: set[str] = set()
         self._closed = False
@@ -278,6 +287,17 @@ class GrpcChannel(Channel):
         wait_for_ready: bool = False,
     ) -> Message:
         async with self._tracked(method):
+            if self._calls is not None and not wait_for_ready:
+                payload = request.SerializeToString()
+                if len(payload) <= _STREAMED_CALL_BYTES:
+                    try:
+                        data = await self._calls.call(service, method, payload, timeout)
+                    except call_stream.StreamUnsupported:
+                        self._calls = None  # not a distserver peer: unary calls from now on
+                    else:
+                        response_cls: Any = SERVICES[service][method][1]
+                        streamed: Message = response_cls.FromString(data)
+                        return streamed
             response: Message = await self._callable(service, method)(
                 request, timeout=timeout, wait_for_ready=wait_for_ready
             )
@@ -334,6 +354,8 @@ class GrpcChannel(Channel):
 
     async def _release(self) -> None:
         """Free the connection (subclasses free their own resources first)."""
+        if self._calls is not None:
+            await self._calls.close()
         await self._channel.close(grace=None)
 
     def statistics(self) -> ChannelStatistics:
@@ -345,6 +367,10 @@ class GrpcChannel(Channel):
             tensor_bytes_received=self._tensor_bytes_received,
             data_path="grpc",
         )
+
+
+def _log_unexpected(exc: Exception, where: str) -> None:
+    logger.error("unexpected error in %s", where, exc_info=exc)
 
 
 def _serialize(message: Message) -> bytes:
@@ -359,23 +385,34 @@ class GrpcTransport(Transport):
     name = "grpc"
 
     async def listen(self, address: str, services: Mapping[str, ServiceHandler]) -> Listener:
-        server, port = await self.bind_server(address, services)
-        return GrpcListener(server, port)
+        return await self.bind_server(address, services)
 
     async def bind_server(
         self,
         address: str,
         services: Mapping[str, ServiceHandler],
         extra_handlers: Sequence[Any] = (),
-    ) -> tuple[grpc.aio.Server, int]:
-        """A grpc.aio server bound to `address` serving `services` (+ `extra_handlers`).
+    ) -> GrpcListener:
+        """A grpc.aio server bound to `address` serving `services` (+ `extra_handlers`),
+        not started yet.
 
-        Returns the server (not started) and its bound port. Transports built on this
-        one add their own RPCs through `extra_handlers` (generic RPC handlers).
+        Every service is served at its unary methods and, for distserver peers, on the
+        call stream (`call_stream`). Transports built on this one add their own RPCs
+        through `extra_handlers` (generic RPC handlers).
         """
         server = grpc.aio.server(options=SERVER_OPTIONS)
         if extra_handlers:
             server.add_generic_rpc_handlers(tuple(extra_handlers))
+        calls = call_stream.CallStreamServer(
+            {
+                f"/{service}/{method}": handler.get(method) or _unimplemented(service, method)
+                for service, handler in services.items()
+                for method in SERVICES[service]
+                if method != "RecvTensor"  # the data plane has its own paths
+            },
+            _log_unexpected,
+        )
+        server.add_generic_rpc_handlers((calls.rpc_handler(),))
         for service, handler in services.items():
             table = SERVICES[service]
             rpc_handlers = {}
@@ -405,7 +442,7 @@ class GrpcTransport(Transport):
         if port == 0:
             await server.stop(None)
             raise errors.UnknownError(f"Could not start gRPC server: cannot bind {address}")
-        return server, port
+        return GrpcListener(server, port, calls)
 
     def connect(self, address: str) -> Channel:
         return GrpcChannel(address)

@@ -207,11 +207,11 @@ class VerbsTransport(GrpcTransport):
                     )
                 },
             )
-            server, port = await self.bind_server(address, services, (handler,))
+            listener = await self.bind_server(address, services, (handler,))
         except BaseException:
             await pd.close()
             raise
-        return TaskListener(GrpcListener(server, port), tensor_server, pd)
+        return TaskListener(listener, tensor_server, pd)
 
     def connect(self, address: str) -> Channel:
         return VerbsChannel(address, strict=self.strict)

@@ -1,0 +1,157 @@
+"""Calls between distserver tasks ride one gRPC stream; other peers get unary calls."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import grpc.aio
+import pytest
+
+from distserver import errors
+from distserver.protos.master_pb2 import ListDevicesRequest, ListDevicesResponse
+from distserver.protos.services import MASTER_SERVICE
+from distserver.testing import free_ports
+from distserver.transports import get_transport
+
+
+async def serve(handler):
+    """A "grpc" listener whose MasterService.ListDevices is `handler`, on a free port."""
+    address = f"localhost:{free_ports(1)[0]}"
+    listener = await get_transport("grpc").listen(address, {MASTER_SERVICE: {"ListDevices": handler}})
+    await listener.start()
+    return listener, address
+
+
+def echo_name(request):
+    response = ListDevicesResponse()
+    response.local_device.add(name=request.session_handle)
+    return response
+
+
+async def test_concurrent_calls_share_the_stream_and_each_gets_its_own_answer():
+    async def list_devices(request):
+        await asyncio.sleep(int(request.session_handle) % 5 * 0.01)  # answers come back out of order
+        return echo_name(request)
+
+    listener, address = await serve(list_devices)
+    channel = get_transport("grpc").connect(address)
+    try:
+        names = [str(i) for i in range(40)]
+        answers = await asyncio.gather(
+            *(
+                channel.call(MASTER_SERVICE, "ListDevices", ListDevicesRequest(session_handle=n))
+                for n in names
+            )
+        )
+        assert [a.local_device[0].name for a in answers] == names
+        assert channel._calls is not None
+        assert channel._calls._stream is not None  # they went over the stream
+    finally:
+        await channel.close()
+        await listener.stop(None)
+
+
+async def test_a_caller_that_gives_up_cancels_the_remote_handler():
+    started, cancelled = asyncio.Event(), asyncio.Event()
+
+    async def list_devices(request):
+        if request.session_handle == "block":
+            started.set()
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+        return echo_name(request)
+
+    listener, address = await serve(list_devices)
+    channel = get_transport("grpc").connect(address)
+    try:
+        blocked = ListDevicesRequest(session_handle="block")
+        with pytest.raises(errors.DeadlineExceededError, match=r"ListDevices to .* failed: Deadline"):
+            await channel.call(MASTER_SERVICE, "ListDevices", blocked, timeout=0.3)
+        assert started.is_set()
+        async with asyncio.timeout(5):
+            await cancelled.wait()
+        # The stream still serves the next call.
+        answer = await channel.call(MASTER_SERVICE, "ListDevices", ListDevicesRequest(session_handle="next"))
+        assert answer.local_device[0].name == "next"
+    finally:
+        await channel.close()
+        await listener.stop(None)
+
+
+async def test_a_remote_deadline_error_keeps_its_own_message():
+    async def list_devices(request):
+        raise errors.DeadlineExceededError("the handler's own deadline")
+
+    listener, address = await serve(list_devices)
+    channel = get_transport("grpc").connect(address)
+    try:
+        with pytest.raises(errors.DeadlineExceededError, match=r"^the handler's own deadline$"):
+            await channel.call(MASTER_SERVICE, "ListDevices", ListDevicesRequest(), timeout=5)
+    finally:
+        await channel.close()
+        await listener.stop(None)
+
+
+async def test_a_peer_without_the_stream_gets_unary_calls():
+    """A server like TensorFlow's: only the unary method. The first call finds out and is retried."""
+    server = grpc.aio.server()
+    calls = []
+
+    async def list_devices(request: bytes, context):
+        calls.append(request)
+        response = ListDevicesResponse()
+        response.local_device.add(name="unary")
+        return response.SerializeToString()
+
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                MASTER_SERVICE, {"ListDevices": grpc.unary_unary_rpc_method_handler(list_devices)}
+            ),
+        )
+    )
+    port = server.add_insecure_port("localhost:0")
+    await server.start()
+    channel = get_transport("grpc").connect(f"localhost:{port}")
+    try:
+        for _ in range(3):
+            answer = await channel.call(MASTER_SERVICE, "ListDevices", ListDevicesRequest(), timeout=5)
+            assert answer.local_device[0].name == "unary"
+        assert len(calls) == 3  # each call ran once
+        assert channel._calls is None  # and the channel stopped trying the stream
+    finally:
+        await channel.close()
+        await server.stop(None)
+
+
+async def test_a_stopping_server_ends_its_streams_after_their_calls():
+    release = asyncio.Event()
+
+    async def list_devices(request):
+        if request.session_handle == "slow":
+            await release.wait()
+        return echo_name(request)
+
+    listener, address = await serve(list_devices)
+    channel = get_transport("grpc").connect(address)
+    try:
+        await channel.call(MASTER_SERVICE, "ListDevices", ListDevicesRequest(session_handle="warm"))
+        slow = asyncio.ensure_future(
+            channel.call(MASTER_SERVICE, "ListDevices", ListDevicesRequest(session_handle="slow"))
+        )
+        await asyncio.sleep(0.1)
+        stopping = asyncio.ensure_future(listener.stop(grace=30))
+        await asyncio.sleep(0.1)
+        release.set()
+        assert (await slow).local_device[0].name == "slow"  # the running call finished
+        async with asyncio.timeout(5):  # the open stream does not hold the stop for the grace
+            await stopping
+        with pytest.raises(errors.UnavailableError):
+            await channel.call(MASTER_SERVICE, "ListDevices", ListDevicesRequest(), timeout=5)
+    finally:
+        await channel.close()
+        await listener.stop(None)
