@@ -7,7 +7,9 @@ median of `--calls` sequential unary calls with 100-byte payloads:
 * ``client -> A -> B``: A's handler calls B and returns B's answer. This is the shape
   of a distributed step with the master on A: RunStep/RunCallable to the master,
   RunGraph from the master to the task that holds the ops. No runtime can do such a
-  step over grpc.aio in less.
+  step over grpc.aio unary calls in less;
+* ``client -> B, stream``: one message each way on an open bidirectional stream, the
+  way distserver tasks call each other (`distserver.transports.call_stream`).
 
 Each is measured with gRPC's default settings and with the setting distserver applies
 at import (`distserver._grpc_env`: EventEngine client and listener off), each process
@@ -68,14 +70,42 @@ async def _serve(port: int, downstream: int | None) -> None:
             return answer
         return request
 
-    handler = grpc.unary_unary_rpc_method_handler(
-        echo, request_deserializer=_identity, response_serializer=_identity
-    )
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("probe.Echo", {"Echo": handler}),))
+    async def echo_stream(requests: Any, context: Any) -> Any:
+        async for request in requests:
+            yield request
+
+    handlers = {
+        "Echo": grpc.unary_unary_rpc_method_handler(
+            echo, request_deserializer=_identity, response_serializer=_identity
+        ),
+        "Stream": grpc.stream_stream_rpc_method_handler(
+            echo_stream, request_deserializer=_identity, response_serializer=_identity
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("probe.Echo", handlers),))
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     print("ready", flush=True)
     await server.wait_for_termination()
+
+
+async def _client_stream(port: int, calls: int) -> float:
+    import grpc.aio
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stream = channel.stream_stream(
+            "/probe.Echo/Stream", request_serializer=_identity, response_deserializer=_identity
+        )(None)
+        payload = b"x" * 100
+        times = []
+        for i in range(min(300, calls) + calls):
+            started = time.perf_counter()
+            await stream.write(payload)
+            await stream.read()
+            if i >= min(300, calls):  # after the warm-up
+                times.append(time.perf_counter() - started)
+        await stream.done_writing()
+    return statistics.median(times)
 
 
 async def _client(port: int, calls: int) -> float:
@@ -150,8 +180,8 @@ def _measure(experiments: str | None, calls: int) -> dict[str, float]:
             timeout=120 + calls * 0.01,
             check=True,
         )
-        direct, chain = (float(x) for x in out.stdout.split())
-        return {"client -> B": direct, "client -> A -> B": chain}
+        direct, chain, streamed = (float(x) for x in out.stdout.split())
+        return {"client -> B": direct, "client -> A -> B": chain, "client -> B, stream": streamed}
     finally:
         for proc in servers:
             proc.terminate()
@@ -180,7 +210,8 @@ def main() -> None:
     if args.role == "client":
         direct = _run(_client(args.direct, args.calls))
         chain = _run(_client(args.chain, args.calls))
-        print(direct, chain)
+        streamed = _run(_client_stream(args.direct, args.calls))
+        print(direct, chain, streamed)
         return
     if args.calls < 1:
         parser.error("--calls must be >= 1")
@@ -188,7 +219,7 @@ def main() -> None:
     print(f"grpc.aio with empty handlers, median of {args.calls} calls (100-byte messages, loopback)\n")
     print("| path | " + " | ".join(MODES) + " |")
     print("|---|" + "---:|" * len(MODES))
-    for path in ("client -> B", "client -> A -> B"):
+    for path in ("client -> B", "client -> A -> B", "client -> B, stream"):
         print(f"| {path} | " + " | ".join(f"{results[m][path] * 1e6:.0f} µs" for m in MODES) + " |")
 
 
