@@ -10,8 +10,11 @@ MasterService and WorkerService calls to distserver peers over `METHOD`:
 * request frame: call id (u64), kind (CALL or CANCEL), the method path's length
   (u16) and the path ("/tensorflow.WorkerService/RunGraph"), then the serialized
   request;
-* response frame: call id, kind (OK or ERROR), a status code (i32), then the
-  serialized response or the UTF-8 error message.
+* response frame: call id, kind (OK, ERROR or BODY_FOLLOWS), a status code (i32),
+  then the serialized response or the UTF-8 error message. A response above 1 MiB
+  goes as its own message after a BODY_FOLLOWS frame instead, so that it is never
+  copied into a frame (each message costs one more completion-queue hand-off, which
+  only large responses can afford).
 
 Calls run concurrently on the server (one task each) and are answered in any order.
 A CANCEL frame cancels the server's task, as a cancelled unary call would. When the
@@ -41,7 +44,8 @@ from distserver.protos.services import SERVICES
 METHOD = "/distserver.Calls/Stream"
 
 _CALL, _CANCEL = 0, 1
-_OK, _ERROR = 0, 1
+_OK, _ERROR, _BODY_FOLLOWS = 0, 1, 2
+_INLINE_RESPONSE_BYTES = 1 << 20
 _REQUEST_HEAD = struct.Struct("<QBH")  # call id, kind, path length
 _RESPONSE_HEAD = struct.Struct("<QBi")  # call id, kind, status code
 _EOF: Any = grpc.aio.EOF  # type: ignore[attr-defined]  # missing from the type stubs
@@ -63,7 +67,7 @@ class _ServerStream:
 
     def __init__(self) -> None:
         self.running: dict[int, asyncio.Task[None]] = {}
-        self.outgoing: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self.outgoing: asyncio.Queue[tuple[bytes, ...] | None] = asyncio.Queue()
 
     def end_if_idle(self) -> None:
         if not self.running:
@@ -83,7 +87,7 @@ class CallStreamServer:
         on_unexpected: Callable[[Exception, str], None],
     ) -> None:
         self._handlers = dict(handlers)
-        self._decoders = {
+        self._decoders: dict[str, Callable[[Any], Any]] = {  # FromString takes any buffer
             f"/{service}/{method}": request_cls.FromString
             for service, table in SERVICES.items()
             for method, (request_cls, _) in table.items()
@@ -110,9 +114,10 @@ class CallStreamServer:
         self._streams.add(stream)
         reader = asyncio.ensure_future(self._read(stream, context))
         try:
-            while (frame := await stream.outgoing.get()) is not None:
-                await context.write(frame)
-        except Exception:
+            while (messages := await stream.outgoing.get()) is not None:
+                for message in messages:  # a response's head and body go out back to back
+                    await context.write(message)
+        except Exception:  # the client went away; the reader cancels its calls
             pass
         finally:
             self._streams.discard(stream)
@@ -135,7 +140,7 @@ class CallStreamServer:
                 else:
                     start = _REQUEST_HEAD.size
                     path = frame[start : start + path_len].decode()
-                    payload = frame[start + path_len :]
+                    payload = memoryview(frame)[start + path_len :]
                     stream.running[call_id] = asyncio.ensure_future(
                         self._answer(stream, call_id, path, payload)
                     )
@@ -146,29 +151,33 @@ class CallStreamServer:
             await asyncio.gather(*running, return_exceptions=True)
             stream.outgoing.put_nowait(None)
 
-    async def _answer(self, stream: _ServerStream, call_id: int, path: str, payload: bytes) -> None:
+    async def _answer(self, stream: _ServerStream, call_id: int, path: str, payload: memoryview) -> None:
         try:
             fn = self._handlers.get(path)
             decode = self._decoders.get(path)
             if fn is None or decode is None:
                 raise errors.UnimplementedError(f"{path} is not served by this distserver task")
-            response = await fn(decode(payload))
-            frame = _RESPONSE_HEAD.pack(call_id, _OK, errors.OK) + response.SerializeToString()
+            body = (await fn(decode(payload))).SerializeToString()
+            messages: tuple[bytes, ...] = (
+                (_RESPONSE_HEAD.pack(call_id, _OK, errors.OK) + body,)
+                if len(body) <= _INLINE_RESPONSE_BYTES
+                else (_RESPONSE_HEAD.pack(call_id, _BODY_FOLLOWS, errors.OK), body)
+            )
         except asyncio.CancelledError:
-            frame = _error_frame(call_id, errors.CANCELLED, "the call was cancelled")
+            messages = _error_frame(call_id, errors.CANCELLED, "the call was cancelled")
         except Exception as exc:
             if not isinstance(exc, errors.OpError):
                 self._on_unexpected(exc, path)
             code, message = errors.to_status(exc)
-            frame = _error_frame(call_id, code, message)
+            messages = _error_frame(call_id, code, message)
         stream.running.pop(call_id, None)
-        stream.outgoing.put_nowait(frame)
+        stream.outgoing.put_nowait(messages)
         if self._draining:
             stream.end_if_idle()
 
 
-def _error_frame(call_id: int, code: int, message: str) -> bytes:
-    return _RESPONSE_HEAD.pack(call_id, _ERROR, code) + message.encode()
+def _error_frame(call_id: int, code: int, message: str) -> tuple[bytes]:
+    return (_RESPONSE_HEAD.pack(call_id, _ERROR, code) + message.encode(),)
 
 
 # ----------------------------------------------------------------------------- client
@@ -194,7 +203,7 @@ class CallStream:
         self._ids = itertools.count(1)
         self._stream: Any = None
         self._reader: asyncio.Task[None] | None = None
-        self._pending: dict[int, tuple[asyncio.Future[bytes], str]] = {}
+        self._pending: dict[int, tuple[asyncio.Future[bytes | memoryview], str]] = {}
         self._write_lock = asyncio.Lock()
         self._cancels: set[asyncio.Task[None]] = set()
 
@@ -204,9 +213,12 @@ class CallStream:
             self._reader = asyncio.ensure_future(self._read(self._stream))
         return self._stream
 
-    async def call(self, service: str, method: str, request: bytes, timeout: float | None) -> bytes:
+    async def call(
+        self, service: str, method: str, request: bytes, timeout: float | None
+    ) -> bytes | memoryview:
+        """Run `service`/`method` on the peer; its serialized response."""
         call_id = next(self._ids)
-        future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[bytes | memoryview] = asyncio.get_running_loop().create_future()
         self._pending[call_id] = (future, method)
         stream = self._ensure_open()
         path = f"/{service}/{method}".encode()
@@ -249,16 +261,21 @@ class CallStream:
         failure: grpc.aio.AioRpcError | None = None
         closed = False
         try:
-            while (frame := await stream.read()) is not _EOF:
-                call_id, kind, code = _RESPONSE_HEAD.unpack_from(frame)
+            while (head := await stream.read()) is not _EOF:
+                call_id, kind, code = _RESPONSE_HEAD.unpack_from(head)
+                body: Any = memoryview(head)[_RESPONSE_HEAD.size :]
+                if kind == _BODY_FOLLOWS:
+                    body = await stream.read()
+                    if body is _EOF:
+                        break
                 entry = self._pending.get(call_id)
                 if entry is None or entry[0].done():
                     continue  # answered after the caller gave up
-                payload = frame[_RESPONSE_HEAD.size :]
-                if kind == _OK:
-                    entry[0].set_result(payload)
+                if kind != _ERROR:
+                    entry[0].set_result(body)
                 else:
-                    entry[0].set_exception(errors.from_status(code, payload.decode(errors="replace")))
+                    message = head[_RESPONSE_HEAD.size :].decode(errors="replace")
+                    entry[0].set_exception(errors.from_status(code, message))
         except grpc.aio.AioRpcError as exc:
             failure = exc
         except asyncio.CancelledError:

@@ -155,3 +155,25 @@ async def test_a_stopping_server_ends_its_streams_after_their_calls():
     finally:
         await channel.close()
         await listener.stop(None)
+
+
+async def test_a_large_response_arrives_whole():
+    """Responses above 1 MiB travel as their own message after a short frame."""
+
+    async def list_devices(request):
+        response = ListDevicesResponse()
+        for i in range(int(request.session_handle)):
+            response.local_device.add(name=f"device-{i:08d}-" + "x" * 200)
+        return response
+
+    listener, address = await serve(list_devices)
+    channel = get_transport("grpc").connect(address)
+    try:
+        for count in (3, 20_000):  # ~5 KiB and ~4.5 MiB
+            request = ListDevicesRequest(session_handle=str(count))
+            answer = await channel.call(MASTER_SERVICE, "ListDevices", request, timeout=30)
+            assert len(answer.local_device) == count
+            assert answer.local_device[-1].name.startswith(f"device-{count - 1:08d}-")
+    finally:
+        await channel.close()
+        await listener.stop(None)
