@@ -11,7 +11,7 @@ MasterService and WorkerService calls to distserver peers over `METHOD`:
   (u16) and the path ("/tensorflow.WorkerService/RunGraph"), then the serialized
   request;
 * response frame: call id, kind (OK, ERROR or BODY_FOLLOWS), a status code (i32),
-  then the serialized response or the UTF-8 error message. A response above 1 MiB
+  then the serialized response or the UTF-8 error message. A response above 2 MiB
   goes as its own message after a BODY_FOLLOWS frame instead, so that it is never
   copied into a frame (each message costs one more completion-queue hand-off, which
   only large responses can afford).
@@ -45,7 +45,7 @@ METHOD = "/distserver.Calls/Stream"
 
 _CALL, _CANCEL = 0, 1
 _OK, _ERROR, _BODY_FOLLOWS = 0, 1, 2
-_INLINE_RESPONSE_BYTES = 1 << 20
+_INLINE_RESPONSE_BYTES = 2 << 20  # above the 1 MiB values a RunGraph response may carry
 _REQUEST_HEAD = struct.Struct("<QBH")  # call id, kind, path length
 _RESPONSE_HEAD = struct.Struct("<QBi")  # call id, kind, status code
 _EOF: Any = grpc.aio.EOF  # type: ignore[attr-defined]  # missing from the type stubs

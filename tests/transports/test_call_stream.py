@@ -158,7 +158,7 @@ async def test_a_stopping_server_ends_its_streams_after_their_calls():
 
 
 async def test_a_large_response_arrives_whole():
-    """Responses above 1 MiB travel as their own message after a short frame."""
+    """Responses above 2 MiB travel as their own message after a short frame."""
 
     async def list_devices(request):
         response = ListDevicesResponse()
