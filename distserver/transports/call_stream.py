@@ -240,6 +240,10 @@ class CallStream:
             raise
         except grpc.aio.AioRpcError as exc:  # the write found the stream broken
             raise self._failure(exc, method) from exc
+        except asyncio.InvalidStateError as exc:  # the stream ended before the write
+            raise errors.UnavailableError(
+                f"{method} to {self._target} failed: the call stream ended"
+            ) from exc
         finally:
             self._pending.pop(call_id, None)
 
