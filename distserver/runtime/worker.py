@@ -3,7 +3,10 @@
 The master (of this task or of another) drives it: it creates a worker session per
 master session, registers each graph partition once (getting a graph handle),
 then runs steps with RunGraph, feeding and fetching through the step's rendezvous
-by rendezvous key, and finally cleans the step up with CleanupGraph.
+by rendezvous key. The worker drops a step's rendezvous itself once the RunGraph has
+ended and every value for another task has been handed over (in the response or by
+RecvTensor); CleanupGraph (after a failed step, or from TensorFlow's protocol)
+drops it too.
 
 Variables and other resources live in the task's `ResourceManager`, so they
 outlive sessions (as on a TensorFlow parameter server), unless the session asked
