@@ -5,6 +5,10 @@ unlimited), `SO_REUSEPORT` is off so a port in use is an error rather than a sil
 second listener, and proxies from the environment are ignored (cluster traffic is
 always direct).
 
+Between distserver tasks, MasterService and WorkerService calls ride one long-lived
+stream per channel (`distserver.transports.call_stream`); TensorFlow peers, and calls
+that must wait for the peer or carry more than 4 MiB, use the unary methods.
+
 The data plane (RecvTensor) skips protobuf for tensor bytes (`distserver.wire`):
 
 * `/tensorflow.WorkerService/RecvTensor` (unary) answers with a valid
