@@ -32,8 +32,9 @@ class StepRendezvous:
         self._fetch_remote = fetch_remote
         self._slots: dict[str, asyncio.Future[tuple[Any, bool]]] = {}
         self._error: errors.OpError | None = None
-        # Values for other tasks that were handed over (in a RunGraph response, or
-        # served by RecvTensor), and whether this step's RunGraph has finished.
+        # Keys whose destination is another task; those of them handed over (in a
+        # RunGraph response, or served by RecvTensor); whether the RunGraph finished.
+        self._for_others: set[str] = set()
         self._handed_over: set[str] = set()
         self.finished = False
 
@@ -44,6 +45,8 @@ class StepRendezvous:
             if self._error is not None:
                 slot.set_exception(self._error)
             self._slots[key] = slot
+            if task_of_device(parse_rendezvous_key(key).dst_device) != self._local_task:
+                self._for_others.add(key)
         return slot
 
     def send(self, key: str, value: Any, is_dead: bool = False) -> None:
@@ -92,12 +95,7 @@ class StepRendezvous:
         That is: some key is for a device of another task and was neither handed
         back in the RunGraph response nor served by RecvTensor yet.
         """
-        for key in self._slots:
-            if key in self._handed_over:
-                continue
-            if task_of_device(parse_rendezvous_key(key).dst_device) != self._local_task:
-                return True
-        return False
+        return not self._for_others <= self._handed_over
 
 
 class RendezvousTable:

@@ -70,7 +70,7 @@ async def test_a_caller_that_gives_up_cancels_the_remote_handler():
     try:
         blocked = ListDevicesRequest(session_handle="block")
         with pytest.raises(errors.DeadlineExceededError, match=r"ListDevices to .* failed: Deadline"):
-            await channel.call(MASTER_SERVICE, "ListDevices", blocked, timeout=0.3)
+            await channel.call(MASTER_SERVICE, "ListDevices", blocked, timeout=1.0)
         assert started.is_set()
         async with asyncio.timeout(5):
             await cancelled.wait()
@@ -129,10 +129,11 @@ async def test_a_peer_without_the_stream_gets_unary_calls():
 
 
 async def test_a_stopping_server_ends_its_streams_after_their_calls():
-    release = asyncio.Event()
+    running, release = asyncio.Event(), asyncio.Event()
 
     async def list_devices(request):
         if request.session_handle == "slow":
+            running.set()
             await release.wait()
         return echo_name(request)
 
@@ -143,9 +144,10 @@ async def test_a_stopping_server_ends_its_streams_after_their_calls():
         slow = asyncio.ensure_future(
             channel.call(MASTER_SERVICE, "ListDevices", ListDevicesRequest(session_handle="slow"))
         )
-        await asyncio.sleep(0.1)
+        async with asyncio.timeout(5):
+            await running.wait()
         stopping = asyncio.ensure_future(listener.stop(grace=30))
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # the stop has begun: the stream is draining
         release.set()
         assert (await slow).local_device[0].name == "slow"  # the running call finished
         async with asyncio.timeout(5):  # the open stream does not hold the stop for the grace

@@ -23,6 +23,7 @@ kernels that keep values (variables) store their own copy.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -160,14 +161,7 @@ class VerbsChannel(GrpcChannel):
             path = f"grpc (fallback: {self._fallback})"
         else:
             path = "verbs (not connected yet)"
-        return ChannelStatistics(
-            target=stats.target,
-            calls_started=stats.calls_started,
-            calls_failed=stats.calls_failed,
-            tensors_received=stats.tensors_received,
-            tensor_bytes_received=stats.tensor_bytes_received,
-            data_path=path,
-        )
+        return dataclasses.replace(stats, data_path=path)
 
 
 class VerbsTransport(GrpcTransport):
