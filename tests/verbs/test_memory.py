@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import gc
+import math
 import mmap
 import os
 import threading
@@ -242,20 +243,33 @@ async def test_invalid_sizes(pd):
 
 @pytest.mark.parametrize("nbytes", [0, 1, (1 << 20) - 1, 8 << 20, (16 << 20) + 3])
 def test_a_shared_copy_covers_the_destination_once_with_any_number_of_threads(nbytes):
-    from distserver.transports.verbs._memory import COPY_PIECE_BYTES, SharedCopy
+    from distserver.transports.verbs._memory import MIN_COPY_PIECE, SharedCopy
 
     source = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
     destination = bytearray(nbytes)
-    work = SharedCopy(memoryview(destination), source, nbytes)
-    assert len(work.views) == max(1, -(-nbytes // COPY_PIECE_BYTES))
-    inline = work.run(limit=3 * COPY_PIECE_BYTES)  # the event loop's bounded share
-    assert inline == min(nbytes, 3 * COPY_PIECE_BYTES) or nbytes <= COPY_PIECE_BYTES
+    then = []
+    work = SharedCopy(memoryview(destination), source, nbytes, then=lambda: then.append(bytes(destination)))
+    inline = work.run(limit=3 * MIN_COPY_PIECE)  # the event loop's bounded share
+    assert inline == min(nbytes, 3 * MIN_COPY_PIECE) or nbytes <= MIN_COPY_PIECE
     threads = [threading.Thread(target=work.run) for _ in range(3)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
     assert bytes(destination) == source.tobytes()
+    assert then == ([source.tobytes()] if nbytes else [])  # once, with every byte in place
+
+
+def test_a_shared_copy_takes_pieces_that_shrink_as_the_copy_ends():
+    from distserver.transports.verbs._memory import MIN_COPY_PIECE, SharedCopy
+
+    nbytes = 16 * MIN_COPY_PIECE
+    work = SharedCopy(memoryview(bytearray(nbytes)), np.zeros(nbytes, np.uint8), nbytes)
+    sizes = []
+    while (piece := work._take(math.inf)) is not None:
+        sizes.append(piece[1] - piece[0])
+    # a share per participant (the loop and one thread), then halves, then the floor
+    assert sizes == [8 * MIN_COPY_PIECE, 4 * MIN_COPY_PIECE, 2 * MIN_COPY_PIECE] + [MIN_COPY_PIECE] * 2
 
 
 def test_a_shared_copy_keeps_a_strided_array_whole_and_off_a_bounded_loop():
@@ -264,22 +278,23 @@ def test_a_shared_copy_keeps_a_strided_array_whole_and_off_a_bounded_loop():
     source = np.arange(2 * (8 << 20) // 4, dtype=np.float32).reshape(2, -1).T  # Fortran order
     destination = bytearray(source.nbytes)
     work = SharedCopy(memoryview(destination), source, source.nbytes)
-    assert len(work.views) == 1
+    assert work.threads_wanted == 1
     assert work.run(limit=1 << 20) == 0  # too large for the loop's share
     assert work.run() == source.nbytes
     assert bytes(destination) == np.ascontiguousarray(source).tobytes()
 
 
 def test_after_a_failed_piece_no_thread_takes_another():
-    from distserver.transports.verbs._memory import COPY_PIECE_BYTES, SharedCopy
+    from distserver.transports.verbs._memory import MIN_COPY_PIECE, SharedCopy
 
-    nbytes = 4 * COPY_PIECE_BYTES
-    destination = bytearray(nbytes)
-    work = SharedCopy(memoryview(destination), np.zeros(nbytes, np.uint8), nbytes)
-    work.views[1].release()  # the second piece cannot be written
-    with pytest.raises(ValueError, match="released"):
+    nbytes = 4 * MIN_COPY_PIECE
+    read_only = memoryview(bytearray(nbytes)).toreadonly()  # every piece fails
+    then = []
+    work = SharedCopy(read_only, np.zeros(nbytes, np.uint8), nbytes, then=lambda: then.append(1))
+    with pytest.raises(ValueError, match="read-only"):
         work.run()
     assert work.run() == 0  # the rest is abandoned, not copied by another thread
+    assert then == []  # and no completion for a failed copy
 
 
 async def test_wait_offloaded_waits_for_every_job_and_raises_the_first_error():

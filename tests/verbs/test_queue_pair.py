@@ -190,6 +190,28 @@ async def test_async_for_and_poll_nowait(qp_pair, probes):
     assert seen == [2, 3, 4]
 
 
+async def test_handlers_take_completions_and_messages_as_they_arrive(qp_pair, probes):
+    qa, qb = qp_pair
+    region = await _exposed(qa, qb, 4096, probes)
+    await qb.write(region.id, region.key, 0, b"a", wr_id=1)  # before the handler: handed over then
+    await qb.send(b"early")
+    await probes.poll_until(lambda: qa.cq.statistics().pending == 1, what="the first completion")
+    completions, messages = [], []
+    qa.cq.deliver_to(completions.append)
+    qa.deliver_to(messages.append)
+    for i in range(2, 5):
+        await qb.write(region.id, region.key, 0, b"a", wr_id=i)
+        await qb.send(f"m{i}".encode())
+    await probes.poll_until(lambda: len(completions) == 4 and len(messages) == 4, what="everything")
+    assert [wc.wr_id for wc in completions] == [1, 2, 3, 4]
+    assert messages == [b"early", b"m2", b"m3", b"m4"]
+    assert qa.cq.poll_nowait() == []
+    receiving = asyncio.ensure_future(qa.recv())  # now only a failure ends it
+    await qb.close()
+    with pytest.raises(errors.UnavailableError):
+        await asyncio.wait_for(receiving, 10)
+
+
 async def test_cancelled_poll_does_not_lose_a_completion(qp_pair, probes):
     qa, qb = qp_pair
     region = await _exposed(qa, qb, 4096, probes)

@@ -13,6 +13,7 @@ import pytest
 
 from distserver import errors
 from distserver.transports import verbs
+from distserver.transports.verbs import _wire as wire
 
 MiB = 1 << 20
 
@@ -264,6 +265,83 @@ async def test_a_destination_the_sender_may_still_write_is_never_reused(probes):
         assert pool.statistics().live_slices == 1  # kept out of the pool for good
         assert pool.try_allocate(MiB) is not None  # the rest of the region is usable
         source.release.set()
+        await server.close()
+
+
+@pytest.fixture
+async def hand_driven_sender(
+    pd,
+) -> AsyncIterator[tuple[verbs.TensorEndpoint, verbs.QueuePair, verbs.RegionPool]]:
+    """A receiver endpoint whose sender is a raw queue pair the test drives message by message."""
+    listener = await verbs.listen(pd)
+    accepting = asyncio.ensure_future(listener.accept())
+    endpoint = await verbs.TensorEndpoint.connect(pd, listener.address)
+    sender = await accepting
+    pool = verbs.RegionPool(pd, region_bytes=8 * MiB)
+    yield endpoint, sender, pool
+    await endpoint.close()
+    await sender.close()
+    await listener.close()
+
+
+async def next_request(sender: verbs.QueuePair) -> wire.Request:
+    message = wire.decode_tensor_message(await sender.recv())
+    assert isinstance(message, wire.Request)
+    return message
+
+
+async def test_an_error_after_writing_fails_the_receive_and_frees_the_slice(hand_driven_sender):
+    endpoint, sender, pool = hand_driven_sender
+    receiving = asyncio.ensure_future(endpoint.recv_tensor_into(pool, b"x", size_hint=MiB))
+    request = await next_request(sender)
+    description = wire.describe(np.zeros(MiB, np.uint8), b"")
+    await sender.send(wire.encode_response(request.req_id, wire.ResponseKind.WRITING, description))
+    await sender.send(wire.encode_error(request.req_id, errors.DATA_LOSS, "the copy failed"))
+    with pytest.raises(errors.DataLossError, match="the copy failed"):
+        await receiving
+    assert pool.statistics().live_slices == 0  # an ERROR is the sender's final answer
+    assert endpoint.statistics().quarantined_bytes == 0
+
+
+async def test_a_receiver_that_gives_up_during_a_write_frees_the_slice_at_its_completion(
+    hand_driven_sender, probes
+):
+    endpoint, sender, pool = hand_driven_sender
+    receiving = asyncio.ensure_future(endpoint.recv_tensor_into(pool, b"x", size_hint=MiB, timeout=0.3))
+    request = await next_request(sender)
+    value = np.full(MiB, 7, np.uint8)
+    writing = wire.encode_response(request.req_id, wire.ResponseKind.WRITING, wire.describe(value, b""))
+    await sender.send(writing)
+    with pytest.raises(errors.DeadlineExceededError):
+        await receiving
+    cancel = wire.decode_tensor_message(await sender.recv())
+    assert isinstance(cancel, wire.Cancel)
+    assert cancel.req_id == request.req_id
+    assert pool.statistics().live_slices == 1  # the sender said it writes: the slice waits
+    where = request.destination
+    await sender.write(where.region_id, where.key, where.offset, value, wr_id=request.req_id)
+    await probes.poll_until(lambda: pool.statistics().live_slices == 0, what="the slice back in the pool")
+    assert endpoint.statistics().quarantined_bytes == 0
+
+
+async def test_a_write_that_fails_after_writing_is_answered_with_an_error_and_no_completion(pd):
+    source = Source()
+    source.tensors[b"t"] = np.ones(MiB, np.uint8)
+    server = await verbs.TensorServer.start(pd, source)
+    receiver = await verbs.connect(pd, server.address)
+    region = pd.register(MiB)
+    try:
+        await receiver.expose(region)
+        wrong_key = wire.Destination(region.id, bytes(wire.KEY_BYTES), 0, MiB)
+        await receiver.send(wire.encode_request(1, wrong_key, b"t"))
+        answers = [wire.decode_tensor_message(await receiver.recv()) for _ in range(2)]
+        assert [a.kind for a in answers] == [wire.ResponseKind.WRITING, wire.ResponseKind.ERROR]
+        assert answers[1].code == errors.PERMISSION_DENIED
+        await asyncio.sleep(0.05)
+        assert receiver.cq.poll_nowait() == []  # nothing was written
+    finally:
+        await receiver.close()
+        region.close()
         await server.close()
 
 

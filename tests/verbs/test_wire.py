@@ -48,7 +48,7 @@ def test_request_round_trip():
 def test_response_round_trip(shape):
     array = np.arange(int(np.prod(shape)), dtype=np.float32).reshape(shape)
     description = wire.describe(array, b"meta")
-    for kind in (wire.ResponseKind.WRITTEN, wire.ResponseKind.NEEDS_SPACE):
+    for kind in (wire.ResponseKind.WRITING, wire.ResponseKind.NEEDS_SPACE):
         decoded = wire.decode_tensor_message(wire.encode_response(5, kind, description))
         assert decoded == wire.Response(5, kind, description, b"")
     inline = wire.decode_tensor_message(
@@ -82,7 +82,7 @@ def test_malformed_messages_are_protocol_errors():
     # A description whose size does not match dtype x shape.
     lying = wire.TensorDescription(15, np.dtype(np.int32), (2, 2), b"")
     with pytest.raises(wire.ProtocolError, match="inconsistent"):
-        wire.decode_tensor_message(wire.encode_response(1, wire.ResponseKind.WRITTEN, lying))
+        wire.decode_tensor_message(wire.encode_response(1, wire.ResponseKind.WRITING, lying))
     assert issubclass(wire.ProtocolError, errors.InternalError)
 
 

@@ -26,6 +26,7 @@ import enum
 import mmap
 import os
 import struct
+import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -103,6 +104,9 @@ class CompletionQueue:
           like `ibv_poll_cq`.
         * `async for wc in cq` yields completions until the queue is closed.
         * Completions arrive in the order the peer posted them.
+        * `deliver_to(handler)` instead passes every completion to `handler(wc)`, on the
+          event loop, in the wake-up that read it (no task switch; `poll()` then
+          finds nothing).
         * `close(error)` fails every waiting `poll()` with `error` (default:
           `UnavailableError`), unmaps the ring and closes the eventfd. Completions
           already taken out of the ring can still be polled after close; then
@@ -125,6 +129,7 @@ class CompletionQueue:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._head = 0
         self._ready: deque[WorkCompletion] = deque()
+        self._handler: Callable[[WorkCompletion], None] | None = None
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._closed = False
         self._error: errors.OpError | None = None
@@ -171,9 +176,21 @@ class CompletionQueue:
                 wc = WorkCompletion(wr_id, Opcode.RECV_RDMA_WITH_IMM, WcStatus.REM_OP_ERR, byte_len, imm)
             self._ready.append(wc)
         self._completions += count
-        self._wake()
         if self._on_consumed is not None:
             self._on_consumed(count)
+        self._dispatch()
+
+    def deliver_to(self, handler: Callable[[WorkCompletion], None]) -> None:
+        """Pass every completion to `handler` as it arrives (see the class docstring)."""
+        self._handler = handler
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        if self._handler is None:
+            self._wake()
+            return
+        while self._ready:
+            self._handler(self._ready.popleft())
 
     def _wake(self) -> None:
         # One waiter per ready completion; each takes its own from the deque.
@@ -244,7 +261,7 @@ class CqProducer:
     """This side's handle on the peer's completion queue: its ring (mapped here) and eventfd.
 
     Contract: `await reserve()` takes a credit (waits while the ring is full);
-    `post(wc)` uses one reserved credit; `unreserve()` gives an unused one back;
+    `post(wc)` uses one reserved credit (from any thread); `unreserve()` gives an unused one back;
     `add_credits(n)` is called when the peer reports consumed entries. `close(error)`
     fails credit waiters and releases the mapping and the eventfd.
     """
@@ -257,6 +274,7 @@ class CqProducer:
         self._credits = depth
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._error: errors.OpError | None = None
+        self._post_lock = threading.Lock()
         self.posted = 0
 
     async def reserve(self) -> None:
@@ -293,15 +311,18 @@ class CqProducer:
                 waiter.set_result(None)
 
     def post(self, wc: WorkCompletion) -> None:
-        if self._error is not None:
-            raise self._error
-        slot = (self._tail % self.depth) * CQE.size
-        CQE.pack_into(
-            self._ring, slot, wc.wr_id, wc.byte_len, wc.opcode, wc.status, wc.imm_data & 0xFFFFFFFF, 0
-        )
-        self._tail += 1
-        self.posted += 1
-        os.eventfd_write(self._eventfd, 1)  # after the record: the syscall orders the stores
+        """Write `wc` into the next ring slot and ring the doorbell. Thread-safe: the
+        copy thread that finishes a write posts its completion."""
+        with self._post_lock:
+            if self._error is not None:
+                raise self._error
+            slot = (self._tail % self.depth) * CQE.size
+            CQE.pack_into(
+                self._ring, slot, wc.wr_id, wc.byte_len, wc.opcode, wc.status, wc.imm_data & 0xFFFFFFFF, 0
+            )
+            self._tail += 1
+            self.posted += 1
+            os.eventfd_write(self._eventfd, 1)  # after the record: the syscall orders the stores
 
     def fail(self, error: errors.OpError) -> None:
         """Refuse further posts and fail credit waiters (the queue pair is going away)."""
@@ -314,7 +335,8 @@ class CqProducer:
 
     def close(self, error: errors.OpError) -> None:
         self.fail(error)
-        if self._eventfd >= 0:
-            os.close(self._eventfd)
-            self._eventfd = -1
-            release_mapping(self._ring)
+        with self._post_lock:
+            if self._eventfd >= 0:
+                os.close(self._eventfd)
+                self._eventfd = -1
+                release_mapping(self._ring)

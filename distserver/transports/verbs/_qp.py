@@ -27,7 +27,7 @@ import os
 import secrets
 import socket
 from collections import deque
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,7 +147,10 @@ class QueuePair:
           or withdrawn) -- all `IBV_WC_REM_ACCESS_ERR` in verbs terms.
         * `await send(data)` / `await recv()` carry small messages (at most
           `MAX_SEND_BYTES`) in order over the socket. Received messages queue without
-          bound until `recv()` takes them.
+          bound until `recv()` takes them -- or, after `deliver_to(handler)`, go to
+          `handler(data)` on the event loop as each packet is read (no task switch;
+          `recv()` then only raises when the queue pair fails; an OpError from the
+          handler fails the queue pair).
         * `cq` receives the completions the peer posts.
         * When the peer closes or dies (socket EOF), every pending and later
           operation fails with `UnavailableError`, and the peer's mappings and fds
@@ -176,6 +179,7 @@ class QueuePair:
         self._exposed: dict[int, asyncio.Future[None]] = {}
         self._exposed_regions: dict[int, MemoryRegion] = {}
         self._messages: deque[bytes] = deque()
+        self._on_message: Callable[[bytes], None] | None = None
         self._message_waiters: deque[asyncio.Future[None]] = deque()
         self._uncredited = 0
         self._in_flight = 0
@@ -286,8 +290,12 @@ class QueuePair:
                 taken, fds = fds, []
                 self._on_hello(data, taken)
             elif kind == wire.FrameType.SEND:
-                self._messages.append(data[1:])
-                self._wake_receivers()
+                self._stats["receives"] += 1
+                if self._on_message is not None:
+                    self._on_message(data[1:])
+                else:
+                    self._messages.append(data[1:])
+                    self._wake_receivers()
             elif kind == wire.FrameType.CREDIT:
                 if self._producer is not None:
                     self._producer.add_credits(wire.decode_credit(data))
@@ -512,16 +520,19 @@ class QueuePair:
             self._idle.set()
             self._release_if_idle()
 
-    async def _copy(self, dst: memoryview, src: Any, nbytes: int) -> bool:
+    async def _copy(
+        self, dst: memoryview, src: Any, nbytes: int, then: Callable[[], None] | None = None
+    ) -> bool:
         """Copy (large copies shared by the executor's threads and, for a bounded
-        part, the loop); returns whether the caller was cancelled meanwhile."""
-        views = [dst]
+        part, the loop), calling `then` in whichever thread copies the last byte;
+        returns whether the caller was cancelled meanwhile."""
         try:
             if nbytes <= OFFLOAD_BYTES:
                 copy_bytes(dst, src)
+                if then is not None:
+                    then()
                 return False
-            work = SharedCopy(dst, src, nbytes)
-            views.extend(work.views)
+            work = SharedCopy(dst, src, nbytes, then=then)
             jobs = [self._loop.run_in_executor(self._executor, work.run) for _ in range(work.threads_wanted)]
             try:
                 work.run(limit=INLINE_COPY_BYTES)
@@ -529,9 +540,8 @@ class QueuePair:
                 cancelled = await wait_offloaded(jobs)
             return cancelled
         finally:
-            for view in views:  # release() is idempotent
-                with contextlib.suppress(BufferError):
-                    view.release()
+            with contextlib.suppress(BufferError):
+                dst.release()
 
     async def write(
         self,
@@ -559,15 +569,20 @@ class QueuePair:
             raise errors.NotFoundError(f"the peer withdrew memory region {remote_region_id}")
         self._begin(remote)
         posted = False
-        try:
-            dst = memoryview(remote.mapping)[offset : offset + nbytes]
-            cancelled = await self._copy(dst, data, nbytes)
-            # The bytes are in place; tell the peer even if our caller gave up meanwhile.
+
+        def post() -> None:
+            # Runs in the thread that copied the last byte: the peer hears at once,
+            # even if our caller gave up meanwhile (a started copy is finished).
+            nonlocal posted
             self._check_usable()
             producer.post(
                 WorkCompletion(wr_id, Opcode.RECV_RDMA_WITH_IMM, WcStatus.SUCCESS, nbytes, imm_data)
             )
             posted = True
+
+        try:
+            dst = memoryview(remote.mapping)[offset : offset + nbytes]
+            cancelled = await self._copy(dst, data, nbytes, then=post)
         finally:
             if not posted:
                 with contextlib.suppress(errors.OpError):
@@ -635,8 +650,13 @@ class QueuePair:
                 if waiter.done() and not waiter.cancelled():
                     self._wake_receivers()
                 raise
-        self._stats["receives"] += 1
         return self._messages.popleft()
+
+    def deliver_to(self, handler: Callable[[bytes], None]) -> None:
+        """Pass every message to `handler` as it arrives (see the class docstring)."""
+        self._on_message = handler
+        while self._messages:
+            handler(self._messages.popleft())
 
     def statistics(self) -> QueuePairStatistics:
         cq = self.cq.statistics()

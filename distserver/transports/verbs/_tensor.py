@@ -11,19 +11,26 @@ GDR idea that the destination travels with the request):
                                                      small:    <- RESPONSE INLINE (bytes in the message)
                                                      too big:  <- RESPONSE NEEDS_SPACE (dtype, shape, nbytes)
     (NEEDS_SPACE: new slice of nbytes) RE_REQUEST ->
+                                                     <- RESPONSE WRITING (dtype, shape, nbytes, meta)
                                                      write(region, key, offset, array)  (one copy)
                                                      -> completion on the receiver's CQ (wr_id = id)
-                                                     <- RESPONSE WRITTEN (dtype, shape, nbytes, meta)
-    both WRITTEN and the completion seen:
+    WRITING, then the completion seen:
     the array is a view of the pool slice
 
+The description travels before the copy, so the completion -- posted by the thread
+that copies the last byte -- is all the receiver waits for once the bytes land.
+
 Errors of the source reach the receiver as RESPONSE ERROR(code, message) and are
-raised there as the matching `OpError` (`errors.from_status`).
+raised there as the matching `OpError` (`errors.from_status`); after WRITING, an
+ERROR instead of the completion (the write failed: region withdrawn, queue pair
+closing).
 
 Memory safety rule: a destination slice is reused only when the sender can no longer
-write into it -- after its final RESPONSE for that destination, or after the peer's
-socket closed (`QueuePair.peer_gone`). A receiver that gives up (cancelled, timed
-out) sends CANCEL and keeps the slice until then.
+write into it -- after its final answer for that destination (a RESPONSE other than
+WRITING, or the completion), or after the peer's socket closed
+(`QueuePair.peer_gone`). A receiver that gives up (cancelled, timed out) sends CANCEL
+and keeps the slice until then. (A write cancelled after it started copying still
+completes; its ERROR CANCELLED then arrives for a settled request and is ignored.)
 """
 
 from __future__ import annotations
@@ -197,6 +204,7 @@ class _Pending:
         self.budget = 0
         self.announced = False  # the sender knows `slice` (may write into it)
         self.sent = False
+        self.writing = False  # WRITING came: the completion or an ERROR is the final answer
         self.finished = False
         self.abandoned = False
 
@@ -304,8 +312,9 @@ class TensorEndpoint:
             0,
         )
         self._quarantined = 0
-        self._spawn(self._message_loop())
-        self._spawn(self._completion_loop())
+        self.qp.deliver_to(self._on_message)
+        self.qp.cq.deliver_to(self._on_completion)
+        self._spawn(self._watch())
 
     @classmethod
     async def connect(
@@ -457,15 +466,15 @@ class TensorEndpoint:
             self._counts["bytes_received"] += description.nbytes
             value = np.frombuffer(response.payload, dtype=description.dtype).reshape(description.shape)
             return ReceivedTensor(value, description.meta, zero_copy=False)
-        pending.finished = True  # WRITTEN: the sender is done with the destination
         return await self._take_written(pending, description, copy)
 
     async def _take_written(
         self, pending: _Pending, description: wire.TensorDescription, copy: bool
     ) -> ReceivedTensor:
-        # The completion was posted before WRITTEN was sent, but the two travel on
-        # different channels (ring + eventfd vs socket): wait for both.
-        completion = await asyncio.shield(pending.completion)
+        # After WRITING: the completion (ring + eventfd), or the sender's ERROR, which
+        # `_on_response` turns into this future's exception.
+        completion = await pending.completion  # nothing else awaits it: a cancel may cancel it
+        pending.finished = True  # the sender is done with the destination
         piece = pending.slice
         if piece is None or completion.byte_len != description.nbytes or description.nbytes > piece.nbytes:
             raise errors.DataLossError(
@@ -552,57 +561,74 @@ class TensorEndpoint:
 
     # -- dispatch ------------------------------------------------------------------------
 
-    async def _message_loop(self) -> None:
+    def _on_message(self, data: bytes) -> None:
+        """Every message from the peer, as the queue pair reads it (no task switch)."""
+        try:
+            message = wire.decode_tensor_message(data)
+            if isinstance(message, wire.Response):
+                self._on_response(message)
+            elif isinstance(message, wire.Request):
+                self._on_request(message)
+            elif isinstance(message, wire.ReRequest):
+                serving = self._serving.get(message.req_id)
+                if serving is not None and serving.re_request is not None and not serving.re_request.done():
+                    serving.re_request.set_result(message.destination)
+            else:
+                serving = self._serving.get(message.req_id)
+                if serving is not None and serving.task is not None:
+                    serving.cancel_requested = True
+                    serving.task.cancel()
+        except wire.ProtocolError as exc:  # raised on: the queue pair fails with it
+            logger.error("verbs endpoint: dropping the queue pair to pid %d: %s", self.qp.peer_pid, exc)
+            raise
+        except Exception as exc:  # a bug: fail loudly, and fail the queue pair
+            logger.exception("verbs endpoint: cannot handle a message")
+            raise errors.InternalError(f"the verbs tensor endpoint failed: {exc!r}") from exc
+
+    async def _watch(self) -> None:
+        """Wait for the queue pair to fail (messages arrive through `_on_message`)."""
         try:
             while True:
-                message = wire.decode_tensor_message(await self.qp.recv())
-                if isinstance(message, wire.Response):
-                    self._on_response(message)
-                elif isinstance(message, wire.Request):
-                    self._on_request(message)
-                elif isinstance(message, wire.ReRequest):
-                    serving = self._serving.get(message.req_id)
-                    if (
-                        serving is not None
-                        and serving.re_request is not None
-                        and not serving.re_request.done()
-                    ):
-                        serving.re_request.set_result(message.destination)
-                else:
-                    serving = self._serving.get(message.req_id)
-                    if serving is not None and serving.task is not None:
-                        serving.cancel_requested = True
-                        serving.task.cancel()
+                await self.qp.recv()  # returns nothing while `_on_message` takes them
         except errors.OpError as exc:
-            if isinstance(exc, wire.ProtocolError):
-                logger.error("verbs endpoint: closing the queue pair to pid %d: %s", self.qp.peer_pid, exc)
-                await self.qp.close()
             self._on_queue_pair_failed(exc)
-        except Exception as exc:  # a bug: fail loudly, but fail the waiters too
-            logger.exception("verbs endpoint: the message loop failed")
-            await self.qp.close()
-            self._on_queue_pair_failed(errors.InternalError(f"the verbs tensor endpoint failed: {exc!r}"))
 
-    async def _completion_loop(self) -> None:
-        try:
-            async for completion in self.qp.cq:
-                pending = self._pending.get(completion.wr_id)
-                if pending is not None and not pending.completion.done():
-                    pending.completion.set_result(completion)
-        except errors.OpError as exc:
-            self._on_queue_pair_failed(exc)
+    def _on_completion(self, completion: WorkCompletion) -> None:
+        # A failing queue pair reaches `_message_loop` too: its failure is handled there.
+        pending = self._pending.get(completion.wr_id)
+        if pending is None:
+            return
+        if pending.abandoned:
+            self._forget(pending)  # the write is over: the slice is free
+        elif not pending.completion.done():
+            pending.completion.set_result(completion)
 
     def _on_response(self, response: wire.Response) -> None:
         pending = self._pending.get(response.req_id)
         if pending is None:
             return  # a late answer to a request that already settled
+        if response.kind == wire.ResponseKind.WRITING:
+            pending.writing = True
+        elif pending.writing and response.kind == wire.ResponseKind.ERROR:
+            # The write failed instead of completing: the sender will not write now.
+            if pending.abandoned:
+                self._forget(pending)
+            elif not pending.completion.done():
+                pending.finished = True
+                pending.completion.set_exception(errors.from_status(response.code, response.message))
+                pending.completion.exception()  # retrieved: the receiver may be gone already
+            return
         if pending.abandoned:
-            # NEEDS_SPACE or a final answer: either way it will not write there now.
-            self._pending.pop(response.req_id)
-            self._drop_destination(pending)
-            self._settled.set()
+            if not pending.writing:  # NEEDS_SPACE or a final answer: no write there now
+                self._forget(pending)
             return
         pending.deliver(response)
+
+    def _forget(self, pending: _Pending) -> None:
+        """An abandoned request got its final answer: free its destination."""
+        self._pending.pop(pending.req_id, None)
+        self._drop_destination(pending)
+        self._settled.set()
 
     def _on_queue_pair_failed(self, error: errors.OpError) -> None:
         if self._error is None:
@@ -683,6 +709,9 @@ class TensorEndpoint:
                 raise errors.InvalidArgumentError(
                     f"the receiver offered {destination.capacity} bytes for a tensor of {description.nbytes}"
                 )
+        # The description first: once the bytes land, the completion is all the
+        # receiver needs (an error from here on is answered with ERROR by `_serve`).
+        await self._reply(wire.encode_response(req_id, wire.ResponseKind.WRITING, description))
         await self.qp.write(
             destination.region_id,
             destination.key,
@@ -691,7 +720,6 @@ class TensorEndpoint:
             wr_id=req_id,
             imm_data=req_id & 0xFFFFFFFF,
         )
-        await self._reply(wire.encode_response(req_id, wire.ResponseKind.WRITTEN, description))
 
     async def _reply(self, message: bytes) -> None:
         with contextlib.suppress(errors.OpError):  # the receiver is gone: nobody to tell

@@ -18,7 +18,7 @@ Tensor-path messages travel as SEND payloads (first byte = `TensorMessage`):
     CANCEL      req id                      (the receiver gave up)
     RESPONSE    req id, kind, then per kind:
                   INLINE       tensor description + the tensor bytes
-                  WRITTEN      tensor description (bytes already in the destination)
+                  WRITING      tensor description (the write follows; its completion ends it)
                   NEEDS_SPACE  tensor description (destination missing or too small)
                   ERROR        status code + message
 
@@ -40,7 +40,7 @@ import numpy as np
 from distserver import errors
 
 MAGIC = b"DSVB"
-VERSION = 1
+VERSION = 2
 KEY_BYTES = 16
 MAX_RANK = 254  # TensorFlow's limit
 MAX_PACKET_BYTES = 256 << 10
@@ -144,7 +144,7 @@ class TensorMessage(enum.IntEnum):
 
 class ResponseKind(enum.IntEnum):
     INLINE = 1
-    WRITTEN = 2
+    WRITING = 2
     NEEDS_SPACE = 3
     ERROR = 4
 
