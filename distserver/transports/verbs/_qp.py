@@ -145,8 +145,8 @@ class QueuePair:
         * Both check the key and bounds first: `PermissionDeniedError` (wrong key),
           `OutOfRangeError` (outside the region), `NotFoundError` (region not exposed
           or withdrawn) -- all `IBV_WC_REM_ACCESS_ERR` in verbs terms.
-        * `await send(data)` / `await recv()` carry small messages (at most
-          `MAX_SEND_BYTES`) in order over the socket. Received messages queue without
+        * `await send(data)` (or `send_nowait`) / `await recv()` carry small messages
+          (at most `MAX_SEND_BYTES`) in order over the socket. Received messages queue without
           bound until `recv()` takes them -- or, after `deliver_to(handler)`, go to
           `handler(data)` on the event loop as each packet is read (no task switch;
           `recv()` then only raises when the queue pair fails; an OpError from the
@@ -632,11 +632,16 @@ class QueuePair:
 
     async def send(self, data: bytes | bytearray | memoryview) -> None:
         """Send a small message (at most `MAX_SEND_BYTES`), delivered in order to `recv()`."""
+        await asyncio.shield(self.send_nowait(data))
+
+    def send_nowait(self, data: bytes | bytearray | memoryview) -> asyncio.Future[None]:
+        """`send` without waiting: the message is queued in order (or sent at once);
+        the future tells when it left."""
         if len(data) > wire.MAX_SEND_BYTES:
             raise ValueError(f"send() carries at most {wire.MAX_SEND_BYTES} bytes, got {len(data)}")
         self._check_usable()
-        await self._channel.send(wire.encode_send(data))
         self._stats["sends"] += 1
+        return self._channel.send_nowait(wire.encode_send(data))
 
     async def recv(self) -> bytes:
         """The next message the peer sent."""

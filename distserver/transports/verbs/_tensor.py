@@ -551,7 +551,7 @@ class TensorEndpoint:
 
     def _send_cancel(self, req_id: int) -> None:
         with contextlib.suppress(errors.OpError):
-            self.qp._channel.send_nowait(wire.encode_send(wire.encode_cancel(req_id)))
+            self.qp.send_nowait(wire.encode_cancel(req_id))
 
     def _remember_size(self, key: Hashable, nbytes: int) -> None:
         self._sizes[key] = nbytes
