@@ -86,6 +86,24 @@ async def test_small_tensors_ride_inline_and_large_ones_are_written(link):
     assert stats.bytes_received == small.nbytes + large.nbytes
 
 
+async def test_a_cached_description_spares_the_writing_message(link):
+    endpoint, source, pool, server = link
+    (serving,) = server.endpoints
+    source.tensors[b"t"] = np.arange(MiB // 4, dtype=np.float32)
+    for _ in range(3):
+        sends = serving.qp.statistics().sends
+        got = await endpoint.recv_tensor_into(pool, b"t", cache_key="t")
+        assert np.array_equal(got.value, source.tensors[b"t"])
+    assert serving.qp.statistics().sends == sends  # the last transfer: a write, no message
+    assert endpoint.statistics().described_in_advance == 3  # the first one by NEEDS_SPACE
+    source.tensors[b"t"] = np.ones((2, MiB // 8), np.float32)  # as many bytes, another shape
+    got = await endpoint.recv_tensor_into(pool, b"t", cache_key="t")
+    assert got.value.shape == (2, MiB // 8)
+    assert float(got.value.sum()) == MiB // 4
+    assert serving.qp.statistics().sends == sends + 1  # WRITING told the new shape
+    assert endpoint.statistics().described_in_advance == 3
+
+
 async def test_without_a_size_hint_the_receiver_asks_again(link):
     endpoint, source, pool, _ = link
     tensor = np.ones((300, 300), np.int32)

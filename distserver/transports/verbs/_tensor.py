@@ -81,7 +81,7 @@ DEFAULT_MAX_BYTES_IN_FLIGHT = 256 << 20
 _MAX_INLINE_LIMIT = 128 << 10
 _MAX_HEADER_BYTES = 32 << 10
 _MAX_META_BYTES = 16 << 10
-_SIZE_CACHE_ENTRIES = 4096
+_DESCRIPTION_CACHE_ENTRIES = 4096
 DEFAULT_CLOSE_TIMEOUT = 5.0
 
 
@@ -137,6 +137,9 @@ class EndpointStatistics:
     quarantined_bytes: int
     served: int
     bytes_served: int
+    described_in_advance: int
+    """Written tensors that needed no WRITING message: the description the receiver
+    had cached (or got in NEEDS_SPACE) still held."""
 
 
 class _ByteBudget:
@@ -204,6 +207,7 @@ class _Pending:
         self.budget = 0
         self.announced = False  # the sender knows `slice` (may write into it)
         self.sent = False
+        self.expected: wire.TensorDescription | None = None  # what the sender need not describe
         self.writing = False  # WRITING came: the completion or an ERROR is the final answer
         self.finished = False
         self.abandoned = False
@@ -292,7 +296,7 @@ class TensorEndpoint:
         self._ids = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
         self._serving: dict[int, _Serving] = {}
-        self._sizes: OrderedDict[Hashable, int] = OrderedDict()
+        self._descriptions: OrderedDict[Hashable, wire.TensorDescription] = OrderedDict()
         self._tasks: set[asyncio.Task[None]] = set()
         self._error: errors.OpError | None = None
         self._closing = False
@@ -308,6 +312,7 @@ class TensorEndpoint:
                 "bytes_received",
                 "served",
                 "bytes_served",
+                "described_in_advance",
             ),
             0,
         )
@@ -432,19 +437,24 @@ class TensorEndpoint:
         cache_key: Hashable | None,
         copy: bool,
     ) -> ReceivedTensor:
-        capacity = size_hint if size_hint is not None else self._sizes.get(cache_key, 0) if cache_key else 0
+        cached = self._descriptions.get(cache_key) if cache_key is not None else None
+        capacity = size_hint if size_hint is not None else cached.nbytes if cached is not None else 0
         destination = wire.NO_DESTINATION
         if capacity > self._inline_limit:
             destination = await self._provide(pending, pool, capacity)
+            if cached is not None and cached.nbytes <= destination.capacity:
+                pending.expected = cached  # the sender skips WRITING if it still holds
         pending.check()  # closed meanwhile: the slice may be gone, never announce it
         pending.announced = destination is not wire.NO_DESTINATION
         pending.sent = True
-        await self.qp.send(wire.encode_request(pending.req_id, destination, header))
+        await self.qp.send(wire.encode_request(pending.req_id, destination, header, pending.expected))
         response = await pending.next_response()
         if response.kind == wire.ResponseKind.NEEDS_SPACE:
             assert response.description is not None
-            # The sender never writes into a destination it answered NEEDS_SPACE to.
+            # The sender never writes into a destination it answered NEEDS_SPACE to; it
+            # will not describe the tensor again either.
             pending.announced = False
+            pending.expected = response.description
             self._drop_destination(pending)
             destination = await self._provide(pending, pool, response.description.nbytes)
             self._counts["re_requests"] += 1
@@ -459,7 +469,7 @@ class TensorEndpoint:
         if description is None or response.kind == wire.ResponseKind.NEEDS_SPACE:
             raise wire.ProtocolError(f"unexpected {response.kind.name} response from the verbs peer")
         if cache_key is not None:
-            self._remember_size(cache_key, description.nbytes)
+            self._remember(cache_key, description)
         if response.kind == wire.ResponseKind.INLINE:
             pending.finished = True
             self._counts["inline"] += 1
@@ -553,11 +563,11 @@ class TensorEndpoint:
         with contextlib.suppress(errors.OpError):
             self.qp.send_nowait(wire.encode_cancel(req_id))
 
-    def _remember_size(self, key: Hashable, nbytes: int) -> None:
-        self._sizes[key] = nbytes
-        self._sizes.move_to_end(key)
-        if len(self._sizes) > _SIZE_CACHE_ENTRIES:
-            self._sizes.popitem(last=False)
+    def _remember(self, key: Hashable, description: wire.TensorDescription) -> None:
+        self._descriptions[key] = description
+        self._descriptions.move_to_end(key)
+        if len(self._descriptions) > _DESCRIPTION_CACHE_ENTRIES:
+            self._descriptions.popitem(last=False)
 
     # -- dispatch ------------------------------------------------------------------------
 
@@ -600,8 +610,17 @@ class TensorEndpoint:
             return
         if pending.abandoned:
             self._forget(pending)  # the write is over: the slice is free
-        elif not pending.completion.done():
+            return
+        if not pending.completion.done():
             pending.completion.set_result(completion)
+        if completion.imm_data == wire.IMM_AS_EXPECTED and not pending.writing:
+            if pending.expected is None:
+                pending.fail(wire.ProtocolError("the verbs peer wrote a tensor it never described"))
+                return
+            # No WRITING comes: the description we expected holds.
+            pending.writing = True
+            self._counts["described_in_advance"] += 1
+            pending.deliver(wire.Response(pending.req_id, wire.ResponseKind.WRITING, pending.expected))
 
     def _on_response(self, response: wire.Response) -> None:
         pending = self._pending.get(response.req_id)
@@ -678,7 +697,7 @@ class TensorEndpoint:
                         wire.encode_response(req_id, wire.ResponseKind.INLINE, description, payload)
                     )
                 else:
-                    await self._write(serving, request.destination, value, description)
+                    await self._write(serving, request, value, description)
                 self._counts["served"] += 1
                 self._counts["bytes_served"] += description.nbytes
             except asyncio.CancelledError:
@@ -696,12 +715,15 @@ class TensorEndpoint:
     async def _write(
         self,
         serving: _Serving,
-        destination: wire.Destination,
+        request: wire.Request,
         value: NDArray[Any],
         description: wire.TensorDescription,
     ) -> None:
         req_id = serving.req_id
+        destination = request.destination
+        described = description == request.expected  # the receiver's metadata cache holds
         if destination.capacity < description.nbytes:
+            described = True  # NEEDS_SPACE carries the description
             serving.re_request = self._loop.create_future()
             await self._reply(wire.encode_response(req_id, wire.ResponseKind.NEEDS_SPACE, description))
             destination = await serving.re_request
@@ -709,16 +731,17 @@ class TensorEndpoint:
                 raise errors.InvalidArgumentError(
                     f"the receiver offered {destination.capacity} bytes for a tensor of {description.nbytes}"
                 )
-        # The description first: once the bytes land, the completion is all the
-        # receiver needs (an error from here on is answered with ERROR by `_serve`).
-        await self._reply(wire.encode_response(req_id, wire.ResponseKind.WRITING, description))
+        if not described:
+            # The description first: once the bytes land, the completion is all the
+            # receiver needs (an error from here on is answered with ERROR by `_serve`).
+            await self._reply(wire.encode_response(req_id, wire.ResponseKind.WRITING, description))
         await self.qp.write(
             destination.region_id,
             destination.key,
             destination.offset,
             value,
             wr_id=req_id,
-            imm_data=req_id & 0xFFFFFFFF,
+            imm_data=wire.IMM_AS_EXPECTED if described else wire.IMM_WRITING_SENT,
         )
 
     async def _reply(self, message: bytes) -> None:
@@ -742,6 +765,7 @@ class TensorEndpoint:
             quarantined_bytes=self._quarantined,
             served=counts["served"],
             bytes_served=counts["bytes_served"],
+            described_in_advance=counts["described_in_advance"],
         )
 
     async def close(self) -> None:

@@ -13,17 +13,24 @@ Queue-pair frames (first byte = `FrameType`):
 
 Tensor-path messages travel as SEND payloads (first byte = `TensorMessage`):
 
-    REQUEST     req id, destination (region, key, offset, capacity), request header
+    REQUEST     req id, destination (region, key, offset, capacity), the description
+                the receiver expects (or none), request header
     RE_REQUEST  req id, destination        (after NEEDS_SPACE: a larger destination)
     CANCEL      req id                      (the receiver gave up)
     RESPONSE    req id, kind, then per kind:
                   INLINE       tensor description + the tensor bytes
-                  WRITING      tensor description (the write follows; its completion ends it)
+                  WRITING      tensor description (the write follows; its completion ends it;
+                               not sent when the REQUEST's expected description holds)
                   NEEDS_SPACE  tensor description (destination missing or too small)
                   ERROR        status code + message
 
 A tensor description is (nbytes, dtype, shape, meta). Every decoder checks lengths
 and raises `ProtocolError` on anything malformed.
+
+The completion of a tensor write carries `imm_data`: `IMM_WRITING_SENT` (a WRITING
+message describes it) or `IMM_AS_EXPECTED` (the description the receiver sent with
+its REQUEST, or got in NEEDS_SPACE, holds: TF verbs' metadata cache, so a steady-state
+transfer is one REQUEST and one write).
 """
 
 from __future__ import annotations
@@ -161,11 +168,15 @@ class Destination:
 
 NO_DESTINATION = Destination(0, bytes(KEY_BYTES), 0, 0)
 
+IMM_WRITING_SENT = 0
+IMM_AS_EXPECTED = 1
+
 _REQ_HEAD = struct.Struct("<BQ")  # message type, request id
 _DEST = struct.Struct("<QQQ16s")  # region id, offset, capacity, key
 _RESP_HEAD = struct.Struct("<BQB")  # message type, request id, kind
 _DESC = struct.Struct("<QHH")  # nbytes, rank, dtype length
 _META_LEN = struct.Struct("<I")
+_EXPECTED_LEN = struct.Struct("<I")
 _STATUS = struct.Struct("<I")
 
 
@@ -174,6 +185,7 @@ class Request:
     req_id: int
     destination: Destination
     header: bytes
+    expected: TensorDescription | None = None
 
 
 @dataclass(frozen=True)
@@ -212,8 +224,19 @@ def _pack_destination(dest: Destination) -> bytes:
     return _DEST.pack(dest.region_id, dest.offset, dest.capacity, dest.key)
 
 
-def encode_request(req_id: int, destination: Destination, header: bytes) -> bytes:
-    return _REQ_HEAD.pack(TensorMessage.REQUEST, req_id) + _pack_destination(destination) + header
+def encode_request(
+    req_id: int, destination: Destination, header: bytes, expected: TensorDescription | None = None
+) -> bytes:
+    described = b"" if expected is None else _pack_description(expected)
+    return b"".join(
+        (
+            _REQ_HEAD.pack(TensorMessage.REQUEST, req_id),
+            _pack_destination(destination),
+            _EXPECTED_LEN.pack(len(described)),
+            described,
+            header,
+        )
+    )
 
 
 def encode_re_request(req_id: int, destination: Destination) -> bytes:
@@ -303,7 +326,18 @@ def decode_tensor_message(data: bytes) -> TensorPathMessage:
         dest = Destination(region_id, key, offset, capacity)
         if kind == TensorMessage.RE_REQUEST:
             return ReRequest(req_id, dest)
-        return Request(req_id, dest, bytes(data[_REQ_HEAD.size + _DEST.size :]))
+        pos = _REQ_HEAD.size + _DEST.size
+        _need(data, pos + _EXPECTED_LEN.size, "REQUEST")
+        (described,) = _EXPECTED_LEN.unpack_from(data, pos)
+        pos += _EXPECTED_LEN.size
+        expected = None
+        if described:
+            _need(data, pos + described, "REQUEST")
+            expected, end = _unpack_description(data, pos)
+            if end != pos + described:
+                raise ProtocolError("the REQUEST's expected description has the wrong length")
+            pos = end
+        return Request(req_id, dest, bytes(data[pos:]), expected)
     if kind == TensorMessage.CANCEL:
         _need(data, _REQ_HEAD.size, "CANCEL")
         return Cancel(_REQ_HEAD.unpack_from(data)[1])
@@ -326,6 +360,17 @@ def _decode_response(data: bytes) -> Response:
         return Response(
             req_id, kind, code=code, message=bytes(data[pos + _STATUS.size :]).decode("utf-8", "replace")
         )
+    description, pos = _unpack_description(data, pos)
+    payload = bytearray(memoryview(data)[pos:]) if kind == ResponseKind.INLINE else b""
+    if kind == ResponseKind.INLINE and len(payload) != description.nbytes:
+        raise ProtocolError(
+            f"inline tensor carries {len(payload)} bytes, its description says {description.nbytes}"
+        )
+    return Response(req_id, kind, description, payload)
+
+
+def _unpack_description(data: bytes, pos: int) -> tuple[TensorDescription, int]:
+    """The description at `pos`, and where it ends."""
     _need(data, pos + _DESC.size, "tensor description")
     nbytes, rank, token_len = _DESC.unpack_from(data, pos)
     pos += _DESC.size
@@ -343,10 +388,7 @@ def _decode_response(data: bytes) -> Response:
     pos += meta_len
     if any(d < 0 for d in shape) or math.prod(shape) * dtype.itemsize != nbytes:
         raise ProtocolError(f"inconsistent tensor description: {dtype} {shape} in {nbytes} bytes")
-    payload = bytearray(memoryview(data)[pos:]) if kind == ResponseKind.INLINE else b""
-    if kind == ResponseKind.INLINE and len(payload) != nbytes:
-        raise ProtocolError(f"inline tensor carries {len(payload)} bytes, its description says {nbytes}")
-    return Response(req_id, kind, TensorDescription(nbytes, dtype, tuple(shape), meta), payload)
+    return TensorDescription(nbytes, dtype, tuple(shape), meta), pos
 
 
 def _need(data: bytes, size: int, what: str) -> None:
