@@ -103,6 +103,11 @@ class CallStreamServer:
             service, {method: grpc.stream_stream_rpc_method_handler(self._serve)}
         )
 
+    @property
+    def draining(self) -> bool:
+        """`drain()` was called: new calls are refused."""
+        return self._draining
+
     def drain(self) -> None:
         """Refuse new calls; end each stream once its running calls have answered."""
         self._draining = True
@@ -151,13 +156,25 @@ class CallStreamServer:
             await asyncio.gather(*running, return_exceptions=True)
             stream.outgoing.put_nowait(None)
 
+    async def dispatch(self, path: str, payload: bytes | memoryview) -> bytes:
+        """Run one call: its serialized response. Raises the handler's OpError; any
+        other error is reported to `on_unexpected` and raised as UnknownError."""
+        fn = self._handlers.get(path)
+        decode = self._decoders.get(path)
+        if fn is None or decode is None:
+            raise errors.UnimplementedError(f"{path} is not served by this distserver task")
+        try:
+            body: bytes = (await fn(decode(payload))).SerializeToString()
+        except Exception as exc:
+            if isinstance(exc, errors.OpError):
+                raise
+            self._on_unexpected(exc, path)
+            raise errors.from_status(*errors.to_status(exc)) from exc
+        return body
+
     async def _answer(self, stream: _ServerStream, call_id: int, path: str, payload: memoryview) -> None:
         try:
-            fn = self._handlers.get(path)
-            decode = self._decoders.get(path)
-            if fn is None or decode is None:
-                raise errors.UnimplementedError(f"{path} is not served by this distserver task")
-            body = (await fn(decode(payload))).SerializeToString()
+            body = await self.dispatch(path, payload)
             messages: tuple[bytes, ...] = (
                 (_RESPONSE_HEAD.pack(call_id, _OK, errors.OK) + body,)
                 if len(body) <= _INLINE_RESPONSE_BYTES
@@ -166,10 +183,7 @@ class CallStreamServer:
         except asyncio.CancelledError:
             messages = _error_frame(call_id, errors.CANCELLED, "the call was cancelled")
         except Exception as exc:
-            if not isinstance(exc, errors.OpError):
-                self._on_unexpected(exc, path)
-            code, message = errors.to_status(exc)
-            messages = _error_frame(call_id, code, message)
+            messages = _error_frame(call_id, *errors.to_status(exc))
         stream.running.pop(call_id, None)
         stream.outgoing.put_nowait(messages)
         if self._draining:

@@ -199,6 +199,11 @@ class GrpcListener(Listener):
     def port(self) -> int:
         return self._port
 
+    @property
+    def calls(self) -> call_stream.CallStreamServer:
+        """What serves this listener's call streams (transports reuse its dispatch)."""
+        return self._calls
+
     async def start(self) -> None:
         if not self._started:
             self._started = True
@@ -292,20 +297,27 @@ class GrpcChannel(Channel):
     ) -> Message:
         async with self._tracked(method):
             if self._calls is not None and not wait_for_ready:
-                payload = request.SerializeToString()
-                if len(payload) <= _STREAMED_CALL_BYTES:
-                    try:
-                        data = await self._calls.call(service, method, payload, timeout)
-                    except call_stream.StreamUnsupported:
-                        self._calls = None  # not a distserver peer: unary calls from now on
-                    else:
-                        response_cls: Any = SERVICES[service][method][1]
-                        streamed: Message = response_cls.FromString(data)
-                        return streamed
+                data = await self._call_framed(service, method, request.SerializeToString(), timeout)
+                if data is not None:
+                    response_cls: Any = SERVICES[service][method][1]
+                    framed: Message = response_cls.FromString(data)
+                    return framed
             response: Message = await self._callable(service, method)(
                 request, timeout=timeout, wait_for_ready=wait_for_ready
             )
         return response
+
+    async def _call_framed(
+        self, service: str, method: str, payload: bytes, timeout: float | None
+    ) -> bytes | memoryview | None:
+        """The serialized response over the call stream; None: make a unary call."""
+        if self._calls is None or len(payload) > _STREAMED_CALL_BYTES:
+            return None
+        try:
+            return await self._calls.call(service, method, payload, timeout)
+        except call_stream.StreamUnsupported:
+            self._calls = None  # not a distserver peer: unary calls from now on
+            return None
 
     async def recv_tensor(self, request: Message, *, timeout: float | None = None) -> tuple[Any, bool]:
         async with self._tracked("RecvTensor"):

@@ -67,6 +67,9 @@ async def test_same_host_tensors_take_the_shared_memory_path():
         assert stats.data_path == "verbs"
         assert stats.tensors_received >= 3  # the 4 MiB tensor, once per step
         assert stats.tensor_bytes_received >= 3 * (4 << 20)
+        # Once the queue pair is up, WorkerService calls (RunGraph, ...) ride it too.
+        endpoint = worker._channels["/job:ps/replica:0/task:0"]._endpoint
+        assert endpoint.statistics().calls_made >= 2  # the RunGraphs of steps 2 and 3
     finally:
         await worker.stop()
         await ps.stop()

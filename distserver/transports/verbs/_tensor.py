@@ -49,6 +49,7 @@ from numpy.typing import NDArray
 
 from distserver import errors
 from distserver.transports.verbs import _wire as wire
+from distserver.transports.verbs._calls import CallHandler, QueuePairCalls
 from distserver.transports.verbs._cq import WorkCompletion
 from distserver.transports.verbs._memory import OFFLOAD_BYTES, PoolSlice, ProtectionDomain, RegionPool
 from distserver.transports.verbs._qp import (
@@ -140,6 +141,9 @@ class EndpointStatistics:
     described_in_advance: int
     """Written tensors that needed no WRITING message: the description the receiver
     had cached (or got in NEEDS_SPACE) still held."""
+    calls_made: int
+    calls_served: int
+    """Control calls run on the peer / for the peer over this queue pair (`_calls`)."""
 
 
 class _ByteBudget:
@@ -261,6 +265,8 @@ class TensorEndpoint:
           into it once. Tensors up to `inline_limit` bytes come inside the reply.
         * `source` (optional) serves the peer's requests; without one, the peer's
           requests fail with `UnimplementedError`.
+        * `calls` (a `QueuePairCalls`) runs control calls on the peer; `call_handler`
+          (optional) serves the peer's (see `_calls`).
         * Flow control: destinations handed to the sender total at most
           `max_bytes_in_flight` bytes (a larger tensor is admitted alone).
         * Errors: the source's exception reaches the receiver as the same `OpError`
@@ -279,6 +285,7 @@ class TensorEndpoint:
         qp: QueuePair,
         *,
         source: TensorSource | None = None,
+        call_handler: CallHandler | None = None,
         max_bytes_in_flight: int = DEFAULT_MAX_BYTES_IN_FLIGHT,
         inline_limit: int = DEFAULT_INLINE_LIMIT,
         close_timeout: float = DEFAULT_CLOSE_TIMEOUT,
@@ -317,6 +324,7 @@ class TensorEndpoint:
             0,
         )
         self._quarantined = 0
+        self.calls = QueuePairCalls(qp, call_handler, self._spawn)
         self.qp.deliver_to(self._on_message)
         self.qp.cq.deliver_to(self._on_completion)
         self._spawn(self._watch())
@@ -583,6 +591,8 @@ class TensorEndpoint:
                 serving = self._serving.get(message.req_id)
                 if serving is not None and serving.re_request is not None and not serving.re_request.done():
                     serving.re_request.set_result(message.destination)
+            elif isinstance(message, wire.Call | wire.CallCancel | wire.CallResult):
+                self.calls.on_message(message)
             else:
                 serving = self._serving.get(message.req_id)
                 if serving is not None and serving.task is not None:
@@ -664,6 +674,7 @@ class TensorEndpoint:
         for serving in self._serving.values():
             if serving.task is not None:
                 serving.task.cancel()
+        self.calls.fail(error)
         self._settled.set()
         self._done.set()
 
@@ -766,6 +777,8 @@ class TensorEndpoint:
             served=counts["served"],
             bytes_served=counts["bytes_served"],
             described_in_advance=counts["described_in_advance"],
+            calls_made=self.calls.made,
+            calls_served=self.calls.served,
         )
 
     async def close(self) -> None:
@@ -812,10 +825,17 @@ class TensorServer:
         * `await close()` closes the listener and every endpoint. Idempotent.
     """
 
-    def __init__(self, listener: VerbsListener, source: TensorSource, options: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        listener: VerbsListener,
+        source: TensorSource,
+        call_handler: CallHandler | None,
+        options: dict[str, Any],
+    ) -> None:
         self._listener = listener
         self.address = listener.address
         self._source = source
+        self._call_handler = call_handler
         self._options = options
         self._endpoints: set[TensorEndpoint] = set()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -828,20 +848,22 @@ class TensorServer:
         pd: ProtectionDomain,
         source: TensorSource,
         *,
+        call_handler: CallHandler | None = None,
         address: str | None = None,
         cq_depth: int = DEFAULT_CQ_DEPTH,
         max_bytes_in_flight: int = DEFAULT_MAX_BYTES_IN_FLIGHT,
         inline_limit: int = DEFAULT_INLINE_LIMIT,
         close_timeout: float = DEFAULT_CLOSE_TIMEOUT,
     ) -> TensorServer:
-        """Listen at `address` (None: a fresh abstract address) and serve `source`."""
+        """Listen at `address` (None: a fresh abstract address) and serve `source` (and
+        `call_handler`, the peers' control calls)."""
         listener = await listen(pd, address, cq_depth=cq_depth)
         options = {
             "max_bytes_in_flight": max_bytes_in_flight,
             "inline_limit": inline_limit,
             "close_timeout": close_timeout,
         }
-        return cls(listener, source, options)
+        return cls(listener, source, call_handler, options)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -856,7 +878,9 @@ class TensorServer:
     async def _accept_loop(self) -> None:
         try:
             async for qp in self._listener:
-                endpoint = TensorEndpoint(qp, source=self._source, **self._options)
+                endpoint = TensorEndpoint(
+                    qp, source=self._source, call_handler=self._call_handler, **self._options
+                )
                 self._endpoints.add(endpoint)
                 self._spawn(self._reap(endpoint))
         except errors.UnavailableError as exc:  # the listener failed (it logged why)

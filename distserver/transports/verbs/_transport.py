@@ -40,6 +40,7 @@ from distserver.transports.grpc import GrpcChannel, GrpcListener, GrpcTransport,
 from distserver.transports.verbs._identity import HostIdentity, host_identity, viability_problem
 from distserver.transports.verbs._memory import ProtectionDomain, RegionPool
 from distserver.transports.verbs._tensor import TensorEndpoint, TensorReply, TensorServer
+from distserver.transports.verbs._wire import MAX_CALL_BYTES
 from distserver.wire import is_plain
 
 logger = logging.getLogger(__name__)
@@ -128,6 +129,22 @@ class VerbsChannel(GrpcChannel):
             self._endpoint = await TensorEndpoint.connect(self._pd, reply["address"])
             return self._endpoint
 
+    async def _call_framed(
+        self, service: str, method: str, payload: bytes, timeout: float | None
+    ) -> bytes | memoryview | None:
+        # Once the queue pair is up, WorkerService calls ride it too (`_calls`).
+        endpoint = self._endpoint
+        path = f"/{service}/{method}"
+        if (
+            endpoint is not None
+            and not endpoint.closed
+            and service == WORKER_SERVICE
+            and len(path) + len(payload) <= MAX_CALL_BYTES
+        ):
+            name = f"{method} to {self.target}"
+            return await endpoint.calls.call(path, payload, timeout=timeout, name=name)
+        return await super()._call_framed(service, method, payload, timeout)
+
     async def _fetch_tensor(self, request: Any, timeout: float | None) -> tuple[Any, bool]:
         endpoint = await self._verbs_endpoint(timeout)
         if endpoint is None:
@@ -183,27 +200,39 @@ class VerbsTransport(GrpcTransport):
         hand_over = None if fetch is None else TensorHandOver(fetch)
         if hand_over is not None:  # gRPC serves what verbs cannot, from the same hand-over
             services = {**services, WORKER_SERVICE: {**services[WORKER_SERVICE], "RecvTensor": hand_over}}
+        announcement = b""  # set below, before the server starts
+
+        async def get_endpoint(request: bytes, context: Any) -> bytes:
+            return announcement
+
+        handler = grpc.method_handlers_generic_handler(
+            ENDPOINT_SERVICE,
+            {
+                ENDPOINT_METHOD: grpc.unary_unary_rpc_method_handler(
+                    get_endpoint, request_deserializer=_raw, response_serializer=_raw
+                )
+            },
+        )
+        listener = await self.bind_server(address, services, (handler,))
+        calls = listener.calls
+
+        async def serve_call(path: str, payload: bytes) -> bytes:
+            # A peer's WorkerService call over the queue pair: served like one on the call stream.
+            if calls.draining:
+                raise errors.UnavailableError("the server is stopping")
+            if not path.startswith(f"/{WORKER_SERVICE}/"):
+                raise errors.UnimplementedError(f"{path} is not served over the verbs queue pair")
+            return await calls.dispatch(path, payload)
+
         pd = ProtectionDomain()
         try:
-            tensor_server = await TensorServer.start(pd, _tensor_source(hand_over))
+            tensor_server = await TensorServer.start(pd, _tensor_source(hand_over), call_handler=serve_call)
             announcement = json.dumps(
                 {"identity": host_identity().encode().decode(), "address": tensor_server.address}
             ).encode()
-
-            async def get_endpoint(request: bytes, context: Any) -> bytes:
-                return announcement
-
-            handler = grpc.method_handlers_generic_handler(
-                ENDPOINT_SERVICE,
-                {
-                    ENDPOINT_METHOD: grpc.unary_unary_rpc_method_handler(
-                        get_endpoint, request_deserializer=_raw, response_serializer=_raw
-                    )
-                },
-            )
-            listener = await self.bind_server(address, services, (handler,))
         except BaseException:
             await pd.close()
+            await listener.stop(0)
             raise
         return TaskListener(listener, tensor_server, pd)
 

@@ -17,6 +17,10 @@ Tensor-path messages travel as SEND payloads (first byte = `TensorMessage`):
                 the receiver expects (or none), request header
     RE_REQUEST  req id, destination        (after NEEDS_SPACE: a larger destination)
     CANCEL      req id                      (the receiver gave up)
+    CALL        call id, method path, serialized request   (a control call, `_calls`)
+    CALL_CANCEL call id                     (the caller gave up)
+    CALL_RESULT call id, more?, status code, a piece of the serialized response (or
+                the error message); responses larger than a packet come in pieces
     RESPONSE    req id, kind, then per kind:
                   INLINE       tensor description + the tensor bytes
                   WRITING      tensor description (the write follows; its completion ends it;
@@ -147,6 +151,9 @@ class TensorMessage(enum.IntEnum):
     RE_REQUEST = 2
     CANCEL = 3
     RESPONSE = 4
+    CALL = 5
+    CALL_CANCEL = 6
+    CALL_RESULT = 7
 
 
 class ResponseKind(enum.IntEnum):
@@ -177,6 +184,11 @@ _RESP_HEAD = struct.Struct("<BQB")  # message type, request id, kind
 _DESC = struct.Struct("<QHH")  # nbytes, rank, dtype length
 _META_LEN = struct.Struct("<I")
 _EXPECTED_LEN = struct.Struct("<I")
+_CALL_HEAD = struct.Struct("<BQH")  # message type, call id, path length
+_RESULT_HEAD = struct.Struct("<BQBI")  # message type, call id, more pieces follow, status code
+MAX_CALL_BYTES = MAX_SEND_BYTES - _CALL_HEAD.size - 1024
+"""The largest method path + request a CALL carries (larger calls go over gRPC)."""
+_RESULT_PIECE_BYTES = MAX_SEND_BYTES - _RESULT_HEAD.size
 _STATUS = struct.Struct("<I")
 
 
@@ -217,7 +229,27 @@ class Response:
     message: str = ""  # ERROR
 
 
-TensorPathMessage = Request | ReRequest | Cancel | Response
+@dataclass(frozen=True)
+class Call:
+    call_id: int
+    path: str
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class CallCancel:
+    call_id: int
+
+
+@dataclass(frozen=True)
+class CallResult:
+    call_id: int
+    more: bool
+    code: int
+    body: bytes
+
+
+TensorPathMessage = Request | ReRequest | Cancel | Response | Call | CallCancel | CallResult
 
 
 def _pack_destination(dest: Destination) -> bytes:
@@ -245,6 +277,28 @@ def encode_re_request(req_id: int, destination: Destination) -> bytes:
 
 def encode_cancel(req_id: int) -> bytes:
     return _REQ_HEAD.pack(TensorMessage.CANCEL, req_id)
+
+
+def encode_call(call_id: int, path: str, payload: bytes) -> bytes:
+    raw = path.encode()
+    if len(raw) + len(payload) > MAX_CALL_BYTES:
+        raise ValueError(f"a CALL carries at most {MAX_CALL_BYTES} bytes of path and request")
+    return _CALL_HEAD.pack(TensorMessage.CALL, call_id, len(raw)) + raw + payload
+
+
+def encode_call_cancel(call_id: int) -> bytes:
+    return _REQ_HEAD.pack(TensorMessage.CALL_CANCEL, call_id)
+
+
+def encode_call_result(call_id: int, code: int, body: bytes | memoryview) -> list[bytes]:
+    """CALL_RESULT packets for one answer (the response, or an error message)."""
+    view = memoryview(body)
+    starts = range(0, max(len(view), 1), _RESULT_PIECE_BYTES)
+    return [
+        _RESULT_HEAD.pack(TensorMessage.CALL_RESULT, call_id, start != starts[-1], code)
+        + bytes(view[start : start + _RESULT_PIECE_BYTES])
+        for start in starts
+    ]
 
 
 def dtype_token(dtype: np.dtype[Any]) -> str:
@@ -343,6 +397,19 @@ def decode_tensor_message(data: bytes) -> TensorPathMessage:
         return Cancel(_REQ_HEAD.unpack_from(data)[1])
     if kind == TensorMessage.RESPONSE:
         return _decode_response(data)
+    if kind == TensorMessage.CALL:
+        _need(data, _CALL_HEAD.size, "CALL")
+        _, call_id, path_len = _CALL_HEAD.unpack_from(data)
+        _need(data, _CALL_HEAD.size + path_len, "CALL")
+        end = _CALL_HEAD.size + path_len
+        return Call(call_id, bytes(data[_CALL_HEAD.size : end]).decode("utf-8", "replace"), bytes(data[end:]))
+    if kind == TensorMessage.CALL_CANCEL:
+        _need(data, _REQ_HEAD.size, "CALL_CANCEL")
+        return CallCancel(_REQ_HEAD.unpack_from(data)[1])
+    if kind == TensorMessage.CALL_RESULT:
+        _need(data, _RESULT_HEAD.size, "CALL_RESULT")
+        _, call_id, more, code = _RESULT_HEAD.unpack_from(data)
+        return CallResult(call_id, bool(more), code, bytes(data[_RESULT_HEAD.size :]))
     raise ProtocolError(f"unknown tensor message type {kind}")
 
 
