@@ -90,6 +90,7 @@ class VerbsChannel(GrpcChannel):
         self._pd: ProtectionDomain | None = None
         self._pool: RegionPool | None = None
         self._fallback: str | None = None
+        self._calls_on_grpc = False
         self._setup: asyncio.Lock | None = None
         self._get_endpoint = self._channel.unary_unary(
             f"/{ENDPOINT_SERVICE}/{ENDPOINT_METHOD}", request_serializer=_raw, response_deserializer=_raw
@@ -132,18 +133,27 @@ class VerbsChannel(GrpcChannel):
     async def _call_framed(
         self, service: str, method: str, payload: bytes, timeout: float | None
     ) -> bytes | memoryview | None:
-        # Once the queue pair is up, WorkerService calls ride it too (`_calls`).
-        endpoint = self._endpoint
+        # WorkerService calls ride the queue pair too (`_calls`).
         path = f"/{service}/{method}"
-        if (
-            endpoint is not None
-            and not endpoint.closed
-            and service == WORKER_SERVICE
-            and len(path) + len(payload) <= MAX_CALL_BYTES
-        ):
-            name = f"{method} to {self.target}"
-            return await endpoint.calls.call(path, payload, timeout=timeout, name=name)
+        if service == WORKER_SERVICE and len(path) + len(payload) <= MAX_CALL_BYTES:
+            endpoint = await self._endpoint_for_calls(timeout)
+            if endpoint is not None:
+                name = f"{method} to {self.target}"
+                return await endpoint.calls.call(path, payload, timeout=timeout, name=name)
         return await super()._call_framed(service, method, payload, timeout)
+
+    async def _endpoint_for_calls(self, timeout: float | None) -> TensorEndpoint | None:
+        """The queue pair for control calls, set up by the first WorkerService call;
+        None: calls use gRPC (no queue pair is possible; the data path says why)."""
+        if self._endpoint is not None and not self._endpoint.closed:
+            return self._endpoint
+        if self._calls_on_grpc:
+            return None
+        try:
+            return await self._verbs_endpoint(timeout)
+        except errors.OpError:  # strict with a foreign peer, a peer without verbs, ...
+            self._calls_on_grpc = True
+            return None
 
     async def _fetch_tensor(self, request: Any, timeout: float | None) -> tuple[Any, bool]:
         endpoint = await self._verbs_endpoint(timeout)
