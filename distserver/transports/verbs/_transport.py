@@ -15,6 +15,10 @@ the transport is strict (`VerbsTransport(strict=True)`, or `DISTSERVER_VERBS_STR
 for the registered one), fails with `FailedPreconditionError`. Tensors the verbs path
 cannot carry (strings, resources) take the gRPC path one by one.
 
+Once the queue pair is up (the channel's first WorkerService call or RecvTensor sets
+it up), WorkerService calls to that peer ride it too (`_calls`): the peer's event
+loop reads them, where a gRPC message passes through grpc's poller thread first.
+
 Received arrays are zero-copy views that pin their slice of the pool until they are
 garbage collected: right for values a step consumes (the common case), and the
 kernels that keep values (variables) store their own copy.
