@@ -87,6 +87,7 @@ async def test_a_foreign_host_falls_back_to_grpc_and_says_so(monkeypatch, caplog
         assert stats.tensors_received >= 3
         warnings = [r for r in caplog.records if "uses the gRPC data path" in r.getMessage()]
         assert len(warnings) == 1  # once per peer, not per tensor
+        assert worker._channels["/job:ps/replica:0/task:0"]._endpoint is None  # calls over gRPC too
     finally:
         await worker.stop()
         await ps.stop()

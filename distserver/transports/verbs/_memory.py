@@ -58,7 +58,7 @@ COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
 """Executor threads that copy one large write together."""
 INLINE_COPY_BYTES = 12 << 20
 """How much of one large write the event loop copies itself while the threads start
-(about 0.5 ms of copying: a bounded stall, and the threads' wake-up is hidden)."""
+(at most ~0.8 ms of copying: a bounded stall, and the threads' wake-up is hidden)."""
 
 KEY_BYTES = 16  # 128-bit keys, like an unguessable rkey
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -822,10 +822,11 @@ class SharedCopy:
     One memcpy stream does not saturate memory bandwidth (two threads copied 16 MiB
     in 0.71 ms where one took 1.14 ms, 2-vCPU VM), and a pool thread takes ~0.1 ms to
     wake up; so the event loop copies too, up to a bound, while the threads start.
-    Each `run` takes the next piece of a quarter of what is left per participant
-    (guided scheduling: between `MIN_COPY_PIECE` and `MAX_COPY_PIECE` bytes), so few
-    pieces -- each one a GIL hand-off -- and participants that finish within a small
-    piece of each other, however late a thread started. A strided array is one
+    Each take is the next `ceil(left / participants)` bytes, at least `MIN_COPY_PIECE`
+    (guided scheduling: 8, 4, 2, 1, 1 MiB for 16 MiB and two participants), so few
+    pieces -- each ends in a GIL hand-off, 50-150 µs when both threads want the GIL
+    at once -- and participants that finish within a small piece of each other,
+    however late a thread started. A strided array is one
     piece (`copy_bytes` handles its layout). After a failed piece no thread takes
     another; `run` raises that piece's error.
 

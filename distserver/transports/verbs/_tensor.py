@@ -18,7 +18,10 @@ GDR idea that the destination travels with the request):
     the array is a view of the pool slice
 
 The description travels before the copy, so the completion -- posted by the thread
-that copies the last byte -- is all the receiver waits for once the bytes land.
+that copies the last byte -- is all the receiver waits for once the bytes land. With
+`cache_key` the REQUEST carries the description the receiver expects; when it holds
+(or NEEDS_SPACE gave it), no WRITING is sent and the completion says so
+(`imm_data = IMM_AS_EXPECTED`): one REQUEST and one write per tensor.
 
 Errors of the source reach the receiver as RESPONSE ERROR(code, message) and are
 raised there as the matching `OpError` (`errors.from_status`); after WRITING, an
@@ -397,9 +400,10 @@ class TensorEndpoint:
                 e.g. a serialized RecvTensorRequest.
             size_hint: Expected tensor size in bytes. With a good hint a large tensor
                 takes one round trip; without one, two (NEEDS_SPACE, then RE_REQUEST).
-            cache_key: Remember the size of the tensor under this key and use it as
-                the hint next time (TF verbs caches tensor metadata the same way; a
-                rendezvous key without its step id is a good key).
+            cache_key: Remember the tensor's description under this key: next time
+                its size is the hint, and the sender skips describing the tensor
+                when it still matches (TF verbs' metadata cache; a rendezvous key
+                without its step id is a good key).
             copy: Return an array that owns its memory and free the pool slice at once
                 (one more copy). The default returns a zero-copy view that holds the
                 slice until it is garbage collected: right for tensors consumed soon,
@@ -614,7 +618,7 @@ class TensorEndpoint:
             self._on_queue_pair_failed(exc)
 
     def _on_completion(self, completion: WorkCompletion) -> None:
-        # A failing queue pair reaches `_message_loop` too: its failure is handled there.
+        # A failing queue pair reaches `_watch` too: its failure is handled there.
         pending = self._pending.get(completion.wr_id)
         if pending is None:
             return

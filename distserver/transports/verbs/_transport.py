@@ -155,6 +155,8 @@ class VerbsChannel(GrpcChannel):
             return None
         try:
             return await self._verbs_endpoint(timeout)
+        except (errors.UnavailableError, errors.DeadlineExceededError):
+            return None  # the peer is down or slow: this call fails or waits over gRPC
         except errors.OpError:  # strict with a foreign peer, a peer without verbs, ...
             self._calls_on_grpc = True
             return None
