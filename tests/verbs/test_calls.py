@@ -112,3 +112,13 @@ async def test_an_endpoint_without_a_handler_refuses_calls():
         finally:
             await endpoint.close()
             await server.close()
+
+
+async def test_closing_the_caller_fails_its_waiting_calls_at_once(calls):
+    endpoint, _, _ = calls
+    waiting = asyncio.ensure_future(endpoint.calls.call("/hang", b"", timeout=None, name="Hang"))
+    await asyncio.sleep(0.05)
+    closing = asyncio.ensure_future(endpoint.close())
+    with pytest.raises(errors.UnavailableError, match="closed"):
+        await asyncio.wait_for(waiting, 1)
+    await closing

@@ -795,6 +795,7 @@ class TensorEndpoint:
         for pending in list(self._pending.values()):
             pending.fail(closing)
             self._settle(pending)  # frees what the sender cannot touch, CANCELs the rest
+        self.calls.fail(closing)  # at once, like the receives
         # Give the sender a moment to answer the CANCELs, so destinations can be reused.
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self._close_timeout):
