@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 import distserver as ds
+from distserver.transports import get_transport
 
 FEATURES, CLASSES = 20, 4
 
@@ -154,14 +155,21 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--learning-rate", type=float, default=0.1)
     parser.add_argument("--log-every", type=int, default=25)
+    parser.add_argument(
+        "--protocol", default="grpc", help='with --local: the servers\' transport ("grpc", "grpc+verbs")'
+    )
     args = parser.parse_args()
+    try:
+        get_transport(args.protocol)
+    except ds.errors.NotFoundError as exc:
+        parser.error(exc.message)
     cluster = None if args.local else cluster_from_args(args)
     if cluster is not None:
         train(cluster, args.steps, args.batch, args.learning_rate, args.log_every)
         return
     from distserver.testing import LocalCluster
 
-    with LocalCluster({"ps": 1, "worker": 2}) as local:
+    with LocalCluster({"ps": 1, "worker": 2}, protocol=args.protocol) as local:
         for task, target in local.targets.items():
             print(f"{task} serving at {target} (pid {local.pids[task]})", flush=True)
         train(local.cluster, args.steps, args.batch, args.learning_rate, args.log_every)

@@ -25,8 +25,11 @@ def run_example(name, *args, env):
     return result.stdout
 
 
-def test_parameter_server_training_on_a_local_cluster(python_env):
-    out = run_example("parameter_server_training.py", "--local", "--steps", "60", env=python_env)
+@pytest.mark.parametrize("protocol", ["grpc", "grpc+verbs"])
+def test_parameter_server_training_on_a_local_cluster(python_env, protocol):
+    out = run_example(
+        "parameter_server_training.py", "--local", "--steps", "60", "--protocol", protocol, env=python_env
+    )
     match = re.search(r"final loss ([\d.]+) \(from ([\d.]+)\)", out)
     assert match, out
     final, initial = float(match.group(1)), float(match.group(2))
