@@ -419,6 +419,11 @@ def find_tf(args: argparse.Namespace) -> dict[str, Any]:
     return setup
 
 
+def timing_params(args: argparse.Namespace) -> dict[str, Any]:
+    """The options every side-by-side timing run reports (this script and bench_transports.py)."""
+    return {name: getattr(args, name) for name in ("sizes", "warmup", "repeat", "rounds", "settle_ms")}
+
+
 def run(args: argparse.Namespace, tf_setup: dict[str, Any], deadline: float) -> dict[str, Any]:
     """One full run: both sides, every benchmark; figures (and errors) in a dict."""
     machine_start = _shared.machine_cpu()
@@ -426,11 +431,7 @@ def run(args: argparse.Namespace, tf_setup: dict[str, Any], deadline: float) -> 
         "command": "benchmarks/bench_distributed.py " + " ".join(sys.argv[1:]),
         "machine": {**machine_info(), **tf_setup["machine"]},
         "params": {
-            "sizes": args.sizes,
-            "warmup": args.warmup,
-            "repeat": args.repeat,
-            "rounds": args.rounds,
-            "settle_ms": args.settle_ms,
+            **timing_params(args),
             "trivial_steps": args.trivial_steps,
             "memory_size": args.memory_size,
             "memory_repeat": args.memory_repeat,

@@ -149,13 +149,7 @@ def run(args: argparse.Namespace, tf_setup: dict[str, Any], deadline: float) -> 
     report: dict[str, Any] = {
         "command": "benchmarks/bench_transports.py " + " ".join(sys.argv[1:]),
         "machine": {**bd.machine_info(), **tf_setup["machine"]},
-        "params": {
-            "sizes": args.sizes,
-            "warmup": args.warmup,
-            "repeat": args.repeat,
-            "rounds": args.rounds,
-            "settle_ms": args.settle_ms,
-        },
+        "params": bd.timing_params(args),
         "tf_skipped": tf_setup["skipped"],
         "results": {name: {} for name, _ in COLUMNS},
         "errors": [],
