@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-from typing import Final, NamedTuple
+from typing import Final
 
 from distserver import errors
 
@@ -267,8 +267,19 @@ def task_of_device(name: str) -> str:
     return spec.to_string()
 
 
-class RendezvousKey(NamedTuple):
-    """The parts of a rendezvous key (see `parse_rendezvous_key`)."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class RendezvousKey:
+    """A parsed rendezvous key: its parts, its wire text, and the two tasks it joins.
+
+    Made once where a key is born (a `_Send`/`_Recv` kernel, a plan) or arrives
+    (`parse_rendezvous_key` on a RecvTensor or RunGraph request) and passed around as
+    is, so nothing downstream splits the text again. Keys compare and hash by their
+    parts; `text` is what travels on the wire.
+
+    Raises:
+        errors.InvalidArgumentError: ``Invalid rendezvous key: <text>`` when a device
+            does not name a task.
+    """
 
     src_device: str
     """Full name of the sending device."""
@@ -282,17 +293,33 @@ class RendezvousKey(NamedTuple):
     """Frame of the value (0 outside loops)."""
     iter_id: int = 0
     """Loop iteration of the value (0 outside loops)."""
+    text: str = dataclasses.field(default="", compare=False, repr=False)
+    """The key as TensorFlow writes it (`rendezvous_key`); built from the parts when not given."""
+    src_task: str = dataclasses.field(init=False, compare=False, repr=False)
+    """The sending task, ``/job:<job>/replica:<r>/task:<t>``."""
+    dst_task: str = dataclasses.field(init=False, compare=False, repr=False)
+    """The receiving task."""
 
-    def to_string(self) -> str:
-        """Return the key these parts make (the inverse of `parse_rendezvous_key`)."""
-        return rendezvous_key(
-            self.src_device,
-            self.src_incarnation,
-            self.dst_device,
-            self.tensor_name,
-            self.frame_id,
-            self.iter_id,
-        )
+    def __post_init__(self) -> None:
+        if not self.text:
+            text = rendezvous_key(
+                self.src_device,
+                self.src_incarnation,
+                self.dst_device,
+                self.tensor_name,
+                self.frame_id,
+                self.iter_id,
+            )
+            object.__setattr__(self, "text", text)
+            object.__setattr__(self, "src_incarnation", self.src_incarnation & _UINT64_MASK)
+        try:
+            object.__setattr__(self, "src_task", task_of_device(self.src_device))
+            object.__setattr__(self, "dst_task", task_of_device(self.dst_device))
+        except ValueError as exc:
+            raise errors.InvalidArgumentError(f"Invalid rendezvous key: {self.text} ({exc})") from None
+
+    def __str__(self) -> str:
+        return self.text
 
 
 def rendezvous_key(
@@ -364,6 +391,7 @@ def parse_rendezvous_key(key: str) -> RendezvousKey:
                 tensor_name,
                 int(frame_match[1]),
                 int(frame_match[2]),
+                text=key,
             )
     raise errors.InvalidArgumentError(f"Invalid rendezvous key: {key}")
 

@@ -218,7 +218,11 @@ def test_parse_rendezvous_key():
     key = f"{PS0};00a3f1c2d4e5f607;{WORKER0};edge_7_Variable/read;0:0"
     parsed = parse_rendezvous_key(key)
     assert parsed == RendezvousKey(PS0, 0x00A3F1C2D4E5F607, WORKER0, "edge_7_Variable/read", 0, 0)
-    assert parsed.to_string() == key
+    assert parsed.text == key
+    assert str(parsed) == key
+    assert (parsed.src_task, parsed.dst_task) == ("/job:ps/replica:0/task:0", "/job:worker/replica:0/task:0")
+    # Built from its parts, a key writes TensorFlow's text.
+    assert RendezvousKey(PS0, 0x00A3F1C2D4E5F607, WORKER0, "edge_7_Variable/read").text == key
     assert parse_rendezvous_key(f"{PS0};FFFFFFFFFFFFFFFF;{WORKER0};x:0;4:5") == RendezvousKey(
         PS0, (1 << 64) - 1, WORKER0, "x:0", 4, 5
     )
@@ -235,6 +239,11 @@ def test_rendezvous_key_roundtrip_property(incarnation, name, frame, iteration):
     assert parse_rendezvous_key(key) == RendezvousKey(
         PS0, incarnation & ((1 << 64) - 1), WORKER0, name, frame, iteration
     )
+
+
+def test_a_key_whose_device_names_no_task_is_invalid():
+    with pytest.raises(errors.InvalidArgumentError, match="Invalid rendezvous key: /cpu:0;"):
+        RendezvousKey("/cpu:0", 1, WORKER0, "x:0")
 
 
 @pytest.mark.parametrize(
