@@ -35,9 +35,9 @@ from distserver.kernels.resources import ResourceManager
 from distserver.protos.device_attributes_pb2 import DeviceAttributes
 from distserver.protos.services import MASTER_SERVICE, WORKER_SERVICE
 from distserver.protos.tensorflow_server_pb2 import ServerDef
-from distserver.runtime.clients import RemoteWorker
+from distserver.runtime.clients import RemoteWorker, WorkerClient
 from distserver.runtime.master import Master
-from distserver.runtime.worker import Worker, WorkerClient
+from distserver.runtime.worker import Worker
 from distserver.transports import Channel, Listener, Transport, get_transport
 
 logger = logging.getLogger(__name__)
@@ -121,7 +121,7 @@ class AsyncServer:
         self._state = ServerState.NEW
         self._listener: Listener | None = None
         self._channels: dict[str, Channel] = {}
-        self._remote_workers: dict[str, WorkerClient] = {}
+        self._worker_clients: dict[str, WorkerClient] = {}
         self._port: int | None = None
         self._bind_lock: asyncio.Lock | None = None
         self._stopped: asyncio.Event | None = None
@@ -200,6 +200,7 @@ class AsyncServer:
                     MASTER_SERVICE: self.master.service_handlers(),
                     WORKER_SERVICE: self.worker.service_handlers(),
                 },
+                self.worker.recv_tensor,
             )
             self._port = self._listener.port
             _LOCAL_SERVERS[self.target] = self
@@ -220,7 +221,7 @@ class AsyncServer:
             device=device,
             resources=ResourceManager(),
             pool=self._pool,
-            remote_worker=self._remote_worker,
+            worker_client=self._worker_client,
         )
         tasks = [
             task_name(job, index) for job in self._cluster.jobs for index in self._cluster.task_indices(job)
@@ -229,18 +230,19 @@ class AsyncServer:
             task_name=self._task,
             tasks=tasks,
             local_worker=self.worker,
-            worker_client=self._remote_worker,
+            worker_client=self._worker_client,
             default_session_config=config,
         )
 
-    def _remote_worker(self, task: str) -> WorkerClient:
-        client = self._remote_workers.get(task)
+    def _worker_client(self, task: str) -> WorkerClient:
+        """The client of `task`'s worker, over a channel made on first use."""
+        client = self._worker_clients.get(task)
         if client is None:
             job, index = _split_task(task)
             address = self._cluster.task_address(job, index)
             channel = self._transport.connect(address)
             self._channels[task] = channel
-            client = self._remote_workers[task] = RemoteWorker(channel)
+            client = self._worker_clients[task] = RemoteWorker(channel)
         return client
 
     async def start(self) -> None:
@@ -307,7 +309,7 @@ class AsyncServer:
             for channel in self._channels.values():
                 await channel.close()
             self._channels.clear()
-            self._remote_workers.clear()
+            self._worker_clients.clear()
         finally:
             if self._pool is not None:
                 self._pool.shutdown(wait=False, cancel_futures=True)

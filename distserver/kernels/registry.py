@@ -24,6 +24,7 @@ from distserver import errors
 from distserver.kernels.resources import VariableRef
 
 if TYPE_CHECKING:
+    from distserver.devices import RendezvousKey
     from distserver.kernels.resources import ResourceManager
     from distserver.protos.node_def_pb2 import NodeDef
 
@@ -31,16 +32,16 @@ if TYPE_CHECKING:
 class Rendezvous(Protocol):
     """Where `_Send` puts and `_Recv` takes the values that cross partitions in one step."""
 
-    def send(self, key: str, value: Any, is_dead: bool = False) -> None:
+    def send(self, key: RendezvousKey, value: Any, is_dead: bool = False) -> None:
         """Deliver `value` under `key`; each key is sent at most once per step."""
 
-    async def recv(self, key: str) -> tuple[Any, bool]:
+    async def recv(self, key: RendezvousKey) -> tuple[Any, bool]:
         """Wait for the value sent under `key`; returns `(value, is_dead)`.
 
         A key whose sender is another task is fetched from that task."""
         ...
 
-    async def recv_local(self, key: str) -> tuple[Any, bool]:
+    async def recv_local(self, key: RendezvousKey) -> tuple[Any, bool]:
         """Wait for a value delivered to this task's rendezvous, wherever it came from."""
         ...
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from distserver.devices import rendezvous_key
+from distserver.devices import RendezvousKey
 from distserver.kernels.registry import KernelContext, OpKernel, register_kernel
 
 if TYPE_CHECKING:
@@ -23,7 +23,8 @@ class _SendRecvKernel(OpKernel):
 
     def __init__(self, node: NodeDef) -> None:
         super().__init__(node)
-        self.key = rendezvous_key(
+        # Parsed once, here: the rendezvous and the transports take the value as is.
+        self.key = RendezvousKey(
             self.attr_str("send_device"),
             self.attr_int("send_device_incarnation"),
             self.attr_str("recv_device"),

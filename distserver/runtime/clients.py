@@ -14,6 +14,7 @@ from typing import Any, Protocol
 from google.protobuf.message import Message
 
 from distserver import errors
+from distserver.devices import RendezvousKey
 from distserver.protos import master_pb2 as m
 from distserver.protos import worker_pb2 as w
 from distserver.protos.config_pb2 import RunOptions
@@ -35,7 +36,52 @@ class ChannelLike(Protocol):
         wait_for_ready: bool = False,
     ) -> Message: ...
 
-    async def recv_tensor(self, request: Message, *, timeout: float | None = None) -> tuple[Any, bool]: ...
+    async def recv_tensor(
+        self, step_id: int, key: RendezvousKey, *, timeout: float | None = None
+    ) -> tuple[Any, bool]: ...
+
+
+class WorkerClient(Protocol):
+    """How a master (or a `_Recv`) talks to one task's worker, local or remote.
+
+    The local worker is called directly; remote ones through a transport channel.
+    Both behave identically, including errors.
+    """
+
+    async def call(
+        self, method: str, request: Message, *, timeout: float | None = None, wait_for_ready: bool = False
+    ) -> Message:
+        """Run a control RPC (`method` from `WORKER_METHODS`) and return its response.
+
+        `wait_for_ready` waits (up to `timeout`) for a task that is not up yet
+        instead of failing at once.
+        """
+        ...
+
+    async def run_graph(
+        self,
+        request: w.RunGraphRequest,
+        sends: Mapping[str, Any],
+        *,
+        timeout: float | None = None,
+    ) -> dict[str, Any]:
+        """Run one step of a registered graph.
+
+        Args:
+            request: RunGraphRequest with session/graph handles, step id and `recv_key`;
+                its `send` field is ignored in favour of `sends`.
+            sends: Rendezvous key text -> numpy value to feed.
+
+        Returns:
+            Rendezvous key text -> numpy value for every `recv_key`.
+        """
+        ...
+
+    async def recv_tensor(
+        self, step_id: int, key: RendezvousKey, *, timeout: float | None = None
+    ) -> tuple[Any, bool]:
+        """Fetch the value sent under `key` in step `step_id` on that worker."""
+        ...
 
 
 def _raise_body_error(code: int, message: str) -> None:
@@ -73,9 +119,10 @@ class RemoteWorker:
         _raise_body_error(response.status_code, response.status_error_message)
         return {named.name: from_tensor_proto(named.tensor) for named in response.recv}
 
-    async def recv_tensor(self, step_id: int, key: str, *, timeout: float | None = None) -> tuple[Any, bool]:
-        request = w.RecvTensorRequest(step_id=step_id, rendezvous_key=key)
-        return await self.channel.recv_tensor(request, timeout=timeout)
+    async def recv_tensor(
+        self, step_id: int, key: RendezvousKey, *, timeout: float | None = None
+    ) -> tuple[Any, bool]:
+        return await self.channel.recv_tensor(step_id, key, timeout=timeout)
 
 
 class RemoteMaster:

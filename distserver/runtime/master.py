@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from distserver import errors
-from distserver.devices import task_of_device
+from distserver.devices import parse_rendezvous_key, task_of_device
 from distserver.kernels import has_kernel
 from distserver.kernels.ref_variables import REF_OUTPUT_OPS
 from distserver.protos import master_pb2 as m
@@ -34,12 +34,13 @@ from distserver.protos.device_attributes_pb2 import DeviceAttributes
 from distserver.protos.graph_pb2 import GraphDef
 from distserver.protos.node_def_pb2 import NodeDef
 from distserver.protos.services import MASTER_METHODS, snake_case
+from distserver.runtime.clients import WorkerClient
 from distserver.runtime.concurrency import gather_all
 from distserver.runtime.names import canonical_tensor_name, parse_input
 from distserver.runtime.partition import partition
 from distserver.runtime.placement import place
 from distserver.runtime.subgraph import move_client_endpoints, rewrite_for_step
-from distserver.runtime.worker import Worker, WorkerClient
+from distserver.runtime.worker import Worker
 from distserver.tensors import as_datatype, from_tensor_proto, to_tensor_proto
 
 logger = logging.getLogger(__name__)
@@ -364,7 +365,10 @@ class Master:
             store_errors_in_response_body=True,
         )
         sends = {key: feeds[name] for name, key in plan.feed_keys.items() if key in part.feed_keys}
-        early = {key: asyncio.ensure_future(part.worker.recv_tensor(step_id, key)) for key in early_keys}
+        early = {
+            key: asyncio.ensure_future(part.worker.recv_tensor(step_id, parse_rendezvous_key(key)))
+            for key in early_keys
+        }
         try:
             results = await part.worker.run_graph(request, sends)
             for key in part.pushed_keys:
@@ -374,8 +378,8 @@ class Master:
                 elif value is None:
                     # Withheld (too large to ride in the response): fetch it as usual.
                     part.large_keys.add(key)
-                    value, _ = await part.worker.recv_tensor(step_id, key)
-                self._local_worker.deliver(step_id, key, value)
+                    value, _ = await part.worker.recv_tensor(step_id, parse_rendezvous_key(key))
+                self._local_worker.deliver(step_id, parse_rendezvous_key(key), value)
             return results
         except errors.OpError as exc:
             if part.task == self.task_name:

@@ -3,8 +3,8 @@
 Each step of each worker has one `StepRendezvous`, created on first use by
 whichever comes first: the step's RunGraph, or a RecvTensor from another task
 (which may arrive before this task has even started the step). Keys are
-TensorFlow's rendezvous keys (`distserver.devices.rendezvous_key`). A key is sent
-once and received once per step; either may come first.
+parsed rendezvous keys (`distserver.devices.RendezvousKey`), indexed by their
+text. A key is sent once and received once per step; either may come first.
 
 A value whose key names a device of another task is fetched from that task with
 RecvTensor (`fetch_remote`); everything else is local.
@@ -17,10 +17,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from distserver import errors
-from distserver.devices import parse_rendezvous_key, task_of_device
+from distserver.devices import RendezvousKey
 
-# (step_id, key, src_task) -> (value, is_dead): fetch one value from another task.
-RemoteFetch = Callable[[int, str, str], Awaitable[tuple[Any, bool]]]
+# (step_id, key) -> (value, is_dead): fetch one value from its sending task (`key.src_task`).
+RemoteFetch = Callable[[int, RendezvousKey], Awaitable[tuple[Any, bool]]]
 
 
 class StepRendezvous:
@@ -38,36 +38,35 @@ class StepRendezvous:
         self._handed_over: set[str] = set()
         self.finished = False
 
-    def _slot(self, key: str) -> asyncio.Future[tuple[Any, bool]]:
-        slot = self._slots.get(key)
+    def _slot(self, key: RendezvousKey) -> asyncio.Future[tuple[Any, bool]]:
+        slot = self._slots.get(key.text)
         if slot is None:
             slot = asyncio.get_running_loop().create_future()
             if self._error is not None:
                 slot.set_exception(self._error)
-            self._slots[key] = slot
-            if task_of_device(parse_rendezvous_key(key).dst_device) != self._local_task:
-                self._for_others.add(key)
+            self._slots[key.text] = slot
+            if key.dst_task != self._local_task:
+                self._for_others.add(key.text)
         return slot
 
-    def send(self, key: str, value: Any, is_dead: bool = False) -> None:
+    def send(self, key: RendezvousKey, value: Any, is_dead: bool = False) -> None:
         """Deliver a value. Sending the same key twice in one step is an error."""
         slot = self._slot(key)
         if slot.done():
             if self._error is not None:
                 raise self._error
-            raise errors.InternalError(f"Send of an already sent tensor in step {self.step_id}: {key}")
+            raise errors.InternalError(f"Send of an already sent tensor in step {self.step_id}: {key.text}")
         slot.set_result((value, is_dead))
 
-    async def recv(self, key: str) -> tuple[Any, bool]:
+    async def recv(self, key: RendezvousKey) -> tuple[Any, bool]:
         """Wait for the value of `key`, fetching it from its task when that is remote."""
-        src_task = task_of_device(parse_rendezvous_key(key).src_device)
-        if src_task != self._local_task and self._fetch_remote is not None:
+        if key.src_task != self._local_task and self._fetch_remote is not None:
             if self._error is not None:
                 raise self._error
-            return await self._fetch_remote(self.step_id, key, src_task)
+            return await self._fetch_remote(self.step_id, key)
         return await self.recv_local(key)
 
-    async def recv_local(self, key: str) -> tuple[Any, bool]:
+    async def recv_local(self, key: RendezvousKey) -> tuple[Any, bool]:
         """Wait for a value sent on this task (RecvTensor serves from here)."""
         # shield: a cancelled receiver must not cancel the slot another may wait on.
         return await asyncio.shield(self._slot(key))
@@ -126,11 +125,11 @@ class RendezvousTable:
         step.hand_over(returned)
         return self._release_if_unneeded(step)
 
-    def served(self, step_id: int, key: str) -> None:
+    def served(self, step_id: int, key: RendezvousKey) -> None:
         """RecvTensor handed `key` to another task; a finished step may be dropped now."""
         step = self._steps.get(step_id)
         if step is not None:
-            step.hand_over([key])
+            step.hand_over([key.text])
             if step.finished:
                 self._release_if_unneeded(step)
 

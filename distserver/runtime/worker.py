@@ -21,16 +21,16 @@ import itertools
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from google.protobuf.message import Message
 
 from distserver import errors
-from distserver.devices import parse_rendezvous_key, task_of_device
+from distserver.devices import RendezvousKey, parse_rendezvous_key
 from distserver.kernels.resources import ResourceManager
 from distserver.protos import worker_pb2 as w
 from distserver.protos.device_attributes_pb2 import DeviceAttributes
-from distserver.protos.services import WORKER_METHODS, snake_case
+from distserver.runtime.clients import WorkerClient
 from distserver.runtime.executor import Executor, StepContext
 from distserver.runtime.rendezvous import RendezvousTable
 from distserver.tensors import from_tensor_proto, tensor_nbytes, to_tensor_proto
@@ -41,51 +41,6 @@ logger = logging.getLogger(__name__)
 # master asked for it) only up to this size; larger ones take the RecvTensor path,
 # whose transports move big tensors without protobuf copies.
 PUSH_LIMIT_BYTES = 1 << 20
-
-
-def _is_remote_dst(key: str, task: str) -> bool:
-    return task_of_device(parse_rendezvous_key(key).dst_device) != task
-
-
-class WorkerClient(Protocol):
-    """How a master (or a `_Recv`) talks to one task's worker, local or remote.
-
-    The local worker is called directly; remote ones through a transport channel.
-    Both behave identically, including errors.
-    """
-
-    async def call(
-        self, method: str, request: Message, *, timeout: float | None = None, wait_for_ready: bool = False
-    ) -> Message:
-        """Run a control RPC (`method` from `WORKER_METHODS`) and return its response.
-
-        `wait_for_ready` waits (up to `timeout`) for a task that is not up yet
-        instead of failing at once.
-        """
-        ...
-
-    async def run_graph(
-        self,
-        request: w.RunGraphRequest,
-        sends: Mapping[str, Any],
-        *,
-        timeout: float | None = None,
-    ) -> dict[str, Any]:
-        """Run one step of a registered graph.
-
-        Args:
-            request: RunGraphRequest with session/graph handles, step id and `recv_key`;
-                its `send` field is ignored in favour of `sends`.
-            sends: Rendezvous key -> numpy value to feed.
-
-        Returns:
-            Rendezvous key -> numpy value for every `recv_key`.
-        """
-        ...
-
-    async def recv_tensor(self, step_id: int, key: str, *, timeout: float | None = None) -> tuple[Any, bool]:
-        """Fetch the value sent under `key` in step `step_id` on that worker."""
-        ...
 
 
 @dataclass
@@ -105,40 +60,47 @@ class Worker:
         device: DeviceAttributes,
         resources: ResourceManager,
         pool: concurrent.futures.Executor,
-        remote_worker: Callable[[str], WorkerClient] | None = None,
+        worker_client: Callable[[str], WorkerClient] | None = None,
         recv_timeout: float | None = None,
     ) -> None:
         self.task_name = task_name
         self.device = device
         self.resources = resources
         self._pool = pool
-        self._remote_worker = remote_worker
+        self._worker_client = worker_client
         self._recv_timeout = recv_timeout
         self._sessions: dict[str, WorkerSession] = {}
         # Sessions of masters that never call CreateWorkerSession (and TF 1.x
         # clients' legacy path) share the task's resources.
         self._legacy_session = WorkerSession("", resources)
         self._graph_ids = itertools.count(1)
-        self._rendezvous = RendezvousTable(task_name, self._fetch_remote if remote_worker else None)
+        self._rendezvous = RendezvousTable(task_name, self._fetch_remote if worker_client else None)
+        # WorkerService method -> proto-in, proto-out handler. RecvTensor is the data
+        # plane: transports serve it from `recv_tensor` (the task's tensor source).
+        self._handlers: dict[str, Callable[[Any], Awaitable[Message]]] = {
+            "GetStatus": self.get_status,
+            "CreateWorkerSession": self.create_worker_session,
+            "DeleteWorkerSession": self.delete_worker_session,
+            "RegisterGraph": self.register_graph,
+            "DeregisterGraph": self.deregister_graph,
+            "RunGraph": self.run_graph_rpc,
+            "CleanupGraph": self.cleanup_graph,
+            "CleanupAll": self.cleanup_all,
+        }
+
+    def service_handlers(self) -> dict[str, Callable[[Any], Awaitable[Message]]]:
+        """WorkerService method name -> handler, for transports; `recv_tensor` is the tensor source."""
+        return dict(self._handlers)
 
     # -- WorkerClient (the in-process path) ----------------------------------------
 
     async def call(
         self, method: str, request: Message, *, timeout: float | None = None, wait_for_ready: bool = False
     ) -> Message:
-        handler: Callable[[Message], Awaitable[Message]] = getattr(self, snake_case(method))
+        handler = self._handlers.get(method)
+        if handler is None:
+            raise errors.UnimplementedError(f"WorkerService/{method} is not implemented by distserver")
         return await handler(request)
-
-    def service_handlers(self) -> dict[str, Callable[[Any], Awaitable[Message]]]:
-        """RPC method name -> handler, for transports."""
-        handlers = {}
-        for method in WORKER_METHODS:
-            fn = getattr(self, snake_case(method), None)
-            if fn is not None:
-                handlers[method] = fn
-        handlers["RunGraph"] = self.run_graph_rpc
-        handlers["RecvTensor"] = self.recv_tensor_handler
-        return handlers
 
     # -- control RPCs -------------------------------------------------------------
 
@@ -233,16 +195,17 @@ class Worker:
             pool=self._pool,
         )
         try:
-            for key, value in sends.items():
-                rendezvous.send(key, value)
+            for text, value in sends.items():
+                rendezvous.send(parse_rendezvous_key(text), value)
             async with asyncio.timeout(timeout):
                 await executor.run(ctx)
                 results = {}
-                for key in request.recv_key:
+                for text in request.recv_key:
+                    key = parse_rendezvous_key(text)
                     value, _ = await rendezvous.recv_local(key)
-                    if _is_remote_dst(key, self.task_name) and tensor_nbytes(value) > PUSH_LIMIT_BYTES:
+                    if key.dst_task != self.task_name and tensor_nbytes(value) > PUSH_LIMIT_BYTES:
                         continue  # too large for the response: it waits for a RecvTensor
-                    results[key] = value
+                    results[text] = value
             self._rendezvous.release_if_done(step_id, set(results))
         except TimeoutError as exc:
             error = errors.DeadlineExceededError(
@@ -275,13 +238,18 @@ class Worker:
 
     # -- RecvTensor ---------------------------------------------------------------
 
-    async def recv_tensor(self, step_id: int, key: str, *, timeout: float | None = None) -> tuple[Any, bool]:
-        parsed = parse_rendezvous_key(key)
-        if not parsed.src_device.startswith(self.task_name + "/"):
-            raise errors.InvalidArgumentError(f"Invalid rendezvous key (src): {key} @ {self.task_name}")
-        if parsed.src_incarnation != self.device.incarnation:
+    async def recv_tensor(
+        self, step_id: int, key: RendezvousKey, *, timeout: float | None = None
+    ) -> tuple[Any, bool]:
+        """The value this task sent under `key` in step `step_id`, once its `_Send` ran.
+
+        This is the task's tensor source: transports serve RecvTensor from it.
+        """
+        if key.src_task != self.task_name:
+            raise errors.InvalidArgumentError(f"Invalid rendezvous key (src): {key.text} @ {self.task_name}")
+        if key.src_incarnation != self.device.incarnation:
             raise errors.AbortedError(
-                f"RecvTensor expects a different device incarnation: {parsed.src_incarnation} vs. "
+                f"RecvTensor expects a different device incarnation: {key.src_incarnation} vs. "
                 f'{self.device.incarnation}. Your worker job ("{self.task_name}") was probably restarted. '
                 "Check your worker job for the reason why it was restarted."
             )
@@ -291,17 +259,13 @@ class Worker:
         self._rendezvous.served(step_id, key)
         return value
 
-    async def recv_tensor_handler(self, request: w.RecvTensorRequest) -> tuple[Any, bool]:
-        """The RecvTensor RPC: returns (value, is_dead); the transport encodes the value."""
-        return await self.recv_tensor(request.step_id, request.rendezvous_key)
-
-    def deliver(self, step_id: int, key: str, value: Any) -> None:
+    def deliver(self, step_id: int, key: RendezvousKey, value: Any) -> None:
         """Put a value another task sent into this task's rendezvous (pushed values)."""
         self._rendezvous.find_or_create(step_id).send(key, value)
 
-    async def _fetch_remote(self, step_id: int, key: str, src_task: str) -> tuple[Any, bool]:
-        assert self._remote_worker is not None
-        return await self._remote_worker(src_task).recv_tensor(step_id, key, timeout=self._recv_timeout)
+    async def _fetch_remote(self, step_id: int, key: RendezvousKey) -> tuple[Any, bool]:
+        assert self._worker_client is not None
+        return await self._worker_client(key.src_task).recv_tensor(step_id, key, timeout=self._recv_timeout)
 
     def abort_all_steps(self, error: errors.OpError) -> None:
         """Fail every pending receive (the server is stopping)."""

@@ -1,20 +1,22 @@
-"""The transport conformance suite: one set of checks for every registered transport.
+"""The transport conformance suite: one set of checks for any transport.
 
 Each ``check_*`` coroutine states one property of the `Channel`/`Listener` contract
 (`distserver.transports.base`) and raises `AssertionError` (or the unexpected
-error) when the transport named by `protocol` breaks it. The checks use a transport
-exactly as the runtime does: the serving side is a separate OS process
+error) when the `Transport` object it is given breaks it. The checks use a
+transport exactly as the runtime does: the serving side is a separate OS process
 (`ConformancePeer`, running `distserver.testing.conformance_peer`) that calls
-``transport.listen("localhost:0", {"tensorflow.WorkerService": handlers})`` and
-``listener.start()``; this process calls ``transport.connect(f"localhost:{port}")``
-and ``channel.recv_tensor`` / ``channel.call``.
+``transport.listen("localhost:0", {"tensorflow.WorkerService": handlers}, source)``
+and ``listener.start()``; this process calls ``transport.connect(f"localhost:{port}")``
+and ``channel.recv_tensor`` / ``channel.call``. The transport need not be registered
+under a protocol name, so a new one can be checked before it is.
 
 Usage, from pytest (one test per check, see ``tests/transports/test_conformance.py``)::
 
-    async with ConformancePeer("grpc") as peer:
-        await check_dtypes("grpc", peer)
+    transport = MyTransport()
+    async with ConformancePeer(transport) as peer:
+        await check_dtypes(transport, peer)
 
-or everything at once: ``await check_transport("grpc")``.
+or everything at once: ``await check_transport(transport)``.
 
 Every await in a check has a timeout, so a broken transport fails a check rather
 than hanging it. The checks only poll for conditions (the peer announces pending
@@ -43,14 +45,13 @@ import numpy as np
 
 import distserver
 from distserver import errors
-from distserver.devices import rendezvous_key
+from distserver.devices import RendezvousKey
 from distserver.protos.services import WORKER_SERVICE
 from distserver.protos.worker_pb2 import (
     CleanupGraphRequest,
     CleanupGraphResponse,
     GetStatusRequest,
     GetStatusResponse,
-    RecvTensorRequest,
     RunGraphRequest,
     RunGraphResponse,
 )
@@ -63,7 +64,7 @@ from distserver.testing.conformance_peer import (
     make_tensor,
     tensor_name,
 )
-from distserver.transports import Channel, ChannelStatistics, get_transport
+from distserver.transports import Channel, ChannelStatistics, Transport
 
 __all__ = [
     "CHECKS",
@@ -90,7 +91,7 @@ __all__ = [
     "check_statistics",
     "check_transport",
     "check_unreachable_peer",
-    "recv_request",
+    "recv_key",
 ]
 
 SRC_DEVICE = "/job:ps/replica:0/task:0/device:CPU:0"
@@ -105,7 +106,7 @@ FAILURE_BOUND = 15.0
 MiB = 1 << 20
 ROOT = Path(distserver.__file__).resolve().parent.parent
 
-Check = Callable[[str, "ConformancePeer"], Awaitable[None]]
+Check = Callable[[Transport, "ConformancePeer"], Awaitable[None]]
 
 
 class ConformanceError(AssertionError):
@@ -116,10 +117,13 @@ class ConformanceError(AssertionError):
 
 
 class ConformancePeer:
-    """A `conformance_peer` process serving over `protocol`, started and stopped by its owner.
+    """A `conformance_peer` process serving over a transport, started and stopped by its owner.
 
     Args:
-        protocol: Transport the peer serves over.
+        transport: The transport the peer serves over. The peer process builds its
+            own: it imports `factory` and calls it with no arguments.
+        factory: ``"module:name"`` of a `Transport` class or factory (or of an
+            instance); default: the class of `transport`.
         host: Host it binds (port 0) and that `address` names.
         start_timeout: Seconds `start()` waits for the peer to serve.
         env: Extra environment variables for the process.
@@ -132,13 +136,15 @@ class ConformancePeer:
 
     def __init__(
         self,
-        protocol: str,
+        transport: Transport,
         *,
+        factory: str | None = None,
         host: str = "localhost",
         start_timeout: float = 60.0,
         env: dict[str, str] | None = None,
     ) -> None:
-        self.protocol = protocol
+        self.transport = transport
+        self.factory = factory or f"{type(transport).__module__}:{type(transport).__qualname__}"
         self.host = host
         self.start_timeout = start_timeout
         self.env = dict(env or {})
@@ -172,7 +178,7 @@ class ConformancePeer:
         env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1", "DISTSERVER_PARENT_PID": str(os.getpid())}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed in stop()
-        command = [sys.executable, "-m", "distserver.testing.conformance_peer", "--protocol", self.protocol]
+        command = [sys.executable, "-m", "distserver.testing.conformance_peer", "--transport", self.factory]
         command += ["--host", self.host]
         self._process = subprocess.Popen(
             command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self._stderr, env=env
@@ -217,7 +223,7 @@ class ConformancePeer:
                         return event
                 if self._eof:
                     raise RuntimeError(
-                        f"the {self.protocol} conformance peer exited (status {self.returncode}):\n"
+                        f"the {self.transport.name} conformance peer exited (status {self.returncode}):\n"
                         f"{self.stderr()}"
                     )
                 remaining = deadline - time.monotonic()
@@ -318,10 +324,9 @@ def _unique(what: str) -> str:
     return f"{what}-{os.getpid()}-{next(_tags)}"
 
 
-def recv_request(name: str, step_id: int) -> RecvTensorRequest:
-    """A RecvTensorRequest for tensor `name` in step `step_id`, with a real rendezvous key."""
-    key = rendezvous_key(SRC_DEVICE, 1, DST_DEVICE, name)
-    return RecvTensorRequest(step_id=step_id, rendezvous_key=key)
+def recv_key(name: str) -> RendezvousKey:
+    """The rendezvous key of tensor `name` sent from the peer's device to this one."""
+    return RendezvousKey(SRC_DEVICE, 1, DST_DEVICE, name)
 
 
 def _fail(message: str) -> NoReturn:
@@ -356,7 +361,7 @@ def assert_same_tensor(got: Any, expected: np.ndarray, what: str = "tensor") -> 
 
 async def _recv(channel: Channel, name: str, step_id: int, timeout: float = CALL_TIMEOUT) -> tuple[Any, bool]:
     async with asyncio.timeout(timeout + FAILURE_BOUND):
-        return await channel.recv_tensor(recv_request(name, step_id), timeout=timeout)
+        return await channel.recv_tensor(step_id, recv_key(name), timeout=timeout)
 
 
 async def _recv_checked(channel: Channel, name: str, step_id: int, timeout: float = CALL_TIMEOUT) -> Any:
@@ -368,8 +373,8 @@ async def _recv_checked(channel: Channel, name: str, step_id: int, timeout: floa
 
 
 @contextlib.asynccontextmanager
-async def _connected(protocol: str, address: str) -> AsyncIterator[Channel]:
-    channel = get_transport(protocol).connect(address)
+async def _connected(transport: Transport, address: str) -> AsyncIterator[Channel]:
+    channel = transport.connect(address)
     try:
         yield channel
     finally:
@@ -446,7 +451,7 @@ def _nbytes(name: str, step_id: int = 0) -> int:
 # -- checks: the data plane -----------------------------------------------------------
 
 
-async def check_correlation(protocol: str, peer: ConformancePeer) -> None:
+async def check_correlation(transport: Transport, peer: ConformancePeer) -> None:
     """Each of many concurrent receives gets its own tensor, whatever order answers come in.
 
     64 receives start at once. Half have names of their own, and the first of
@@ -462,7 +467,7 @@ async def check_correlation(protocol: str, peer: ConformancePeer) -> None:
         tensor_name("int32", (5, 7), seed=i, wait=(count - i) * 0.005, tag="corr") if i % 2 else shared
         for i in range(count)
     ]
-    async with _connected(protocol, peer.address) as channel:
+    async with _connected(transport, peer.address) as channel:
         values = await _all(*(_recv_checked(channel, n, 1000 + i) for i, n in enumerate(names)))
         for i, (name, value) in enumerate(zip(names, values, strict=True)):
             assert_same_tensor(
@@ -470,16 +475,16 @@ async def check_correlation(protocol: str, peer: ConformancePeer) -> None:
             )
 
 
-async def check_empty_and_scalar_tensors(protocol: str, peer: ConformancePeer) -> None:
+async def check_empty_and_scalar_tensors(transport: Transport, peer: ConformancePeer) -> None:
     """Tensors with no elements (0x3, 0, 3x0x2) and 0-d tensors keep their dtype and exact shape."""
     shapes: list[tuple[int, ...]] = [(0, 3), (0,), (3, 0, 2), ()]
-    async with _connected(protocol, peer.address) as channel:
+    async with _connected(transport, peer.address) as channel:
         for dtype in ("float32", "int64", "bool", "bfloat16", "complex128", "string"):
             for shape in shapes:
                 await _recv_checked(channel, tensor_name(dtype, shape, seed=3), 1)
 
 
-async def check_dtypes(protocol: str, peer: ConformancePeer) -> None:
+async def check_dtypes(transport: Transport, peer: ConformancePeer) -> None:
     """Every dtype arrives bit-exact: bool, (u)int8..64, float16, bfloat16, float32/64,
     complex64/128 and strings (object arrays of bytes).
 
@@ -487,7 +492,7 @@ async def check_dtypes(protocol: str, peer: ConformancePeer) -> None:
     count (so chunked or pooled paths see a ragged tail); strings as 3x4 and as
     1000 elements of mixed lengths including empty and non-UTF-8 ones.
     """
-    async with _connected(protocol, peer.address) as channel:
+    async with _connected(transport, peer.address) as channel:
         for dtype, np_dtype in DTYPES.items():
             if dtype == "string":
                 sizes: list[tuple[int, ...]] = [(3, 4), (1000,)]
@@ -497,10 +502,10 @@ async def check_dtypes(protocol: str, peer: ConformancePeer) -> None:
                 await _recv_checked(channel, tensor_name(dtype, shape, seed=11), 2)
 
 
-async def check_large_tensor(protocol: str, peer: ConformancePeer) -> None:
+async def check_large_tensor(transport: Transport, peer: ConformancePeer) -> None:
     """A 256 MiB tensor arrives intact (compared byte for byte against a rebuilt copy)."""
     name = tensor_name("float32", (8192, 8192), seed=256)
-    async with _connected(protocol, peer.address) as channel:
+    async with _connected(transport, peer.address) as channel:
         value, is_dead = await _recv(channel, name, 3, timeout=LARGE_TIMEOUT)
         if is_dead is not False:
             _fail(f"256 MiB tensor: is_dead is {is_dead!r}")
@@ -508,7 +513,7 @@ async def check_large_tensor(protocol: str, peer: ConformancePeer) -> None:
         assert_same_tensor(value, expected, "256 MiB tensor")
 
 
-async def check_concurrent_streams(protocol: str, peer: ConformancePeer) -> None:
+async def check_concurrent_streams(transport: Transport, peer: ConformancePeer) -> None:
     """16 concurrent receives of mixed sizes (0-d to 24 MiB) each arrive intact, twice.
 
     The second round repeats the first round's names with new step ids, so paths
@@ -521,7 +526,7 @@ async def check_concurrent_streams(protocol: str, peer: ConformancePeer) -> None
         nbytes = sizes[i % len(sizes)]
         shape: tuple[int, ...] = () if nbytes == 0 else (nbytes,)
         names.append(tensor_name("uint8", shape, seed="step", tag=f"c{i}"))
-    async with _connected(protocol, peer.address) as channel:
+    async with _connected(transport, peer.address) as channel:
         for round_ in range(2):
             steps = [100 * (round_ + 1) + i for i in range(len(names))]
             values = await _all(
@@ -531,7 +536,7 @@ async def check_concurrent_streams(protocol: str, peer: ConformancePeer) -> None
                 assert_same_tensor(value, make_tensor(name, step), f"{name} (step {step}) after the others")
 
 
-async def check_received_values_are_stable(protocol: str, peer: ConformancePeer) -> None:
+async def check_received_values_are_stable(transport: Transport, peer: ConformancePeer) -> None:
     """A received array is never changed by later receives (no buffer reuse under the caller).
 
     The same names (64 KiB and 16 MiB, values that depend on the step) are
@@ -543,7 +548,7 @@ async def check_received_values_are_stable(protocol: str, peer: ConformancePeer)
         tensor_name("float32", (4 * MiB,), seed="step"),
     ]
     kept: list[tuple[str, int, Any]] = []
-    async with _connected(protocol, peer.address) as channel:
+    async with _connected(transport, peer.address) as channel:
         for step in range(1, 13):
             for name in names:
                 kept.append((name, step, await _recv_checked(channel, name, step, LARGE_TIMEOUT)))
@@ -551,10 +556,10 @@ async def check_received_values_are_stable(protocol: str, peer: ConformancePeer)
         assert_same_tensor(value, make_tensor(name, step), f"{name} (step {step}) after later receives")
 
 
-async def check_dead_tensors(protocol: str, peer: ConformancePeer) -> None:
+async def check_dead_tensors(transport: Transport, peer: ConformancePeer) -> None:
     """``is_dead=True`` from the sender arrives as True (small, 16 MiB and string tensors),
     and a live tensor of the same shape right after arrives as False."""
-    async with _connected(protocol, peer.address) as channel:
+    async with _connected(transport, peer.address) as channel:
         for dtype, shape in (("float32", (3,)), ("float32", (2048, 2048)), ("string", (2,)), ("int8", ())):
             value, is_dead = await _recv(channel, tensor_name(dtype, shape, dead=True), 4)
             if is_dead is not True:
@@ -564,7 +569,7 @@ async def check_dead_tensors(protocol: str, peer: ConformancePeer) -> None:
             await _recv_checked(channel, tensor_name(dtype, shape), 4)
 
 
-async def check_errors(protocol: str, peer: ConformancePeer) -> None:
+async def check_errors(transport: Transport, peer: ConformancePeer) -> None:
     """An OpError the sender's RecvTensor handler raises arrives as the same class with the same message.
 
     Every OpError subclass (all 16 status codes) is raised once. Then an 8 MiB
@@ -572,7 +577,7 @@ async def check_errors(protocol: str, peer: ConformancePeer) -> None:
     so errors also travel on paths the transport picked for that name earlier.
     The channel stays usable after errors.
     """
-    async with _connected(protocol, peer.address) as channel:
+    async with _connected(transport, peer.address) as channel:
         for code in range(1, 17):
             cls = errors.exception_type_from_error_code(code)
             name = tensor_name("float32", (2,), error=cls)
@@ -594,19 +599,19 @@ def _expect_error(exc: BaseException, cls: type[errors.OpError], message: str, w
         _fail(f"{what}: message {str(exc)!r}, expected {message!r}")
 
 
-async def check_deadline(protocol: str, peer: ConformancePeer) -> None:
+async def check_deadline(transport: Transport, peer: ConformancePeer) -> None:
     """A receive whose sender is slower than `timeout` fails with DeadlineExceededError soon
     after the deadline (not when the sender answers), and the abandoned answer never lands
     anywhere visible: receives of the same size made while, and after, the sender
     finishes the abandoned one all stay intact. The channel is still usable after.
     """
-    async with _connected(protocol, peer.address) as channel:
+    async with _connected(transport, peer.address) as channel:
         await _recv_checked(channel, tensor_name("int8", (4,)), 1)
         started = time.monotonic()
         slow = tensor_name("int8", (4,), wait=20, tag=_unique("deadline"))
         await _raises(
             errors.DeadlineExceededError,
-            channel.recv_tensor(recv_request(slow, 5), timeout=0.5),
+            channel.recv_tensor(5, recv_key(slow), timeout=0.5),
             "RecvTensor with timeout=0.5 against wait=20",
             within=10,
         )
@@ -616,7 +621,7 @@ async def check_deadline(protocol: str, peer: ConformancePeer) -> None:
         late = tensor_name("uint8", (8 * MiB,), seed="step", wait=1, tag=_unique("late"))
         await _raises(
             errors.DeadlineExceededError,
-            channel.recv_tensor(recv_request(late, 6), timeout=0.3),
+            channel.recv_tensor(6, recv_key(late), timeout=0.3),
             "8 MiB RecvTensor with timeout=0.3 against wait=1",
             within=10,
         )
@@ -644,13 +649,13 @@ async def check_deadline(protocol: str, peer: ConformancePeer) -> None:
         await _recv_checked(channel, tensor_name("int8", (4,)), 7)
 
 
-async def check_shape_changes_under_one_name(protocol: str, peer: ConformancePeer) -> None:
+async def check_shape_changes_under_one_name(transport: Transport, peer: ConformancePeer) -> None:
     """One tensor name may carry different shapes in different steps (as a dynamic shape does in
     TensorFlow): whatever a transport remembers per name is only a hint, and each receive
     gets its own step's shape and values, sequentially and concurrently."""
     shapes = [(256,), (4 * MiB,), (0,), (3,), (4 * MiB + 5,), (16 * 1024,), (), (MiB,)]
     name = tensor_name("float32", shapes, seed="step")
-    async with _connected(protocol, peer.address) as channel:
+    async with _connected(transport, peer.address) as channel:
         for step in range(2 * len(shapes)):
             await _recv_checked(channel, name, step, LARGE_TIMEOUT)
         steps = list(range(100, 100 + 2 * len(shapes)))
@@ -662,9 +667,9 @@ async def check_shape_changes_under_one_name(protocol: str, peer: ConformancePee
 # -- checks: control calls ------------------------------------------------------------
 
 
-async def check_control_calls(protocol: str, peer: ConformancePeer) -> None:
+async def check_control_calls(transport: Transport, peer: ConformancePeer) -> None:
     """`call` returns the handler's response message, also for 8 MiB requests and responses."""
-    async with _connected(protocol, peer.address) as channel:
+    async with _connected(transport, peer.address) as channel:
         async with asyncio.timeout(CALL_TIMEOUT + FAILURE_BOUND):
             status = await channel.call(WORKER_SERVICE, "GetStatus", GetStatusRequest(), timeout=CALL_TIMEOUT)
         if not isinstance(status, GetStatusResponse):
@@ -684,10 +689,10 @@ async def check_control_calls(protocol: str, peer: ConformancePeer) -> None:
         assert_same_tensor(from_tensor_proto(response.recv[0].tensor), big, "8 MiB RunGraph echo")
 
 
-async def check_control_errors(protocol: str, peer: ConformancePeer) -> None:
+async def check_control_errors(transport: Transport, peer: ConformancePeer) -> None:
     """An OpError a control handler raises arrives from `call` as the same class and message
     (all 16 status codes); a call that succeeds after them still works."""
-    async with _connected(protocol, peer.address) as channel:
+    async with _connected(transport, peer.address) as channel:
         for code in range(1, 17):
             cls = errors.exception_type_from_error_code(code)
             call = channel.call(WORKER_SERVICE, "CleanupGraph", CleanupGraphRequest(step_id=code), timeout=10)
@@ -704,14 +709,14 @@ async def check_control_errors(protocol: str, peer: ConformancePeer) -> None:
 # -- checks: lifecycle and failures ---------------------------------------------------
 
 
-async def check_close(protocol: str, peer: ConformancePeer) -> None:
+async def check_close(transport: Transport, peer: ConformancePeer) -> None:
     """`close()` lets a call in flight finish, then every call raises UnavailableError.
 
     A receive that the sender answers after 0.5 s is pending when `close()` is
     called; it must return its tensor, `close()` must return within the bound,
     and `recv_tensor` and `call` afterwards raise UnavailableError at once.
     """
-    channel = get_transport(protocol).connect(peer.address)
+    channel = transport.connect(peer.address)
     closed = False
     pending: asyncio.Future[Any] | None = None
     try:
@@ -748,7 +753,7 @@ async def check_close(protocol: str, peer: ConformancePeer) -> None:
 async def _expect_unavailable_after(channel: Channel, what: str) -> None:
     await _raises(
         errors.UnavailableError,
-        channel.recv_tensor(recv_request(tensor_name("int8", (1,)), 9), timeout=5),
+        channel.recv_tensor(9, recv_key(tensor_name("int8", (1,))), timeout=5),
         f"recv_tensor after {what}",
         within=5,
     )
@@ -760,15 +765,15 @@ async def _expect_unavailable_after(channel: Channel, what: str) -> None:
     )
 
 
-async def check_abort(protocol: str, peer: ConformancePeer) -> None:
+async def check_abort(transport: Transport, peer: ConformancePeer) -> None:
     """`abort()` fails a call in flight at once (CancelledError or UnavailableError, both
     OpErrors) and every later call raises UnavailableError."""
-    channel = get_transport(protocol).connect(peer.address)
+    channel = transport.connect(peer.address)
     pending: asyncio.Future[Any] | None = None
     try:
         await _recv_checked(channel, tensor_name("int32", (8,)), 1)
         name = tensor_name("int32", (8,), wait=30, tag=_unique("abort"))
-        pending = asyncio.ensure_future(channel.recv_tensor(recv_request(name, 2), timeout=60))
+        pending = asyncio.ensure_future(channel.recv_tensor(2, recv_key(name), timeout=60))
         await peer.wait_until_waiting(name, 2)
         channel.abort()
         await _raises(
@@ -784,14 +789,14 @@ async def check_abort(protocol: str, peer: ConformancePeer) -> None:
             await channel.close()
 
 
-async def check_peer_death(protocol: str, peer: ConformancePeer) -> None:
+async def check_peer_death(transport: Transport, peer: ConformancePeer) -> None:
     """When the sender's process is killed (SIGKILL) during a receive, the receive fails
     with UnavailableError within 15 s instead of hanging, later calls fail the same way,
     and `close()` still returns. The peer is killed: give this check its own."""
-    async with _connected(protocol, peer.address) as channel:
+    async with _connected(transport, peer.address) as channel:
         await _recv_checked(channel, tensor_name("float32", (MiB,)), 1)  # connected, data path set up
         name = tensor_name("float32", (4,), wait=30, tag=_unique("death"))
-        pending = asyncio.ensure_future(channel.recv_tensor(recv_request(name, 2), timeout=60))
+        pending = asyncio.ensure_future(channel.recv_tensor(2, recv_key(name), timeout=60))
         try:
             await peer.wait_until_waiting(name, 2)
             await asyncio.to_thread(peer.kill)
@@ -804,7 +809,7 @@ async def check_peer_death(protocol: str, peer: ConformancePeer) -> None:
             _discard(pending)
         await _raises(
             errors.UnavailableError,
-            channel.recv_tensor(recv_request(tensor_name("int8", (1,)), 3), timeout=10),
+            channel.recv_tensor(3, recv_key(tensor_name("int8", (1,))), timeout=10),
             "recv_tensor after the peer died",
         )
         await _raises(
@@ -814,15 +819,15 @@ async def check_peer_death(protocol: str, peer: ConformancePeer) -> None:
         )
 
 
-async def check_unreachable_peer(protocol: str, peer: ConformancePeer) -> None:
+async def check_unreachable_peer(transport: Transport, peer: ConformancePeer) -> None:
     """Calls to an address where nothing listens raise UnavailableError, without waiting
     for their (generous) timeout."""
     (port,) = free_ports(1)
-    async with _connected(protocol, f"localhost:{port}") as channel:
+    async with _connected(transport, f"localhost:{port}") as channel:
         started = time.monotonic()
         await _raises(
             errors.UnavailableError,
-            channel.recv_tensor(recv_request(tensor_name("int8", (1,)), 1), timeout=CALL_TIMEOUT),
+            channel.recv_tensor(1, recv_key(tensor_name("int8", (1,))), timeout=CALL_TIMEOUT),
             "recv_tensor to a closed port",
         )
         await _raises(
@@ -834,11 +839,11 @@ async def check_unreachable_peer(protocol: str, peer: ConformancePeer) -> None:
             _fail("calls to a closed port took longer than 15 s to fail")
 
 
-async def check_statistics(protocol: str, peer: ConformancePeer) -> None:
+async def check_statistics(transport: Transport, peer: ConformancePeer) -> None:
     """`statistics()` returns a ChannelStatistics for the connected target whose counters count:
     calls started (at least one per `recv_tensor` and per `call`), calls failed (a receive
     that raised counts), tensors received and their bytes, and names a data path."""
-    async with _connected(protocol, peer.address) as channel:
+    async with _connected(transport, peer.address) as channel:
         before = channel.statistics()
         if not isinstance(before, ChannelStatistics):
             _fail(f"statistics() returned {type(before).__name__}")
@@ -869,10 +874,9 @@ async def check_statistics(protocol: str, peer: ConformancePeer) -> None:
             _fail(f"statistics() fields {wrong} are wrong: before {before}, after {after}")
 
 
-async def check_listener_lifecycle(protocol: str, peer: ConformancePeer) -> None:
+async def check_listener_lifecycle(transport: Transport, peer: ConformancePeer) -> None:
     """A listener (in this process) knows its port as soon as `listen` returns, serves after
     `start()`, tolerates a second `start()` and `stop()`, and releases its port on `stop()`."""
-    transport = get_transport(protocol)
     handlers = {"GetStatus": _local_status}
     listener = await transport.listen("localhost:0", {WORKER_SERVICE: handlers})
     try:
@@ -881,7 +885,7 @@ async def check_listener_lifecycle(protocol: str, peer: ConformancePeer) -> None
             _fail(f"listen('localhost:0') gave port {port!r}")
         await listener.start()
         await listener.start()
-        async with _connected(protocol, f"localhost:{port}") as channel:
+        async with _connected(transport, f"localhost:{port}") as channel:
             async with asyncio.timeout(CALL_TIMEOUT):
                 await channel.call(WORKER_SERVICE, "GetStatus", GetStatusRequest(), timeout=10)
     finally:
@@ -925,28 +929,31 @@ OWN_PEER_CHECKS = frozenset({"peer_death"})
 """Checks that break their peer, so each needs a peer of its own."""
 
 
-async def check_transport(protocol: str, checks: Sequence[str] | None = None) -> dict[str, float]:
-    """Run `checks` (default: all of `CHECKS`) against `protocol`; seconds each took.
+async def check_transport(transport: Transport, checks: Sequence[str] | None = None) -> dict[str, float]:
+    """Run `checks` (default: all of `CHECKS`) against `transport`; seconds each took.
+
+    The transport need not be registered: the peers build theirs from its class
+    (see `ConformancePeer`).
 
     Raises:
         ConformanceError: Some checks failed; the message names each with its error.
     """
     durations: dict[str, float] = {}
     failures: list[str] = []
-    async with ConformancePeer(protocol) as shared:
+    async with ConformancePeer(transport) as shared:
         for name in checks or list(CHECKS):
             started = time.monotonic()
             try:
                 if name in OWN_PEER_CHECKS:
-                    async with ConformancePeer(protocol) as own:
-                        await CHECKS[name](protocol, own)
+                    async with ConformancePeer(transport) as own:
+                        await CHECKS[name](transport, own)
                 else:
-                    await CHECKS[name](protocol, shared)
+                    await CHECKS[name](transport, shared)
             except Exception as exc:
                 failures.append(f"{name}: {type(exc).__name__}: {exc}")
             durations[name] = time.monotonic() - started
     if failures:
         raise ConformanceError(
-            f"{protocol} fails {len(failures)} conformance checks:\n" + "\n".join(failures)
+            f"{transport.name} fails {len(failures)} conformance checks:\n" + "\n".join(failures)
         )
     return durations

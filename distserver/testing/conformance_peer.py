@@ -1,9 +1,11 @@
 """The serving side of the transport conformance suite, as its own OS process.
 
-Run as ``python -m distserver.testing.conformance_peer --protocol P``. The process
-serves WorkerService over transport ``P`` on a free loopback port, exactly as a
-task does (``transport.listen`` then ``listener.start()``), and writes JSON lines
-to stdout: first ``{"port": ..., "pid": ..., "protocol": ...}`` once it serves,
+Run as ``python -m distserver.testing.conformance_peer --transport module:name``,
+where ``module:name`` is a `Transport` class or factory (called with no arguments)
+or instance. The process serves WorkerService over that transport on a free
+loopback port, exactly as a task does (``transport.listen`` then
+``listener.start()``), and writes JSON lines to stdout: first
+``{"port": ..., "pid": ..., "transport": ...}`` once it serves,
 later ``{"event": "waiting" | "answered" | "cancelled", "step_id": ..., "tensor": ...}``
 around each ``wait=`` receive (so a test can act while a call is surely pending,
 or once the sender is surely done, instead of sleeping). SIGTERM or SIGINT stops
@@ -12,9 +14,9 @@ process.
 
 What it serves (`tensor_name` builds, `parse_spec` reads):
 
-``RecvTensor``
-    The tensor named by the rendezvous key's tensor name (its 4th ``;`` field), a
-    comma-separated list of fields:
+``RecvTensor`` (the tensor source, `serve_tensor`)
+    The tensor named by the rendezvous key's tensor name, a comma-separated list of
+    fields:
 
     * ``dtype=D`` -- a key of `DTYPES` (``float32`` when absent);
     * ``shape=AxBxC`` -- dimensions (``shape=scalar`` or no field: 0-d); or
@@ -47,6 +49,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
+import importlib
 import json
 import math
 import os
@@ -59,6 +62,7 @@ import ml_dtypes
 import numpy as np
 
 from distserver import errors
+from distserver.devices import RendezvousKey
 from distserver.protos.device_attributes_pb2 import DeviceAttributes
 from distserver.protos.services import WORKER_SERVICE
 from distserver.protos.worker_pb2 import (
@@ -66,11 +70,10 @@ from distserver.protos.worker_pb2 import (
     CleanupGraphResponse,
     GetStatusRequest,
     GetStatusResponse,
-    RecvTensorRequest,
     RunGraphRequest,
     RunGraphResponse,
 )
-from distserver.transports import get_transport
+from distserver.transports import Transport
 
 __all__ = [
     "DTYPES",
@@ -290,27 +293,22 @@ def _say(**fields: Any) -> None:
     print(json.dumps(fields), flush=True)
 
 
-def _tensor_name_of(key: str) -> str:
-    parts = key.split(";")
-    return parts[3] if len(parts) >= 5 else key
-
-
-async def recv_tensor(request: RecvTensorRequest) -> tuple[np.ndarray, bool]:
-    """The RecvTensor handler: the tensor the rendezvous key's tensor name describes."""
-    name = _tensor_name_of(request.rendezvous_key)
+async def serve_tensor(step_id: int, key: RendezvousKey) -> tuple[np.ndarray, bool]:
+    """The tensor source: the tensor the rendezvous key's tensor name describes."""
+    name = key.tensor_name
     spec = parse_spec(name)
     if spec.wait > 0:
-        _say(event="waiting", step_id=request.step_id, tensor=name)
+        _say(event="waiting", step_id=step_id, tensor=name)
         try:
             await asyncio.sleep(spec.wait)
         except asyncio.CancelledError:
-            _say(event="cancelled", step_id=request.step_id, tensor=name)
+            _say(event="cancelled", step_id=step_id, tensor=name)
             raise
-        _say(event="answered", step_id=request.step_id, tensor=name)
-    if spec.error is not None and spec.error_step in (None, request.step_id):
+        _say(event="answered", step_id=step_id, tensor=name)
+    if spec.error is not None and spec.error_step in (None, step_id):
         cls = error_class(spec.error)
-        raise cls(error_message(cls, request.step_id))
-    value = make_tensor(spec, request.step_id)
+        raise cls(error_message(cls, step_id))
+    value = make_tensor(spec, step_id)
     return value, spec.dead
 
 
@@ -340,24 +338,34 @@ async def run_graph(request: RunGraphRequest) -> RunGraphResponse:
 
 
 HANDLERS: dict[str, Callable[[Any], Awaitable[Any]]] = {
-    "RecvTensor": recv_tensor,
     "GetStatus": get_status,
     "CleanupGraph": cleanup_graph,
     "RunGraph": run_graph,
 }
 
 
-async def serve(protocol: str, host: str, grace: float) -> int:
-    """Serve `HANDLERS` over `protocol` until SIGTERM/SIGINT."""
-    transport = get_transport(protocol)
-    listener = await transport.listen(f"{host}:0", {WORKER_SERVICE: HANDLERS})
+def load_transport(factory: str) -> Transport:
+    """The transport ``module:name`` names: a class or factory (called with no arguments) or an instance."""
+    module_name, _, attribute = factory.partition(":")
+    obj = importlib.import_module(module_name)
+    for part in attribute.split("."):
+        obj = getattr(obj, part)
+    transport = obj() if callable(obj) and not isinstance(obj, Transport) else obj
+    if not isinstance(transport, Transport):
+        raise TypeError(f"{factory} is not a distserver Transport (got {type(transport).__name__})")
+    return transport
+
+
+async def serve(transport: Transport, host: str, grace: float) -> int:
+    """Serve `HANDLERS` and `serve_tensor` over `transport` until SIGTERM/SIGINT."""
+    listener = await transport.listen(f"{host}:0", {WORKER_SERVICE: HANDLERS}, serve_tensor)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     try:
         await listener.start()
-        _say(port=listener.port, pid=os.getpid(), protocol=protocol)
+        _say(port=listener.port, pid=os.getpid(), transport=transport.name)
         await stop.wait()
     finally:
         await listener.stop(grace)
@@ -378,7 +386,11 @@ def _die_with_parent() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--protocol", default="grpc", help="transport to serve over")
+    parser.add_argument(
+        "--transport",
+        default="distserver.transports.grpc:GrpcTransport",
+        help="module:name of the Transport (class, factory or instance) to serve over",
+    )
     parser.add_argument("--host", default="localhost", help="host to bind (port 0)")
     parser.add_argument("--grace", type=float, default=1.0, help="seconds calls in flight get on stop")
     args = parser.parse_args(argv)
@@ -386,8 +398,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import uvloop
     except ImportError:
-        return asyncio.run(serve(args.protocol, args.host, args.grace))
-    return int(uvloop.run(serve(args.protocol, args.host, args.grace)))
+        return asyncio.run(serve(load_transport(args.transport), args.host, args.grace))
+    return int(uvloop.run(serve(load_transport(args.transport), args.host, args.grace)))
 
 
 if __name__ == "__main__":

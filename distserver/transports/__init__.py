@@ -11,7 +11,14 @@ import importlib.metadata
 import threading
 
 from distserver import errors
-from distserver.transports.base import Channel, ChannelStatistics, Listener, ServiceHandler, Transport
+from distserver.transports.base import (
+    Channel,
+    ChannelStatistics,
+    Listener,
+    ServiceHandler,
+    TensorSource,
+    Transport,
+)
 
 ENTRY_POINT_GROUP = "distserver.transports"
 
@@ -80,6 +87,7 @@ __all__ = [
     "ChannelStatistics",
     "Listener",
     "ServiceHandler",
+    "TensorSource",
     "Transport",
     "available_protocols",
     "get_transport",

@@ -6,6 +6,14 @@ the same two services (MasterService, WorkerService) with the methods listed in
 `distserver.protos.services`, so clients cannot tell transports apart except by
 speed.
 
+Two planes:
+
+* Control: `Channel.call(service, method, request)` on the calling side, a
+  `ServiceHandler` per service on the serving side; protobuf messages in and out.
+* Data: `Channel.recv_tensor(step_id, key)` on the calling side, a `TensorSource`
+  on the serving side; numpy values in and out. How the bytes move (a gRPC
+  RecvTensor, a chunked stream, shared memory) is the transport's business.
+
 Concurrency: all objects are created and used on one asyncio event loop (grpc.aio
 objects must not cross threads). Many calls may be in flight on one channel.
 
@@ -18,55 +26,23 @@ the remote handler raised comes back as the same class with the same message.
 from __future__ import annotations
 
 import abc
-import asyncio
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from google.protobuf.message import Message
 
+from distserver.devices import RendezvousKey
+
 # A service implementation: method name ("RunStep") -> coroutine taking the request
 # message and returning the response message. Raising an OpError reports that status.
-# The one exception is the data plane: WorkerService's "RecvTensor" handler returns
-# `(value, is_dead)` with a numpy value, and the transport encodes it its own way.
 ServiceHandler = Mapping[str, Callable[[Any], Awaitable[Any]]]
 
-
-class TensorHandOver:
-    """The RecvTensor handler plus values parked for a second call of the same receiver.
-
-    The worker hands each value over once (and may drop the step right after). When
-    a transport fetched a value but will send it through another path the receiver
-    calls next (the gRPC stream for a large tensor, gRPC for a string over verbs), it
-    `park`s the value; the next `fetch` of that step and key takes it from here. A
-    parked value that nobody asks for within `PARKED_SECONDS` is dropped (its
-    receiver is gone).
-    """
-
-    PARKED_SECONDS = 60.0
-
-    def __init__(self, fetch: Callable[[Any], Awaitable[Any]]) -> None:
-        self._fetch = fetch
-        self._parked: dict[tuple[int, str], tuple[Any, bool]] = {}
-
-    @classmethod
-    def of(cls, fetch: Callable[[Any], Awaitable[Any]]) -> TensorHandOver:
-        return fetch if isinstance(fetch, TensorHandOver) else cls(fetch)
-
-    async def fetch(self, request: Any) -> tuple[Any, bool]:
-        """`(value, is_dead)` for a RecvTensorRequest."""
-        found = self._parked.pop((request.step_id, request.rendezvous_key), None)
-        if found is not None:
-            return found
-        result: tuple[Any, bool] = await self._fetch(request)
-        return result
-
-    __call__ = fetch
-
-    def park(self, request: Any, value: Any, is_dead: bool) -> None:
-        key = (request.step_id, request.rendezvous_key)
-        self._parked[key] = (value, is_dead)
-        asyncio.get_running_loop().call_later(self.PARKED_SECONDS, self._parked.pop, key, None)
+# The data plane's serving side: `(step_id, key) -> (value, is_dead)`, the value a
+# numpy array, available once the step's `_Send` for `key` has run (the source waits
+# for it). A listener serves WorkerService's RecvTensor, and whatever faster paths
+# its transport has, from this; each transport encodes the value its own way.
+TensorSource = Callable[[int, RendezvousKey], Awaitable[tuple[Any, bool]]]
 
 
 @dataclass(frozen=True)
@@ -114,8 +90,11 @@ class Channel(abc.ABC):
           returns the response message; it never waits for an unreachable peer
           longer than `timeout` (None: fail as soon as the peer is known to be
           unreachable, unless `wait_for_ready` is true).
-        * `recv_tensor(request, timeout=...)` runs the data-plane RecvTensor call
-          and returns `(value, is_dead)` with `value` a numpy array.
+        * `recv_tensor(step_id, key, timeout=...)` fetches the value the peer's
+          tensor source holds for `key` in step `step_id` and returns
+          `(value, is_dead)` with `value` a numpy array (possibly a read-only view
+          of transport memory). Errors the source raises arrive as the same class
+          with the same message.
         * `close()` waits for calls in flight to end and releases the connection;
           `abort()` cancels them at once. Calls after either raise
           `UnavailableError`.
@@ -133,7 +112,9 @@ class Channel(abc.ABC):
     ) -> Message: ...
 
     @abc.abstractmethod
-    async def recv_tensor(self, request: Message, *, timeout: float | None = None) -> tuple[Any, bool]: ...
+    async def recv_tensor(
+        self, step_id: int, key: RendezvousKey, *, timeout: float | None = None
+    ) -> tuple[Any, bool]: ...
 
     @abc.abstractmethod
     async def close(self) -> None: ...
@@ -151,13 +132,21 @@ class Transport(abc.ABC):
     name: str
 
     @abc.abstractmethod
-    async def listen(self, address: str, services: Mapping[str, ServiceHandler]) -> Listener:
+    async def listen(
+        self,
+        address: str,
+        services: Mapping[str, ServiceHandler],
+        tensors: TensorSource | None = None,
+    ) -> Listener:
         """Bind `address` ("host:port", port 0 for any free port) and prepare to serve.
 
         Args:
             address: Where to listen. The host is bound as given ("localhost" means
                 loopback only; "0.0.0.0" or "[::]" listen on every interface).
             services: Service name ("tensorflow.WorkerService") -> its handler.
+                Methods a handler lacks answer `UnimplementedError`.
+            tensors: Where RecvTensor (and any faster tensor path) takes its values;
+                None: RecvTensor answers `UnimplementedError`.
 
         Raises:
             UnknownError: the address cannot be bound (in use, not local); the message

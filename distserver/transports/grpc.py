@@ -9,7 +9,16 @@ Between distserver tasks, MasterService and WorkerService calls ride one long-li
 stream per channel (`distserver.transports.call_stream`); TensorFlow peers, and calls
 that must wait for the peer or carry more than 4 MiB, use the unary methods.
 
-The data plane (RecvTensor) skips protobuf for tensor bytes (`distserver.wire`):
+A channel is a gRPC control connection plus a pluggable `TensorPath`, its data plane
+(the split tensorpipe makes between a pipe's control connection and its data
+channels). `GrpcTensorPath` is the default; other transports pass their own
+(grpc+verbs: shared memory, with `GrpcTensorPath` as its fallback) and reuse the rest
+as is. A tensor path may also carry control calls (`TensorPath.carry_call`).
+
+On the serving side, `serve` builds the grpc.aio server every gRPC-based transport
+uses; the data plane serves from the task's tensor source through a `TensorHandOver`.
+
+The gRPC data plane (RecvTensor) skips protobuf for tensor bytes (`distserver.wire`):
 
 * `/tensorflow.WorkerService/RecvTensor` (unary) answers with a valid
   `RecvTensorResponse` built by hand, read back as a numpy view over the received
@@ -25,6 +34,7 @@ The data plane (RecvTensor) skips protobuf for tensor bytes (`distserver.wire`):
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import logging
@@ -36,6 +46,7 @@ import grpc.aio
 from google.protobuf.message import Message
 
 from distserver import errors
+from distserver.devices import RendezvousKey, parse_rendezvous_key
 from distserver.protos.services import SERVICES, WORKER_SERVICE
 from distserver.protos.worker_pb2 import RecvTensorRequest
 from distserver.tensors import tensor_nbytes
@@ -45,7 +56,7 @@ from distserver.transports.base import (
     ChannelStatistics,
     Listener,
     ServiceHandler,
-    TensorHandOver,
+    TensorSource,
     Transport,
 )
 from distserver.wire import (
@@ -139,33 +150,64 @@ async def _in_thread_if_large(nbytes: int, fn: Callable[..., Any], *args: Any) -
     return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
 
+class TensorHandOver:
+    """A task's tensor source, plus values parked for a second call of the same receiver.
+
+    The worker hands each value over once (and may drop the step right after). When
+    the serving side fetched a value but will send it through another path the
+    receiver calls next (the chunk stream for a large tensor; gRPC for a string that
+    shared memory cannot carry), it `park`s the value; the next `fetch` of that step
+    and key takes it from here. A parked value that nobody asks for within
+    `PARKED_SECONDS` is dropped (its receiver is gone).
+    """
+
+    PARKED_SECONDS = 60.0
+
+    def __init__(self, source: TensorSource) -> None:
+        self._source = source
+        self._parked: dict[tuple[int, str], tuple[Any, bool]] = {}
+
+    async def fetch(self, step_id: int, key: RendezvousKey) -> tuple[Any, bool]:
+        """`(value, is_dead)` of `key` in step `step_id`."""
+        found = self._parked.pop((step_id, key.text), None)
+        if found is not None:
+            return found
+        return await self._source(step_id, key)
+
+    def park(self, step_id: int, key: RendezvousKey, value: Any, is_dead: bool) -> None:
+        slot = (step_id, key.text)
+        self._parked[slot] = (value, is_dead)
+        asyncio.get_running_loop().call_later(self.PARKED_SECONDS, self._parked.pop, slot, None)
+
+
 def _recv_tensor_handlers(hand_over: TensorHandOver) -> tuple[Any, Any]:
     """The unary (TF-compatible) and streaming RecvTensor handlers.
 
     A value the unary call redirects to the stream is parked for the stream call.
     """
-    fetch = hand_over.fetch
 
     async def unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
         try:
-            value, is_dead = await fetch(request)
+            key = parse_rendezvous_key(request.rendezvous_key)
+            value, is_dead = await hand_over.fetch(request.step_id, key)
             stream_above = dict(context.invocation_metadata() or ()).get(_STREAM_ABOVE_KEY)
             nbytes = tensor_nbytes(value)
             if stream_above is not None and is_plain(value) and nbytes > int(stream_above):
-                hand_over.park(request, value, is_dead)
+                hand_over.park(request.step_id, key, value, is_dead)
                 context.set_trailing_metadata(((_USE_STREAM_KEY, "1"),))
                 return b""
             encoded: bytes = await _in_thread_if_large(nbytes, encode_recv_tensor_response, value, is_dead)
             return encoded
         except Exception as exc:
-            await _abort(context, exc, fetch)
+            await _abort(context, exc, "RecvTensor")
         raise AssertionError("unreachable: context.abort raises")
 
     async def stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[bytes]:
         try:
-            value, is_dead = await fetch(request)
+            key = parse_rendezvous_key(request.rendezvous_key)
+            value, is_dead = await hand_over.fetch(request.step_id, key)
         except Exception as exc:
-            await _abort(context, exc, fetch)
+            await _abort(context, exc, "RecvTensorChunks")
             return
         for chunk in chunk_tensor(value, is_dead, CHUNK_BYTES):
             yield chunk
@@ -217,21 +259,101 @@ class GrpcListener(Listener):
         await self._server.stop(grace)
 
 
+class TensorPath(abc.ABC):
+    """How a `GrpcChannel` moves tensors: its data plane, pluggable.
+
+    Contract:
+        * `recv_tensor(step_id, key, timeout)` is `Channel.recv_tensor` minus the
+          channel's bookkeeping (closed check, statistics, gRPC error mapping: an
+          `AioRpcError` it lets escape becomes the right OpError).
+        * `carry_call(service, method, payload, timeout)` may carry a control call
+          (serialized request in, serialized response out); None leaves the call to
+          the channel's gRPC connection. The default carries nothing.
+        * `data_path` names the path for `ChannelStatistics.data_path`.
+        * `close()` releases what the path holds; the channel calls it once, before
+          closing its gRPC connection.
+    """
+
+    @abc.abstractmethod
+    async def recv_tensor(
+        self, step_id: int, key: RendezvousKey, timeout: float | None
+    ) -> tuple[Any, bool]: ...
+
+    async def carry_call(
+        self, service: str, method: str, payload: bytes, timeout: float | None
+    ) -> bytes | memoryview | None:
+        return None
+
+    @property
+    def data_path(self) -> str:
+        return "grpc"
+
+    async def close(self) -> None:
+        return None
+
+
+class GrpcTensorPath(TensorPath):
+    """RecvTensor over gRPC: unary (TensorFlow's method) or, for large tensors, chunks.
+
+    The receiver announces it can stream; the sender answers a tensor above the
+    threshold with a "use the stream" flag, and the receiver remembers that tensor
+    name so later steps go straight to the stream.
+    """
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self._unary = channel.unary_unary(
+            f"/{WORKER_SERVICE}/RecvTensor", request_serializer=_serialize, response_deserializer=_raw
+        )
+        self._chunks = channel.unary_stream(
+            STREAM_METHOD, request_serializer=_serialize, response_deserializer=_raw
+        )
+        self._streamed: set[str] = set()
+
+    async def recv_tensor(self, step_id: int, key: RendezvousKey, timeout: float | None) -> tuple[Any, bool]:
+        request = RecvTensorRequest(step_id=step_id, rendezvous_key=key.text)
+        if key.tensor_name in self._streamed:
+            return await self._recv_stream(request, timeout)
+        call = self._unary(request, timeout=timeout, metadata=((_STREAM_ABOVE_KEY, str(STREAM_THRESHOLD)),))
+        data = await call
+        trailing: Any = await call.trailing_metadata()
+        if any(k == _USE_STREAM_KEY for k, _ in trailing or ()):
+            if len(self._streamed) >= _STREAMED_NAMES_LIMIT:
+                self._streamed.clear()
+            self._streamed.add(key.tensor_name)
+            return await self._recv_stream(request, timeout)
+        result: tuple[Any, bool] = await _in_thread_if_large(len(data), decode_recv_tensor_response, data)
+        return result
+
+    async def _recv_stream(self, request: RecvTensorRequest, timeout: float | None) -> tuple[Any, bool]:
+        assembler = TensorAssembler()
+        async for message in self._chunks(request, timeout=timeout):
+            assembler.add(message)
+        return assembler.result()
+
+
+# Makes a channel's tensor path from its gRPC connection and target address.
+TensorPathFactory = Callable[[grpc.aio.Channel, str], TensorPath]
+
+
+def _grpc_tensor_path(channel: grpc.aio.Channel, target: str) -> TensorPath:
+    return GrpcTensorPath(channel)
+
+
 class GrpcChannel(Channel):
-    def __init__(self, address: str) -> None:
+    """A gRPC control connection to one task plus a tensor path (`GrpcTensorPath` by default).
+
+    A control call goes, in order of preference, over the tensor path (when it
+    carries calls), the call stream (distserver peers), or a unary call.
+    """
+
+    def __init__(self, address: str, tensor_path: TensorPathFactory = _grpc_tensor_path) -> None:
         self.target = address
         self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._callables: dict[tuple[str, str], Any] = {}
-        self._recv_unary = self._channel.unary_unary(
-            f"/{WORKER_SERVICE}/RecvTensor", request_serializer=_serialize, response_deserializer=_raw
-        )
-        self._recv_chunks = self._channel.unary_stream(
-            STREAM_METHOD, request_serializer=_serialize, response_deserializer=_raw
-        )
+        self._tensors = tensor_path(self._channel, address)
         self._calls: call_stream.CallStream | None = call_stream.CallStream(
             self._channel, address, lambda exc, method: error_from_rpc(exc, target=address, method=method)
         )
-        self._streamed: set[str] = set()
         self._closed = False
         self._aborted = False
         self._closing: asyncio.Future[None] | None = None
@@ -242,6 +364,11 @@ class GrpcChannel(Channel):
         self._calls_failed = 0
         self._tensors_received = 0
         self._tensor_bytes_received = 0
+
+    @property
+    def tensor_path(self) -> TensorPath:
+        """This channel's data plane."""
+        return self._tensors
 
     def _callable(self, service: str, method: str) -> Any:
         key = (service, method)
@@ -296,7 +423,7 @@ class GrpcChannel(Channel):
         wait_for_ready: bool = False,
     ) -> Message:
         async with self._tracked(method):
-            if self._calls is not None and not wait_for_ready:
+            if not wait_for_ready:
                 data = await self._call_framed(service, method, request.SerializeToString(), timeout)
                 if data is not None:
                     response_cls: Any = SERVICES[service][method][1]
@@ -310,46 +437,24 @@ class GrpcChannel(Channel):
     async def _call_framed(
         self, service: str, method: str, payload: bytes, timeout: float | None
     ) -> bytes | memoryview | None:
-        """The serialized response over the call stream; None: make a unary call."""
-        if self._calls is None or len(payload) > _STREAMED_CALL_BYTES:
-            return None
+        """The serialized response over the tensor path or the call stream; None: make a unary call."""
+        data = await self._tensors.carry_call(service, method, payload, timeout)
+        if data is not None or self._calls is None or len(payload) > _STREAMED_CALL_BYTES:
+            return data
         try:
             return await self._calls.call(service, method, payload, timeout)
         except call_stream.StreamUnsupported:
             self._calls = None  # not a distserver peer: unary calls from now on
             return None
 
-    async def recv_tensor(self, request: Message, *, timeout: float | None = None) -> tuple[Any, bool]:
+    async def recv_tensor(
+        self, step_id: int, key: RendezvousKey, *, timeout: float | None = None
+    ) -> tuple[Any, bool]:
         async with self._tracked("RecvTensor"):
-            value, is_dead = await self._fetch_tensor(request, timeout)
+            value, is_dead = await self._tensors.recv_tensor(step_id, key, timeout)
         self._tensors_received += 1
         self._tensor_bytes_received += tensor_nbytes(value)
         return value, is_dead
-
-    async def _fetch_tensor(self, request: Message, timeout: float | None) -> tuple[Any, bool]:
-        """The data plane of one RecvTensor (subclasses may take another path)."""
-        key: str = getattr(request, "rendezvous_key", "")
-        name = key.split(";")[3] if key.count(";") >= 4 else key
-        if name in self._streamed:
-            return await self._recv_stream(request, timeout)
-        call = self._recv_unary(
-            request, timeout=timeout, metadata=((_STREAM_ABOVE_KEY, str(STREAM_THRESHOLD)),)
-        )
-        data = await call
-        trailing: Any = await call.trailing_metadata()
-        if any(k == _USE_STREAM_KEY for k, _ in trailing or ()):
-            if len(self._streamed) >= _STREAMED_NAMES_LIMIT:
-                self._streamed.clear()
-            self._streamed.add(name)
-            return await self._recv_stream(request, timeout)
-        result: tuple[Any, bool] = await _in_thread_if_large(len(data), decode_recv_tensor_response, data)
-        return result
-
-    async def _recv_stream(self, request: Message, timeout: float | None) -> tuple[Any, bool]:
-        assembler = TensorAssembler()
-        async for message in self._recv_chunks(request, timeout=timeout):
-            assembler.add(message)
-        return assembler.result()
 
     async def close(self) -> None:
         """Refuse new calls, let those in flight finish, then release the connection."""
@@ -369,10 +474,12 @@ class GrpcChannel(Channel):
         return self._closing
 
     async def _release(self) -> None:
-        """Free the connection (subclasses free their own resources first)."""
-        if self._calls is not None:
-            await self._calls.close()
-        await self._channel.close(grace=None)
+        try:
+            await self._tensors.close()
+        finally:
+            if self._calls is not None:
+                await self._calls.close()
+            await self._channel.close(grace=None)
 
     def statistics(self) -> ChannelStatistics:
         return ChannelStatistics(
@@ -381,7 +488,7 @@ class GrpcChannel(Channel):
             calls_failed=self._calls_failed,
             tensors_received=self._tensors_received,
             tensor_bytes_received=self._tensor_bytes_received,
-            data_path="grpc",
+            data_path=self._tensors.data_path,
         )
 
 
@@ -397,68 +504,74 @@ def _raw(data: bytes) -> bytes:
     return data
 
 
+async def serve(
+    address: str,
+    services: Mapping[str, ServiceHandler],
+    tensors: TensorHandOver | None,
+    extra_handlers: Sequence[Any] = (),
+) -> GrpcListener:
+    """A grpc.aio server bound to `address`, not started yet, serving:
+
+    * every method of `services` at TensorFlow's unary paths and, for distserver
+      peers, on the call stream (`call_stream`); a method a handler lacks answers
+      UNIMPLEMENTED;
+    * RecvTensor (unary, and the chunk stream) from `tensors`;
+    * `extra_handlers` (generic RPC handlers), for transports built on this one.
+    """
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    if extra_handlers:
+        server.add_generic_rpc_handlers(tuple(extra_handlers))
+    calls = call_stream.CallStreamServer(
+        {
+            f"/{service}/{method}": handler.get(method) or _unimplemented(service, method)
+            for service, handler in services.items()
+            for method in SERVICES[service]
+            if method != "RecvTensor"  # the data plane has its own paths
+        },
+        _log_unexpected,
+    )
+    server.add_generic_rpc_handlers((calls.rpc_handler(),))
+    for service, handler in services.items():
+        rpc_handlers = {}
+        for method, (request_cls, _) in SERVICES[service].items():
+            fn = handler.get(method) or _unimplemented(service, method)
+            rpc_handlers[method] = grpc.unary_unary_rpc_method_handler(
+                _wrap(fn),
+                request_deserializer=request_cls.FromString,
+                response_serializer=_serialize,
+            )
+        if service == WORKER_SERVICE and tensors is not None:
+            unary, stream = _recv_tensor_handlers(tensors)
+            rpc_handlers["RecvTensor"] = unary
+            service_name, method_name = STREAM_METHOD.strip("/").split("/")
+            server.add_generic_rpc_handlers(
+                (grpc.method_handlers_generic_handler(service_name, {method_name: stream}),)
+            )
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, rpc_handlers),))
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        await server.stop(None)
+        raise errors.UnknownError(
+            f"Could not start gRPC server: cannot bind {address} ({exc}). "
+            "Is another server using that port? Pick a free port or use port 0."
+        ) from exc
+    if port == 0:
+        await server.stop(None)
+        raise errors.UnknownError(f"Could not start gRPC server: cannot bind {address}")
+    return GrpcListener(server, port, calls)
+
+
 class GrpcTransport(Transport):
     name = "grpc"
 
-    async def listen(self, address: str, services: Mapping[str, ServiceHandler]) -> Listener:
-        return await self.bind_server(address, services)
-
-    async def bind_server(
+    async def listen(
         self,
         address: str,
         services: Mapping[str, ServiceHandler],
-        extra_handlers: Sequence[Any] = (),
-    ) -> GrpcListener:
-        """A grpc.aio server bound to `address` serving `services` (+ `extra_handlers`),
-        not started yet.
-
-        Every service is served at its unary methods and, for distserver peers, on the
-        call stream (`call_stream`). Transports built on this one add their own RPCs
-        through `extra_handlers` (generic RPC handlers).
-        """
-        server = grpc.aio.server(options=SERVER_OPTIONS)
-        if extra_handlers:
-            server.add_generic_rpc_handlers(tuple(extra_handlers))
-        calls = call_stream.CallStreamServer(
-            {
-                f"/{service}/{method}": handler.get(method) or _unimplemented(service, method)
-                for service, handler in services.items()
-                for method in SERVICES[service]
-                if method != "RecvTensor"  # the data plane has its own paths
-            },
-            _log_unexpected,
-        )
-        server.add_generic_rpc_handlers((calls.rpc_handler(),))
-        for service, handler in services.items():
-            table = SERVICES[service]
-            rpc_handlers = {}
-            for method, (request_cls, _) in table.items():
-                fn = handler.get(method) or _unimplemented(service, method)
-                rpc_handlers[method] = grpc.unary_unary_rpc_method_handler(
-                    _wrap(fn),
-                    request_deserializer=request_cls.FromString,
-                    response_serializer=_serialize,
-                )
-            if service == WORKER_SERVICE and "RecvTensor" in handler:
-                unary, stream = _recv_tensor_handlers(TensorHandOver.of(handler["RecvTensor"]))
-                rpc_handlers["RecvTensor"] = unary
-                service_name, method_name = STREAM_METHOD.strip("/").split("/")
-                server.add_generic_rpc_handlers(
-                    (grpc.method_handlers_generic_handler(service_name, {method_name: stream}),)
-                )
-            server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, rpc_handlers),))
-        try:
-            port = server.add_insecure_port(address)
-        except RuntimeError as exc:
-            await server.stop(None)
-            raise errors.UnknownError(
-                f"Could not start gRPC server: cannot bind {address} ({exc}). "
-                "Is another server using that port? Pick a free port or use port 0."
-            ) from exc
-        if port == 0:
-            await server.stop(None)
-            raise errors.UnknownError(f"Could not start gRPC server: cannot bind {address}")
-        return GrpcListener(server, port, calls)
+        tensors: TensorSource | None = None,
+    ) -> Listener:
+        return await serve(address, services, None if tensors is None else TensorHandOver(tensors))
 
     def connect(self, address: str) -> Channel:
         return GrpcChannel(address)

@@ -68,7 +68,7 @@ async def test_same_host_tensors_take_the_shared_memory_path():
         assert stats.tensors_received >= 3  # the 4 MiB tensor, once per step
         assert stats.tensor_bytes_received >= 3 * (4 << 20)
         # Once the queue pair is up, WorkerService calls (RunGraph, ...) ride it too.
-        endpoint = worker._channels["/job:ps/replica:0/task:0"]._endpoint
+        endpoint = worker._channels["/job:ps/replica:0/task:0"].tensor_path.endpoint
         assert endpoint.statistics().calls_made >= 2  # the RunGraphs of steps 2 and 3
     finally:
         await worker.stop()
@@ -87,7 +87,8 @@ async def test_a_foreign_host_falls_back_to_grpc_and_says_so(monkeypatch, caplog
         assert stats.tensors_received >= 3
         warnings = [r for r in caplog.records if "uses the gRPC data path" in r.getMessage()]
         assert len(warnings) == 1  # once per peer, not per tensor
-        assert worker._channels["/job:ps/replica:0/task:0"]._endpoint is None  # calls over gRPC too
+        channel = worker._channels["/job:ps/replica:0/task:0"]
+        assert channel.tensor_path.endpoint is None  # calls over gRPC too
     finally:
         await worker.stop()
         await ps.stop()

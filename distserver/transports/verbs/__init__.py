@@ -46,8 +46,8 @@ from distserver.transports.verbs._qp import (
     DEFAULT_CQ_DEPTH,
     ListenerStatistics,
     QueuePair,
+    QueuePairAcceptor,
     QueuePairStatistics,
-    VerbsListener,
     connect,
     listen,
 )
@@ -62,7 +62,7 @@ from distserver.transports.verbs._tensor import (
     TensorServer,
     TensorSource,
 )
-from distserver.transports.verbs._transport import VerbsChannel, VerbsTransport
+from distserver.transports.verbs._transport import VerbsTensorPath, VerbsTransport
 from distserver.transports.verbs._wire import MAX_SEND_BYTES
 
 __all__ = [
@@ -85,6 +85,7 @@ __all__ = [
     "PoolStatistics",
     "ProtectionDomain",
     "QueuePair",
+    "QueuePairAcceptor",
     "QueuePairStatistics",
     "ReceivedTensor",
     "RegionPool",
@@ -92,8 +93,7 @@ __all__ = [
     "TensorReply",
     "TensorServer",
     "TensorSource",
-    "VerbsChannel",
-    "VerbsListener",
+    "VerbsTensorPath",
     "VerbsTransport",
     "WcStatus",
     "WorkCompletion",

@@ -1,6 +1,6 @@
 """Queue pairs: a connection between two processes with one-sided writes and reads.
 
-Setup (`connect` / `VerbsListener.accept`), over a Unix `SOCK_SEQPACKET` socket:
+Setup (`connect` / `QueuePairAcceptor.accept`), over a Unix `SOCK_SEQPACKET` socket:
 
 1. The listener binds an abstract-namespace address (`@distserver-verbs-<pid>-<random>`:
    nothing on disk to leak, and a 128-bit random name) or a path the caller chose.
@@ -56,8 +56,8 @@ __all__ = [
     "DEFAULT_CQ_DEPTH",
     "ListenerStatistics",
     "QueuePair",
+    "QueuePairAcceptor",
     "QueuePairStatistics",
-    "VerbsListener",
     "connect",
     "listen",
 ]
@@ -701,7 +701,7 @@ async def connect(
     cq_depth: int = DEFAULT_CQ_DEPTH,
     timeout: float = HANDSHAKE_TIMEOUT,
 ) -> QueuePair:
-    """A queue pair to the `VerbsListener` at `address` (its `address` attribute).
+    """A queue pair to the `QueuePairAcceptor` at `address` (its `address` attribute).
 
     Raises:
         UnavailableError: nothing listens there.
@@ -734,7 +734,7 @@ class ListenerStatistics:
     rejected: int
 
 
-class VerbsListener:
+class QueuePairAcceptor:
     """Accepts queue pairs on a Unix socket. Create with `await listen(pd)`.
 
     Contract:
@@ -851,7 +851,7 @@ class VerbsListener:
                 os.unlink(self.address)
         self.pd._detach(self)
 
-    async def __aenter__(self) -> VerbsListener:
+    async def __aenter__(self) -> QueuePairAcceptor:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -865,7 +865,7 @@ async def listen(
     cq_depth: int = DEFAULT_CQ_DEPTH,
     handshake_timeout: float = HANDSHAKE_TIMEOUT,
     backlog: int = 64,
-) -> VerbsListener:
+) -> QueuePairAcceptor:
     """Listen for queue pairs.
 
     Args:
@@ -886,4 +886,4 @@ async def listen(
     except OSError as exc:
         sock.close()
         raise errors.UnavailableError(f"cannot listen for verbs queue pairs at {address!r}: {exc}") from exc
-    return VerbsListener(pd, sock, address, cq_depth=cq_depth, handshake_timeout=handshake_timeout)
+    return QueuePairAcceptor(pd, sock, address, cq_depth=cq_depth, handshake_timeout=handshake_timeout)

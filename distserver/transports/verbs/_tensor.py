@@ -59,7 +59,7 @@ from distserver.transports.verbs._qp import (
     DEFAULT_CQ_DEPTH,
     HANDSHAKE_TIMEOUT,
     QueuePair,
-    VerbsListener,
+    QueuePairAcceptor,
     connect,
     listen,
 )
@@ -832,7 +832,7 @@ class TensorServer:
 
     def __init__(
         self,
-        listener: VerbsListener,
+        listener: QueuePairAcceptor,
         source: TensorSource,
         call_handler: CallHandler | None,
         options: dict[str, Any],

@@ -6,8 +6,9 @@ TensorFlow's included, works as with "grpc"). In addition each server runs a
 `/distserver.VerbsService/GetEndpoint` together with the server's host identity
 (boot id, network namespace, uid).
 
-A channel's first `recv_tensor` asks the peer for that endpoint and compares
-identities. Same host, namespace and user: it connects a queue pair and every later
+A channel is the gRPC transport's `GrpcChannel` with a `VerbsTensorPath` plugged in.
+Its first `recv_tensor` (or WorkerService call) asks the peer for that endpoint and
+compares identities. Same host, namespace and user: it connects a queue pair and every later
 tensor is written by the sender straight into this process's registered memory
 (one copy), arriving as a numpy view of that memory. Otherwise the channel uses the
 gRPC data path, says so once in the log and in `statistics().data_path` -- or, when
@@ -16,8 +17,9 @@ for the registered one), fails with `FailedPreconditionError`. Tensors the verbs
 cannot carry (strings, resources) take the gRPC path one by one.
 
 Once the queue pair is up (the channel's first WorkerService call or RecvTensor sets
-it up), WorkerService calls to that peer ride it too (`_calls`): the peer's event
-loop reads them, where a gRPC message passes through grpc's poller thread first.
+it up), WorkerService calls to that peer ride it too (`_calls`,
+`VerbsTensorPath.carry_call`): the peer's event loop reads them, where a gRPC message
+passes through grpc's poller thread first.
 
 Received arrays are zero-copy views that pin their slice of the pool until they are
 garbage collected: right for values a step consumes (the common case), and the
@@ -27,7 +29,6 @@ kernels that keep values (variables) store their own copy.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import os
@@ -35,12 +36,22 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import grpc
+import grpc.aio
 
 from distserver import errors
+from distserver.devices import RendezvousKey, parse_rendezvous_key
 from distserver.protos.services import WORKER_SERVICE
 from distserver.protos.worker_pb2 import RecvTensorRequest
-from distserver.transports.base import Channel, ChannelStatistics, Listener, ServiceHandler, TensorHandOver
-from distserver.transports.grpc import GrpcChannel, GrpcListener, GrpcTransport, error_from_rpc
+from distserver.transports.base import Channel, Listener, ServiceHandler, TensorSource, Transport
+from distserver.transports.grpc import (
+    GrpcChannel,
+    GrpcListener,
+    GrpcTensorPath,
+    TensorHandOver,
+    TensorPath,
+    error_from_rpc,
+    serve,
+)
 from distserver.transports.verbs._identity import HostIdentity, host_identity, viability_problem
 from distserver.transports.verbs._memory import ProtectionDomain, RegionPool
 from distserver.transports.verbs._tensor import TensorEndpoint, TensorReply, TensorServer
@@ -84,21 +95,30 @@ class TaskListener(Listener):
             await self._pd.close()
 
 
-class VerbsChannel(GrpcChannel):
-    """A gRPC channel whose RecvTensor goes through shared memory when the peer allows."""
+class VerbsTensorPath(TensorPath):
+    """A channel's tensor path through shared memory when the peer allows, else gRPC.
 
-    def __init__(self, address: str, *, strict: bool) -> None:
-        super().__init__(address)
+    Its queue pair also carries the channel's WorkerService calls (`carry_call`).
+    """
+
+    def __init__(self, channel: grpc.aio.Channel, target: str, *, strict: bool) -> None:
+        self._target = target
         self._strict = strict
+        self._grpc = GrpcTensorPath(channel)
+        self._get_endpoint = channel.unary_unary(
+            f"/{ENDPOINT_SERVICE}/{ENDPOINT_METHOD}", request_serializer=_raw, response_deserializer=_raw
+        )
         self._endpoint: TensorEndpoint | None = None
         self._pd: ProtectionDomain | None = None
         self._pool: RegionPool | None = None
         self._fallback: str | None = None
         self._calls_on_grpc = False
         self._setup: asyncio.Lock | None = None
-        self._get_endpoint = self._channel.unary_unary(
-            f"/{ENDPOINT_SERVICE}/{ENDPOINT_METHOD}", request_serializer=_raw, response_deserializer=_raw
-        )
+
+    @property
+    def endpoint(self) -> TensorEndpoint | None:
+        """The queue pair's tensor endpoint once it is set up; None before, or on the gRPC path."""
+        return self._endpoint
 
     async def _verbs_endpoint(self, timeout: float | None) -> TensorEndpoint | None:
         """The queue pair to the peer, set up on first use; None: use gRPC."""
@@ -116,17 +136,17 @@ class VerbsChannel(GrpcChannel):
             try:
                 reply = json.loads(await self._get_endpoint(b"", timeout=timeout))
             except grpc.aio.AioRpcError as exc:
-                raise error_from_rpc(exc, target=self.target, method=ENDPOINT_METHOD) from exc
+                raise error_from_rpc(exc, target=self._target, method=ENDPOINT_METHOD) from exc
             remote = HostIdentity.decode(reply["identity"].encode())
             problem = viability_problem(host_identity(), remote)
             if problem is not None:
                 if self._strict:
                     raise errors.FailedPreconditionError(
-                        f"grpc+verbs is strict and the task at {self.target} cannot use shared memory: "
+                        f"grpc+verbs is strict and the task at {self._target} cannot use shared memory: "
                         f"{problem}"
                     )
                 self._fallback = problem
-                logger.warning("grpc+verbs: %s uses the gRPC data path: %s", self.target, problem)
+                logger.warning("grpc+verbs: %s uses the gRPC data path: %s", self._target, problem)
                 return None
             if self._pd is None:
                 self._pd = ProtectionDomain()
@@ -134,17 +154,17 @@ class VerbsChannel(GrpcChannel):
             self._endpoint = await TensorEndpoint.connect(self._pd, reply["address"])
             return self._endpoint
 
-    async def _call_framed(
+    async def carry_call(
         self, service: str, method: str, payload: bytes, timeout: float | None
     ) -> bytes | memoryview | None:
-        # WorkerService calls ride the queue pair too (`_calls`).
+        # WorkerService calls ride the queue pair (`_calls`).
         path = f"/{service}/{method}"
-        if service == WORKER_SERVICE and len(path) + len(payload) <= MAX_CALL_BYTES:
-            endpoint = await self._endpoint_for_calls(timeout)
-            if endpoint is not None:
-                name = f"{method} to {self.target}"
-                return await endpoint.calls.call(path, payload, timeout=timeout, name=name)
-        return await super()._call_framed(service, method, payload, timeout)
+        if service != WORKER_SERVICE or len(path) + len(payload) > MAX_CALL_BYTES:
+            return None
+        endpoint = await self._endpoint_for_calls(timeout)
+        if endpoint is None:
+            return None
+        return await endpoint.calls.call(path, payload, timeout=timeout, name=f"{method} to {self._target}")
 
     async def _endpoint_for_calls(self, timeout: float | None) -> TensorEndpoint | None:
         """The queue pair for control calls, set up by the first WorkerService call;
@@ -161,44 +181,44 @@ class VerbsChannel(GrpcChannel):
             self._calls_on_grpc = True
             return None
 
-    async def _fetch_tensor(self, request: Any, timeout: float | None) -> tuple[Any, bool]:
+    async def recv_tensor(self, step_id: int, key: RendezvousKey, timeout: float | None) -> tuple[Any, bool]:
         endpoint = await self._verbs_endpoint(timeout)
         if endpoint is None:
-            return await super()._fetch_tensor(request, timeout)
+            return await self._grpc.recv_tensor(step_id, key, timeout)
         assert self._pool is not None
-        key = request.rendezvous_key
-        name = key.split(";")[3] if key.count(";") >= 4 else key
+        header = RecvTensorRequest(step_id=step_id, rendezvous_key=key.text).SerializeToString()
         try:
             got = await endpoint.recv_tensor_into(
-                self._pool, request.SerializeToString(), cache_key=name, timeout=timeout
+                self._pool, header, cache_key=key.tensor_name, timeout=timeout
             )
         except errors.UnimplementedError:
             # Not plain memory (strings, resources): this one tensor goes over gRPC.
-            return await super()._fetch_tensor(request, timeout)
+            return await self._grpc.recv_tensor(step_id, key, timeout)
         return got.value, got.meta == _DEAD
 
-    async def _release(self) -> None:
+    @property
+    def data_path(self) -> str:
+        if self._endpoint is not None:
+            return "verbs"
+        if self._fallback is not None:
+            return f"grpc (fallback: {self._fallback})"
+        return "verbs (not connected yet)"
+
+    async def close(self) -> None:
         try:
             if self._endpoint is not None:
                 await self._endpoint.close()
+        finally:
             if self._pd is not None:
                 await self._pd.close()
-        finally:
-            await super()._release()
-
-    def statistics(self) -> ChannelStatistics:
-        stats = super().statistics()
-        if self._endpoint is not None:
-            path = "verbs"
-        elif self._fallback is not None:
-            path = f"grpc (fallback: {self._fallback})"
-        else:
-            path = "verbs (not connected yet)"
-        return dataclasses.replace(stats, data_path=path)
 
 
-class VerbsTransport(GrpcTransport):
+class VerbsTransport(Transport):
     """Serves like "grpc"; moves tensors between same-host tasks through shared memory.
+
+    Built from the gRPC transport's parts: its server (`serve`) with one more
+    service (the endpoint announcement) and a `TensorServer` beside it, and its
+    channel (`GrpcChannel`) with a `VerbsTensorPath`.
 
     Args:
         strict: Refuse (FailedPreconditionError) instead of falling back to the gRPC
@@ -211,11 +231,14 @@ class VerbsTransport(GrpcTransport):
     def __init__(self, *, strict: bool | None = None) -> None:
         self.strict = os.environ.get(STRICT_ENV) == "1" if strict is None else strict
 
-    async def listen(self, address: str, services: Mapping[str, ServiceHandler]) -> Listener:
-        fetch = services.get(WORKER_SERVICE, {}).get("RecvTensor")
-        hand_over = None if fetch is None else TensorHandOver(fetch)
-        if hand_over is not None:  # gRPC serves what verbs cannot, from the same hand-over
-            services = {**services, WORKER_SERVICE: {**services[WORKER_SERVICE], "RecvTensor": hand_over}}
+    async def listen(
+        self,
+        address: str,
+        services: Mapping[str, ServiceHandler],
+        tensors: TensorSource | None = None,
+    ) -> Listener:
+        # gRPC serves what shared memory cannot carry, from the same hand-over.
+        hand_over = None if tensors is None else TensorHandOver(tensors)
         announcement = b""  # set below, before the server starts
 
         async def get_endpoint(request: bytes, context: Any) -> bytes:
@@ -229,7 +252,7 @@ class VerbsTransport(GrpcTransport):
                 )
             },
         )
-        listener = await self.bind_server(address, services, (handler,))
+        listener = await serve(address, services, hand_over, (handler,))
         calls = listener.calls
 
         async def serve_call(path: str, payload: bytes) -> bytes:
@@ -253,7 +276,8 @@ class VerbsTransport(GrpcTransport):
         return TaskListener(listener, tensor_server, pd)
 
     def connect(self, address: str) -> Channel:
-        return VerbsChannel(address, strict=self.strict)
+        strict = self.strict
+        return GrpcChannel(address, lambda channel, target: VerbsTensorPath(channel, target, strict=strict))
 
 
 def _tensor_source(hand_over: TensorHandOver | None) -> Callable[[bytes], Awaitable[TensorReply]]:
@@ -261,9 +285,10 @@ def _tensor_source(hand_over: TensorHandOver | None) -> Callable[[bytes], Awaita
         if hand_over is None:
             raise errors.UnimplementedError("this server has no WorkerService to serve tensors from")
         request = RecvTensorRequest.FromString(header)
-        value, is_dead = await hand_over.fetch(request)
+        key = parse_rendezvous_key(request.rendezvous_key)
+        value, is_dead = await hand_over.fetch(request.step_id, key)
         if not is_plain(value):
-            hand_over.park(request, value, is_dead)  # the receiver asks again over gRPC
+            hand_over.park(request.step_id, key, value, is_dead)  # the receiver asks again over gRPC
             raise errors.UnimplementedError("tensors that are not plain memory go over gRPC")
         return TensorReply(value, meta=_DEAD if is_dead else _ALIVE)
 
