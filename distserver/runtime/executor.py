@@ -9,6 +9,9 @@ resolves inputs, and rejects cycles. `run(ctx)` then executes one step:
   cost more than the node). Kernels whose inputs are large run in the worker's
   thread pool, and asynchronous kernels (`_Recv`, queues) run as tasks, so
   independent branches proceed concurrently and the loop never blocks on numpy.
+* A node's outputs are dropped as soon as its last consumer has taken them (as
+  TensorFlow frees a tensor when its last consumer has run), so a long chain over a
+  large tensor holds a few of them at a time, not one per node.
 * The first failing node stops the step: the other nodes in flight are cancelled
   and the error names the node.
 """
@@ -54,6 +57,7 @@ class _Node:
     inputs: list[tuple[int, int]]  # (producer index, output index)
     consumers: list[int]  # nodes that wait for this one (data or control), one entry per edge
     num_waits: int  # edges into this node
+    num_reads: int = 0  # data edges out of this node: how many times its outputs are taken
 
 
 class Executor:
@@ -82,6 +86,7 @@ class Executor:
                     )
                 if not is_control:
                     node.inputs.append((src, output))
+                    self._nodes[src].num_reads += 1
                 self._nodes[src].consumers.append(i)
                 node.num_waits += 1
         self._roots = [n.index for n in self._nodes if n.num_waits == 0]
@@ -113,13 +118,16 @@ class Executor:
         """Execute every node once. Raises the first node error (naming the node)."""
         nodes = self._nodes
         waits = [n.num_waits for n in nodes]
+        # Outputs still to be taken by a consumer; a node's entry is dropped with its last read.
+        unread = [n.num_reads for n in nodes]
         outputs: list[list[Any] | None] = [None] * len(nodes)
         ready = deque(self._roots)
         wake = asyncio.Event()
         in_flight = 0
 
         def finish(i: int, values: list[Any]) -> None:
-            outputs[i] = values
+            if unread[i]:
+                outputs[i] = values
             for c in nodes[i].consumers:
                 waits[c] -= 1
                 if waits[c] == 0:
@@ -144,6 +152,10 @@ class Executor:
                     while ready:
                         node = nodes[ready.popleft()]
                         inputs = [_output(nodes, outputs, src, k, node) for src, k in node.inputs]
+                        for src, _ in node.inputs:
+                            unread[src] -= 1
+                            if not unread[src]:
+                                outputs[src] = None
                         if node.kernel.is_async:
                             in_flight += 1
                             group.create_task(run_task(node, inputs, offload=False))
@@ -156,6 +168,7 @@ class Executor:
                             group.create_task(run_task(node, inputs, offload=True))
                         else:
                             finish(node.index, _compute(node.kernel, ctx, inputs))
+                        del inputs  # the kernel holds its inputs only while it runs
                     if in_flight == 0:
                         break
                     await wake.wait()
