@@ -8,6 +8,12 @@ text. A key is sent once and received once per step; either may come first.
 
 A value whose key names a device of another task is fetched from that task with
 RecvTensor (`fetch_remote`); everything else is local.
+
+A step that is not running here is never kept for long: one created by a receive
+that no RunGraph claims, a finished one whose values another task never fetched,
+and a failed one nobody cleans up are dropped after `idle_seconds` (their pending
+receivers get `AbortedError`). Failures are stored without their traceback, so a
+failed step pins no request or feed.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ class StepRendezvous:
 
     def __init__(self, step_id: int, local_task: str, fetch_remote: RemoteFetch | None) -> None:
         self.step_id = step_id
+        self.running = False  # a RunGraph of this step runs here now
+        self.expiry: asyncio.TimerHandle | None = None
         self._local_task = local_task
         self._fetch_remote = fetch_remote
         self._slots: dict[str, asyncio.Future[tuple[Any, bool]]] = {}
@@ -72,7 +80,11 @@ class StepRendezvous:
         return await asyncio.shield(self._slot(key))
 
     def abort(self, error: errors.OpError) -> None:
-        """Fail every pending and future receive of this step with `error`."""
+        """Fail every pending and future receive of this step with (a copy of) `error`.
+
+        The copy has no traceback: the raiser's frames (requests, feeds) stay free.
+        """
+        error = errors.from_status(error.error_code, error.message, node_name=error.node_name)
         if self._error is None:
             self._error = error
         for slot in self._slots.values():
@@ -97,20 +109,69 @@ class StepRendezvous:
         return not self._for_others <= self._handed_over
 
 
+# How long a step that is not running here is kept (see the module docstring).
+IDLE_STEP_SECONDS = 60.0
+
+
 class RendezvousTable:
     """The step rendezvous of one worker, by step id."""
 
-    def __init__(self, local_task: str, fetch_remote: RemoteFetch | None = None) -> None:
+    def __init__(
+        self,
+        local_task: str,
+        fetch_remote: RemoteFetch | None = None,
+        *,
+        idle_seconds: float = IDLE_STEP_SECONDS,
+    ) -> None:
         self._local_task = local_task
         self._fetch_remote = fetch_remote
+        self._idle_seconds = idle_seconds
         self._steps: dict[int, StepRendezvous] = {}
 
     def find_or_create(self, step_id: int) -> StepRendezvous:
+        """The step, made on first use by a receive or a pushed value (then kept only
+        `idle_seconds` unless a RunGraph `start`s it)."""
         step = self._steps.get(step_id)
         if step is None:
-            step = StepRendezvous(step_id, self._local_task, self._fetch_remote)
-            self._steps[step_id] = step
+            step = self._steps[step_id] = StepRendezvous(step_id, self._local_task, self._fetch_remote)
+            self._drop_when_idle(step)
         return step
+
+    def start(self, step_id: int) -> StepRendezvous:
+        """The step, for its RunGraph: kept while it runs."""
+        step = self._steps.get(step_id)
+        if step is None:
+            step = self._steps[step_id] = StepRendezvous(step_id, self._local_task, self._fetch_remote)
+        step.running = True
+        if step.expiry is not None:
+            step.expiry.cancel()
+            step.expiry = None
+        return step
+
+    def failed(self, step_id: int, error: errors.OpError) -> None:
+        """The step's RunGraph failed: its receivers get `error`; the step goes when idle
+        (or at CleanupGraph, whichever comes first)."""
+        step = self._steps.get(step_id)
+        if step is not None:
+            step.abort(error)
+            step.running = False
+            self._drop_when_idle(step)
+
+    def _drop_when_idle(self, step: StepRendezvous) -> None:
+        if step.expiry is None:
+            step.expiry = asyncio.get_running_loop().call_later(self._idle_seconds, self._drop_idle, step)
+
+    def _drop_idle(self, step: StepRendezvous) -> None:
+        step.expiry = None
+        if step.running or self._steps.get(step.step_id) is not step:
+            return
+        del self._steps[step.step_id]
+        step.abort(
+            errors.AbortedError(
+                f"Step {step.step_id} was dropped on {self._local_task}: no RunGraph ran it or fetched "
+                f"its values within {self._idle_seconds:g} s (its master may have failed or restarted)"
+            )
+        )
 
     def release_if_done(self, step_id: int, returned: set[str]) -> bool:
         """Mark a step's RunGraph finished; drop the step unless another task still
@@ -122,8 +183,12 @@ class RendezvousTable:
         if step is None:
             return False
         step.finished = True
+        step.running = False
         step.hand_over(returned)
-        return self._release_if_unneeded(step)
+        if self._release_if_unneeded(step):
+            return True
+        self._drop_when_idle(step)  # a receiver that never comes must not pin it
+        return False
 
     def served(self, step_id: int, key: RendezvousKey) -> None:
         """RecvTensor handed `key` to another task; a finished step may be dropped now."""
@@ -136,19 +201,27 @@ class RendezvousTable:
     def _release_if_unneeded(self, step: StepRendezvous) -> bool:
         if step.needed_elsewhere():
             return False
-        del self._steps[step.step_id]
+        self._drop(step.step_id)
         return True
+
+    def _drop(self, step_id: int) -> StepRendezvous | None:
+        step = self._steps.pop(step_id, None)
+        if step is not None and step.expiry is not None:
+            step.expiry.cancel()
+            step.expiry = None
+        return step
 
     def cleanup(self, step_id: int) -> None:
         """Drop a finished step; receivers still waiting on it are cancelled."""
-        step = self._steps.pop(step_id, None)
+        step = self._drop(step_id)
         if step is not None:
             step.abort(errors.CancelledError(f"Step {step_id} was cleaned up"))
 
     def abort_all(self, error: errors.OpError) -> None:
-        for step in self._steps.values():
-            step.abort(error)
-        self._steps.clear()
+        for step_id in list(self._steps):
+            step = self._drop(step_id)
+            if step is not None:
+                step.abort(error)
 
     def __len__(self) -> int:
         return len(self._steps)

@@ -185,7 +185,7 @@ class Worker:
                 f"Graph handle is not found: {request.graph_handle}. Possibly, this worker just restarted."
             )
         step_id = request.step_id
-        rendezvous = self._rendezvous.find_or_create(step_id)
+        rendezvous = self._rendezvous.start(step_id)
         ctx = StepContext(
             step_id=step_id,
             device=self.device.name,
@@ -211,13 +211,13 @@ class Worker:
             error = errors.DeadlineExceededError(
                 "Timed out waiting for the step to finish on " + self.task_name
             )
-            rendezvous.abort(error)
+            self._rendezvous.failed(step_id, error)
             raise error from exc
         except errors.OpError as exc:
-            rendezvous.abort(exc)
+            self._rendezvous.failed(step_id, exc)
             raise
         except asyncio.CancelledError:
-            rendezvous.abort(errors.CancelledError("Step was cancelled"))
+            self._rendezvous.failed(step_id, errors.CancelledError("Step was cancelled"))
             raise
         return results
 
