@@ -18,6 +18,11 @@ or the typed `*_val` field of the dtype, where fewer values than elements are pa
 with the last value (the one-element broadcast of the proto's comment is the common
 case) and no values at all mean zeros.
 
+Padding lets a few bytes claim any amount of memory (a shape of ``[2**40]`` with no
+values), so every decode is charged to a `DecodeBudget` before anything is
+allocated: by default each tensor may take `DEFAULT_DECODE_LIMIT_BYTES`; callers
+that decode a whole request share one budget across its tensors.
+
 Example::
 
     >>> proto = to_tensor_proto([1.0, 2.0])
@@ -32,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
+import os
 import sys
 from collections.abc import Iterable, Sequence
 from typing import Any, Final, SupportsIndex, cast
@@ -47,6 +53,8 @@ from distserver.protos.tensor_pb2 import TensorProto, VariantTensorDataProto
 from distserver.protos.tensor_shape_pb2 import TensorShapeProto
 
 __all__ = [
+    "DEFAULT_DECODE_LIMIT_BYTES",
+    "DecodeBudget",
     "ResourceHandle",
     "Shape",
     "as_datatype",
@@ -589,8 +597,73 @@ def _variant_elements(array: NDArray[Any]) -> list[VariantTensorDataProto]:
 
 # --------------------------------------------------------------------------- proto -> numpy
 
+DECODE_LIMIT_ENV: Final = "DISTSERVER_DECODE_LIMIT_BYTES"
+PADDING_LIMIT_ENV: Final = "DISTSERVER_DECODE_PADDING_LIMIT_BYTES"
+DEFAULT_DECODE_LIMIT_BYTES: Final = int(os.environ.get(DECODE_LIMIT_ENV, "") or 4 << 30)
+"""What the tensors decoded from one message may take in memory (4 GiB unless the
+`DISTSERVER_DECODE_LIMIT_BYTES` environment variable says otherwise)."""
+DEFAULT_PADDING_LIMIT_BYTES: Final = int(os.environ.get(PADDING_LIMIT_ENV, "") or 256 << 20)
+"""What the elements a message claims without carrying them (padding of typed fields)
+may take (256 MiB unless `DISTSERVER_DECODE_PADDING_LIMIT_BYTES` says otherwise): a
+few bytes on the wire must not make a task allocate gigabytes."""
 
-def from_tensor_proto(proto: TensorProto, *, writable: bool = False) -> NDArray[Any]:
+# What one element of a string, resource or variant tensor takes at least: its pointer.
+_OBJECT_ELEMENT_BYTES: Final = 8
+
+
+class DecodeBudget:
+    """The memory the tensors decoded from one message may take, charged before allocating.
+
+    Two limits: everything decoded (`limit_bytes`), and the part of it that the
+    message claims without carrying (`padding_limit_bytes`: elements a typed field
+    leaves out, which TensorFlow fills with the last value or zeros).
+
+    Args:
+        limit_bytes: Default `DEFAULT_DECODE_LIMIT_BYTES`.
+        padding_limit_bytes: Default `DEFAULT_PADDING_LIMIT_BYTES`.
+        what: What is being decoded, for the error ("a RunGraph request").
+
+    Raises (from `charge`):
+        errors.ResourceExhaustedError: a tensor would exceed what is left; the message
+            names the tensor's type and shape, the limit, and how to raise it.
+    """
+
+    def __init__(
+        self,
+        limit_bytes: int | None = None,
+        padding_limit_bytes: int | None = None,
+        *,
+        what: str = "a message",
+    ) -> None:
+        self.limit_bytes = DEFAULT_DECODE_LIMIT_BYTES if limit_bytes is None else limit_bytes
+        self.padding_limit_bytes = (
+            DEFAULT_PADDING_LIMIT_BYTES if padding_limit_bytes is None else padding_limit_bytes
+        )
+        self.what = what
+        self.used_bytes = 0
+        self.padding_bytes = 0
+
+    def charge(self, proto: TensorProto, nbytes: int, padding_nbytes: int) -> None:
+        """Take `nbytes` for `proto`'s value, `padding_nbytes` of them not carried by the message."""
+        for used, limit, kind, env in (
+            (self.used_bytes + nbytes, self.limit_bytes, "decoded tensors", DECODE_LIMIT_ENV),
+            (self.padding_bytes + padding_nbytes, self.padding_limit_bytes, "padding", PADDING_LIMIT_ENV),
+        ):
+            if used > limit:
+                raise errors.ResourceExhaustedError(
+                    f"A TensorProto of type {datatype_name(proto.dtype)} and shape "
+                    f"{_shape_text(proto.tensor_shape)} in {self.what} would take {nbytes} bytes once "
+                    f"decoded, over the limit of {limit} bytes of {kind} per message. If that tensor "
+                    f"is meant, raise the limit with the {env} environment variable of the server "
+                    "process."
+                )
+        self.used_bytes += nbytes
+        self.padding_bytes += padding_nbytes
+
+
+def from_tensor_proto(
+    proto: TensorProto, *, writable: bool = False, budget: DecodeBudget | None = None
+) -> NDArray[Any]:
     """Return the numpy array a TensorProto holds.
 
     Reads ``tensor_content`` when it is set, else the typed field of the dtype
@@ -608,6 +681,8 @@ def from_tensor_proto(proto: TensorProto, *, writable: bool = False) -> NDArray[
     Args:
         proto: The tensor proto.
         writable: Return an array that may be modified in place.
+        budget: Charged with the decoded size before anything is allocated; by
+            default a budget of `DEFAULT_DECODE_LIMIT_BYTES` for this tensor alone.
 
     Returns:
         The tensor value: a numeric array, or an object array of bytes (DT_STRING),
@@ -617,12 +692,17 @@ def from_tensor_proto(proto: TensorProto, *, writable: bool = False) -> NDArray[
         errors.InvalidArgumentError: For an unsupported dtype, a shape that is not
             fully defined, a ``tensor_content`` whose size does not match the shape,
             or more typed values than the shape has elements.
+        errors.ResourceExhaustedError: The tensor would take more than the budget.
     """
     datatype = _base_datatype(proto.dtype)
     dtype = as_numpy_dtype(datatype)
     shape = _value_shape(proto)
     count = math.prod(shape)
     content = proto.tensor_content
+    element_bytes = _OBJECT_ELEMENT_BYTES if dtype == _OBJECT else dtype.itemsize
+    padding = 0 if content else max(count - _typed_length(proto, datatype), 0)
+    nbytes = count * element_bytes + (len(content) if dtype == _OBJECT else 0)
+    (budget or DecodeBudget()).charge(proto, nbytes, padding * element_bytes)
 
     if dtype == _OBJECT:
         if content:
@@ -660,13 +740,39 @@ def _from_typed_field(proto: TensorProto, datatype: int, dtype: np.dtype[Any], c
     # TensorFlow's FromProtoField: repeat the last value to fill the shape.
     out = np.empty(count, dtype=dtype)
     out[:present] = values
-    if dtype == _OBJECT:
-        last = values[-1]
-        for index in range(present, count):
-            out[index] = last
-    else:
-        out[present:] = values[-1]
+    out[present:].fill(values[-1])  # object tensors: the same (immutable) item, no Python loop
     return out
+
+
+def _typed_length(proto: TensorProto, datatype: int) -> int:
+    """How many values the dtype's typed field carries (before anything is decoded)."""
+    field = _TYPED_FIELDS.get(datatype)
+    if field is None:
+        return 0
+    count = len(getattr(proto, field))
+    return count // 2 if datatype in (_DT.DT_COMPLEX64, _DT.DT_COMPLEX128) else count
+
+
+_TYPED_FIELDS: Final[dict[int, str]] = {
+    _DT.DT_FLOAT: "float_val",
+    _DT.DT_DOUBLE: "double_val",
+    _DT.DT_INT32: "int_val",
+    _DT.DT_INT16: "int_val",
+    _DT.DT_INT8: "int_val",
+    _DT.DT_UINT8: "int_val",
+    _DT.DT_UINT16: "int_val",
+    _DT.DT_INT64: "int64_val",
+    _DT.DT_BOOL: "bool_val",
+    _DT.DT_UINT32: "uint32_val",
+    _DT.DT_UINT64: "uint64_val",
+    _DT.DT_HALF: "half_val",
+    _DT.DT_BFLOAT16: "half_val",
+    _DT.DT_COMPLEX64: "scomplex_val",
+    _DT.DT_COMPLEX128: "dcomplex_val",
+    _DT.DT_STRING: "string_val",
+    _DT.DT_RESOURCE: "resource_handle_val",
+    _DT.DT_VARIANT: "variant_val",
+}
 
 
 def _typed_values(proto: TensorProto, datatype: int, dtype: np.dtype[Any]) -> NDArray[Any]:
@@ -726,13 +832,16 @@ def _copy_variant(item: VariantTensorDataProto) -> VariantTensorDataProto:
 
 
 def _zeros(datatype: int, dtype: np.dtype[Any], count: int) -> NDArray[Any]:
+    if dtype != _OBJECT:
+        return np.zeros(count, dtype=dtype)
+    out = np.empty(count, dtype=dtype)
     if datatype == _DT.DT_STRING:
-        return _object_array([b""] * count)
-    if datatype == _DT.DT_RESOURCE:
-        return _object_array([ResourceHandle("", "", "")] * count)
-    if datatype == _DT.DT_VARIANT:
-        return _object_array([VariantTensorDataProto() for _ in range(count)])
-    return np.zeros(count, dtype=dtype)
+        out.fill(b"")
+    elif datatype == _DT.DT_RESOURCE:
+        out.fill(ResourceHandle("", "", ""))
+    else:  # one empty variant shared by every element (values are never changed in place)
+        out.fill(VariantTensorDataProto())
+    return out
 
 
 def _object_from_content(proto: TensorProto, datatype: int, content: bytes, count: int) -> NDArray[Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+import tracemalloc
 
 import hypothesis.extra.numpy as hnp
 import ml_dtypes
@@ -17,6 +18,7 @@ from distserver.protos.resource_handle_pb2 import ResourceHandleProto
 from distserver.protos.tensor_pb2 import TensorProto, VariantTensorDataProto
 from distserver.protos.tensor_shape_pb2 import TensorShapeProto
 from distserver.tensors import (
+    DecodeBudget,
     ResourceHandle,
     as_datatype,
     as_numpy_dtype,
@@ -682,3 +684,59 @@ def test_tensor_nbytes():
     assert tensor_nbytes(HANDLE) == HANDLE.to_proto().ByteSize()
     with pytest.raises(TypeError):
         tensor_nbytes(np.array([object()]))
+
+
+# -- budgets: a few bytes must not claim gigabytes -------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("datatype", "elements"),
+    [
+        (t.DT_VARIANT, 1 << 40),  # 23 bytes on the wire: took a task down once
+        (t.DT_STRING, 1 << 30),
+        (t.DT_FLOAT, 1 << 30),
+        (t.DT_RESOURCE, 1 << 28),
+    ],
+)
+def test_a_tiny_proto_claiming_a_huge_shape_is_refused_before_anything_is_allocated(datatype, elements):
+    proto = TensorProto(dtype=datatype)
+    proto.tensor_shape.dim.add(size=elements)
+    assert len(proto.SerializeToString()) < 32
+    tracemalloc.start()
+    try:
+        with pytest.raises(errors.ResourceExhaustedError, match="DISTSERVER_DECODE") as info:
+            from_tensor_proto(proto)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20
+    assert f"shape [{elements}]" in info.value.message
+
+
+def test_padding_is_bounded_but_values_that_travel_are_not():
+    budget = DecodeBudget(limit_bytes=1 << 30, padding_limit_bytes=1 << 10)
+    carried = to_tensor_proto(np.zeros(4096, np.float32))  # 16 KiB in tensor_content
+    assert from_tensor_proto(carried, budget=budget).shape == (4096,)
+    padded = TensorProto(dtype=t.DT_FLOAT, float_val=[1.0])
+    padded.tensor_shape.dim.add(size=4096)
+    with pytest.raises(errors.ResourceExhaustedError, match="1024 bytes of padding per message"):
+        from_tensor_proto(padded, budget=budget)
+
+
+def test_one_budget_is_shared_by_the_tensors_of_a_message():
+    budget = DecodeBudget(limit_bytes=10_000, what="a RunGraph request")
+    proto = to_tensor_proto(np.zeros(1000, np.float32))  # 4,000 bytes each
+    from_tensor_proto(proto, budget=budget)
+    from_tensor_proto(proto, budget=budget)
+    with pytest.raises(errors.ResourceExhaustedError, match=r"in a RunGraph request .* limit of 10000 bytes"):
+        from_tensor_proto(proto, budget=budget)
+    assert budget.used_bytes == 8000
+
+
+def test_padded_object_tensors_share_their_item_without_a_python_loop():
+    proto = TensorProto(dtype=t.DT_VARIANT)
+    proto.tensor_shape.dim.add(size=1 << 20)
+    value = from_tensor_proto(proto)
+    assert value.shape == (1 << 20,)
+    assert value[0] is value[-1]
+    assert value[0] == VariantTensorDataProto()

@@ -1,0 +1,46 @@
+"""A live server refuses requests whose tensors claim more memory than they carry, and goes on serving."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import distserver as ds
+from distserver import errors
+from distserver.protos import master_pb2 as m
+from distserver.protos import types_pb2
+from distserver.protos import worker_pb2 as w
+from distserver.protos.services import MASTER_SERVICE, WORKER_SERVICE
+from distserver.protos.tensor_pb2 import TensorProto
+from distserver.transports import get_transport
+
+
+def _claims_a_terabyte() -> TensorProto:
+    proto = TensorProto(dtype=types_pb2.DT_VARIANT)
+    proto.tensor_shape.dim.add(size=1 << 40)
+    return proto
+
+
+async def test_a_tiny_feed_claiming_a_terabyte_is_refused_and_the_task_keeps_serving():
+    async with ds.AsyncServer({"local": ["localhost:0"]}) as server:
+        with ds.Graph().as_default() as graph:
+            x = ds.placeholder(ds.float32, shape=[], name="x")
+            y = x * 2.0
+        channel = get_transport("grpc").connect(server.target.removeprefix("grpc://"))
+        try:
+            create = m.CreateSessionRequest(graph_def=graph.as_graph_def())
+            created = await channel.call(MASTER_SERVICE, "CreateSession", create, timeout=30)
+            step = m.RunStepRequest(session_handle=created.session_handle, fetch=[y.name])
+            step.feed.add(name=x.name).tensor.CopyFrom(_claims_a_terabyte())
+            assert len(step.feed[0].tensor.SerializeToString()) < 32
+            with pytest.raises(errors.ResourceExhaustedError, match="DISTSERVER_DECODE_LIMIT_BYTES"):
+                await channel.call(MASTER_SERVICE, "RunStep", step, timeout=30)
+
+            run_graph = w.RunGraphRequest(graph_handle="whatever", step_id=1)
+            run_graph.send.add(name="k").tensor.CopyFrom(_claims_a_terabyte())
+            with pytest.raises(errors.ResourceExhaustedError, match="DISTSERVER_DECODE_LIMIT_BYTES"):
+                await channel.call(WORKER_SERVICE, "RunGraph", run_graph, timeout=30)
+        finally:
+            await channel.close()
+        async with ds.AsyncSession(server.target, graph=graph) as session:
+            assert await session.run(y, feed_dict={x: np.float32(3)}) == 6.0
