@@ -34,7 +34,7 @@ from distserver.kernels._common import (
     summarize,
     type_name,
 )
-from distserver.kernels.registry import KernelContext, OpKernel, register_kernel
+from distserver.kernels.registry import KernelContext, OpKernel, product_of, register_kernel
 from distserver.tensors import from_tensor_proto
 
 if TYPE_CHECKING:
@@ -198,6 +198,9 @@ class RankKernel(_OutTypeKernel):
 
 @register_kernel("Fill")
 class FillKernel(_TypedKernel):
+    def output_nbytes(self, inputs: list[Any]) -> int:
+        return product_of(inputs[0]) * self.dtype.itemsize
+
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
         dims, value = inputs
         if dims.ndim != 1:
@@ -288,6 +291,9 @@ class SqueezeKernel(_TypedKernel):
 
 @register_kernel("Tile")
 class TileKernel(_TypedKernel):
+    def output_nbytes(self, inputs: list[Any]) -> int:
+        return int(getattr(inputs[0], "nbytes", 0)) * product_of(inputs[1])
+
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
         x, multiples_value = inputs
         multiples = int_list(self, multiples_value, "multiples")
@@ -305,6 +311,9 @@ class TileKernel(_TypedKernel):
 
 @register_kernel("BroadcastTo")
 class BroadcastToKernel(_TypedKernel):
+    def output_nbytes(self, inputs: list[Any]) -> int:
+        return product_of(inputs[1]) * self.dtype.itemsize
+
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
         x, shape_value = inputs
         shape = tuple(int_list(self, shape_value, "shape"))
@@ -432,6 +441,13 @@ class RangeKernel(OpKernel):
     def __init__(self, node: NodeDef) -> None:
         super().__init__(node)
         self.dtype = attr_type_in(self, "Tidx", REAL, default=INT32)
+
+    def output_nbytes(self, inputs: list[Any]) -> int:
+        try:
+            start, limit, delta = (float(np.asarray(v).reshape(-1)[0]) for v in inputs)
+            return int(max((limit - start) / delta, 0.0)) * self.dtype.itemsize
+        except (TypeError, ValueError, IndexError, ZeroDivisionError, OverflowError):
+            return 0
 
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
         for i, (value, what) in enumerate(zip(inputs, ("start", "limit", "delta"), strict=True)):
@@ -728,6 +744,9 @@ class OneHotKernel(_TypedKernel):
     def __init__(self, node: NodeDef) -> None:
         super().__init__(node)
         self.axis = self.attr_int("axis", -1)
+
+    def output_nbytes(self, inputs: list[Any]) -> int:
+        return int(getattr(inputs[0], "size", 0)) * product_of(inputs[1]) * self.dtype.itemsize
 
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
         indices, depth_value, on_value, off_value = inputs

@@ -29,7 +29,7 @@ from distserver.kernels._common import (
     kernel_error,
     shape_str,
 )
-from distserver.kernels.registry import KernelContext, OpKernel, register_kernel
+from distserver.kernels.registry import KernelContext, OpKernel, product_of, register_kernel
 
 if TYPE_CHECKING:
     from distserver.protos.node_def_pb2 import NodeDef
@@ -48,6 +48,7 @@ class _RandomKernel(OpKernel):
     """Reads `seed`/`seed2` and owns the node's generator (one per kernel instance)."""
 
     is_stateful = True
+    dtype: np.dtype[Any]  # of the output, set by each kernel
 
     def __init__(self, node: NodeDef) -> None:
         super().__init__(node)
@@ -60,6 +61,9 @@ class _RandomKernel(OpKernel):
         self.generator = np.random.Generator(bit_generator)
         # Steps of one graph may run this node concurrently from worker threads.
         self.lock = threading.Lock()
+
+    def output_nbytes(self, inputs: list[Any]) -> int:
+        return product_of(inputs[0]) * self.dtype.itemsize
 
     def _shape(self, value: np.ndarray) -> list[int]:
         shape = int_list(self, value, "shape")

@@ -15,6 +15,7 @@ TensorFlow clients.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
@@ -118,6 +119,16 @@ class OpKernel:
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
         raise NotImplementedError
 
+    def output_nbytes(self, inputs: list[Any]) -> int:
+        """Bytes this kernel will write for `inputs`, where that does not follow from their size.
+
+        Kernels whose output can dwarf their inputs (Fill, Tile, Range, random
+        tensors, ...) say so, and the executor sends them to the thread pool like a
+        kernel with large inputs. A cheap estimate; 0 when unknown or malformed (the
+        kernel reports bad inputs when it runs).
+        """
+        return 0
+
     async def compute_async(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
         return self.compute(ctx, inputs)
 
@@ -166,6 +177,15 @@ class OpKernel:
         if default is not None and name not in self.node.attr:
             return default
         return list(self._attr(name).list.i)
+
+
+def product_of(value: Any) -> int:
+    """The product of a shape-like tensor's values (negative sizes count as 0); 0 if it has none."""
+    try:
+        sizes = np.asarray(value).reshape(-1).tolist()
+        return math.prod(max(int(size), 0) for size in sizes)
+    except (TypeError, ValueError, OverflowError):
+        return 0
 
 
 def _dereference(kernel: OpKernel, inputs: list[Any]) -> list[Any]:

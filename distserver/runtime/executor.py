@@ -6,8 +6,9 @@ resolves inputs, and rejects cycles. `run(ctx)` then executes one step:
 
 * Ready-queue scheduling: a node runs once all its data and control inputs have.
 * Small synchronous kernels run inline on the event loop (a task per node would
-  cost more than the node). Kernels whose inputs are large run in the worker's
-  thread pool, and asynchronous kernels (`_Recv`, queues) run as tasks, so
+  cost more than the node). Kernels whose inputs are large, or whose output will
+  be (`OpKernel.output_nbytes`: Fill, Tile, Range, random tensors), run in the
+  worker's thread pool, and asynchronous kernels (`_Recv`, queues) run as tasks, so
   independent branches proceed concurrently and the loop never blocks on numpy.
 * A node's outputs are dropped as soon as its last consumer has taken them (as
   TensorFlow frees a tensor when its last consumer has run), so a long chain over a
@@ -58,6 +59,7 @@ class _Node:
     consumers: list[int]  # nodes that wait for this one (data or control), one entry per edge
     num_waits: int  # edges into this node
     num_reads: int = 0  # data edges out of this node: how many times its outputs are taken
+    sizes_its_output: bool = False  # the kernel estimates its output (`OpKernel.output_nbytes`)
 
 
 class Executor:
@@ -74,7 +76,8 @@ class Executor:
         self._nodes: list[_Node] = []
         for i, node_def in enumerate(graph_def.node):
             kernel = create_kernel(node_def)
-            self._nodes.append(_Node(i, kernel, [], [], 0))
+            sizes_output = type(kernel).output_nbytes is not OpKernel.output_nbytes
+            self._nodes.append(_Node(i, kernel, [], [], 0, sizes_its_output=sizes_output))
         for i, node_def in enumerate(graph_def.node):
             node = self._nodes[i]
             for text in node_def.input:
@@ -159,11 +162,7 @@ class Executor:
                         if node.kernel.is_async:
                             in_flight += 1
                             group.create_task(run_task(node, inputs, offload=False))
-                        elif (
-                            ctx.pool is not None
-                            and not node.kernel.runs_on_loop
-                            and _nbytes(inputs) >= OFFLOAD_BYTES
-                        ):
+                        elif ctx.pool is not None and _belongs_in_a_thread(node, inputs):
                             in_flight += 1
                             group.create_task(run_task(node, inputs, offload=True))
                         else:
@@ -190,8 +189,14 @@ def _output(nodes: list[_Node], outputs: list[list[Any] | None], src: int, k: in
     return values[k]
 
 
-def _nbytes(values: list[Any]) -> int:
-    return sum(v.nbytes for v in values if isinstance(v, np.ndarray))
+def _belongs_in_a_thread(node: _Node, inputs: list[Any]) -> bool:
+    """Whether the kernel's work is large enough for a thread: large inputs, or a large output."""
+    if node.kernel.runs_on_loop:
+        return False
+    nbytes = sum(v.nbytes for v in inputs if isinstance(v, np.ndarray))
+    if node.sizes_its_output:
+        nbytes += node.kernel.output_nbytes(inputs)
+    return nbytes >= OFFLOAD_BYTES
 
 
 def _compute(kernel: OpKernel, ctx: KernelContext, inputs: list[Any]) -> list[Any]:

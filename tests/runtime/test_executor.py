@@ -10,6 +10,8 @@ import pytest
 
 import distserver as ds
 from distserver.kernels.resources import ResourceManager
+from distserver.protos import types_pb2
+from distserver.protos.attr_value_pb2 import AttrValue
 from distserver.runtime.executor import Executor, StepContext
 from distserver.runtime.rendezvous import StepRendezvous
 
@@ -50,3 +52,51 @@ async def test_a_chain_holds_a_few_intermediates_not_one_per_node(offload):
     # Kept: the node running, its input and perhaps the one just produced. Keeping
     # every output until the step ends would be 41 tensors.
     assert peak < 6 * nbytes, f"peak {peak / MiB:.0f} MiB for a chain of 4 MiB tensors"
+
+
+def _random_uniform(shape: list[int], name: str) -> None:
+    """A RandomUniform node (the graph API has no random ops; TensorFlow clients send them)."""
+    graph = ds.get_default_graph()
+    dims = ds.constant(np.array(shape, np.int32))
+    attrs = {"dtype": AttrValue(type=types_pb2.DT_FLOAT), "T": AttrValue(type=types_pb2.DT_INT32)}
+    graph.create_op("RandomUniform", [dims], [np.float32], name=name, attrs=attrs)
+
+
+class _CountingPool(concurrent.futures.ThreadPoolExecutor):
+    """A thread pool that records which kernels it ran."""
+
+    def __init__(self) -> None:
+        super().__init__(2)
+        self.kernels: list[str] = []
+
+    def submit(self, fn, /, *args, **kwargs):
+        self.kernels.append(args[0].name)  # the executor submits _compute(kernel, ctx, inputs)
+        return super().submit(fn, *args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("build", "large"),
+    [
+        (lambda n: ds.fill([n], np.float32(1.0), name="out"), True),
+        (lambda n: _random_uniform([n], name="out"), True),
+        (lambda n: ds.tile(ds.constant([1.0, 2.0]), [n // 2], name="out"), True),
+        (lambda n: ds.range(0, n, name="out"), True),
+        (lambda n: ds.fill([16], np.float32(1.0), name="out"), False),
+    ],
+    ids=["fill", "random_uniform", "tile", "range", "small-fill"],
+)
+async def test_kernels_with_small_inputs_and_a_large_output_leave_the_event_loop(build, large):
+    with ds.Graph().as_default() as graph:
+        build(4 * MiB)
+    executor = Executor(graph.as_graph_def())
+    with _CountingPool() as pool:
+        ctx = StepContext(
+            step_id=1,
+            device=DEVICE,
+            device_incarnation=1,
+            rendezvous=StepRendezvous(1, TASK, None),
+            resources=ResourceManager(),
+            pool=pool,
+        )
+        await executor.run(ctx)
+    assert ("out" in pool.kernels) is large, pool.kernels
