@@ -28,10 +28,11 @@ from __future__ import annotations
 import abc
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, cast
 
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 
+from distserver import errors
 from distserver.devices import RendezvousKey
 
 # A service implementation: method name ("RunStep") -> coroutine taking the request
@@ -43,6 +44,21 @@ ServiceHandler = Mapping[str, Callable[[Any], Awaitable[Any]]]
 # for it). A listener serves WorkerService's RecvTensor, and whatever faster paths
 # its transport has, from this; each transport encodes the value its own way.
 TensorSource = Callable[[int, RendezvousKey], Awaitable[tuple[Any, bool]]]
+
+MessageT = TypeVar("MessageT", bound=Message)
+
+
+def parse_request(request_cls: type[MessageT], data: bytes | memoryview) -> MessageT:
+    """`request_cls` parsed from a peer's bytes; malformed bytes are the caller's error.
+
+    Raises:
+        InvalidArgumentError: naming the message type (a peer that sends garbage gets
+            INVALID_ARGUMENT, as from TensorFlow, not an UNKNOWN with a logged traceback).
+    """
+    try:
+        return request_cls.FromString(cast(bytes, data))  # FromString takes any buffer
+    except DecodeError as exc:
+        raise errors.InvalidArgumentError(f"Could not parse the {request_cls.__name__}: {exc}") from None
 
 
 @dataclass(frozen=True)

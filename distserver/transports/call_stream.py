@@ -37,14 +37,18 @@ from typing import Any
 
 import grpc
 import grpc.aio
+from google.protobuf.message import Message
 
 from distserver import errors
 from distserver.protos.services import SERVICES
+from distserver.transports.base import parse_request
 
 METHOD = "/distserver.Calls/Stream"
 
 _CALL, _CANCEL = 0, 1
 _OK, _ERROR, _BODY_FOLLOWS = 0, 1, 2
+# Calls one stream may have running at once (a peer cannot make a task start unbounded work).
+MAX_CALLS_PER_STREAM = 4096
 _INLINE_RESPONSE_BYTES = 2 << 20  # above the 1 MiB values a RunGraph response may carry
 _REQUEST_HEAD = struct.Struct("<QBH")  # call id, kind, path length
 _RESPONSE_HEAD = struct.Struct("<QBi")  # call id, kind, status code
@@ -87,8 +91,8 @@ class CallStreamServer:
         on_unexpected: Callable[[Exception, str], None],
     ) -> None:
         self._handlers = dict(handlers)
-        self._decoders: dict[str, Callable[[Any], Any]] = {  # FromString takes any buffer
-            f"/{service}/{method}": request_cls.FromString
+        self._request_types: dict[str, type[Message]] = {
+            f"/{service}/{method}": request_cls
             for service, table in SERVICES.items()
             for method, (request_cls, _) in table.items()
         }
@@ -133,7 +137,11 @@ class CallStreamServer:
     async def _read(self, stream: _ServerStream, context: grpc.aio.ServicerContext[bytes, bytes]) -> None:
         try:
             while (frame := await context.read()) is not _EOF:
-                call_id, kind, path_len = _REQUEST_HEAD.unpack_from(frame)
+                try:
+                    call_id, kind, path_len = _REQUEST_HEAD.unpack_from(frame)
+                    path = bytes(frame[_REQUEST_HEAD.size : _REQUEST_HEAD.size + path_len]).decode()
+                except (struct.error, UnicodeDecodeError):
+                    return  # not a distserver peer: end its stream, quietly
                 if kind == _CANCEL:
                     task = stream.running.get(call_id)
                     if task is not None:
@@ -142,10 +150,16 @@ class CallStreamServer:
                     stream.outgoing.put_nowait(
                         _error_frame(call_id, errors.UNAVAILABLE, "the server is stopping")
                     )
+                elif call_id in stream.running or len(stream.running) >= MAX_CALLS_PER_STREAM:
+                    stream.outgoing.put_nowait(
+                        _error_frame(
+                            call_id,
+                            errors.RESOURCE_EXHAUSTED,
+                            f"call {call_id} is running already, or {MAX_CALLS_PER_STREAM} calls are",
+                        )
+                    )
                 else:
-                    start = _REQUEST_HEAD.size
-                    path = frame[start : start + path_len].decode()
-                    payload = memoryview(frame)[start + path_len :]
+                    payload = memoryview(frame)[_REQUEST_HEAD.size + path_len :]
                     stream.running[call_id] = asyncio.ensure_future(
                         self._answer(stream, call_id, path, payload)
                     )
@@ -160,11 +174,11 @@ class CallStreamServer:
         """Run one call: its serialized response. Raises the handler's OpError; any
         other error is reported to `on_unexpected` and raised as UnknownError."""
         fn = self._handlers.get(path)
-        decode = self._decoders.get(path)
-        if fn is None or decode is None:
+        request_cls = self._request_types.get(path)
+        if fn is None or request_cls is None:
             raise errors.UnimplementedError(f"{path} is not served by this distserver task")
         try:
-            body: bytes = (await fn(decode(payload))).SerializeToString()
+            body: bytes = (await fn(parse_request(request_cls, payload))).SerializeToString()
         except Exception as exc:
             if isinstance(exc, errors.OpError):
                 raise

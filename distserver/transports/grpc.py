@@ -58,6 +58,7 @@ from distserver.transports.base import (
     ServiceHandler,
     TensorSource,
     Transport,
+    parse_request,
 )
 from distserver.wire import (
     TensorAssembler,
@@ -128,15 +129,19 @@ def error_from_rpc(exc: grpc.aio.AioRpcError, *, target: str, method: str) -> er
 
 async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: Exception, where: Any) -> None:
     if not isinstance(exc, errors.OpError):
-        logger.exception("unexpected error in %s", getattr(where, "__name__", where))
+        _log_unexpected(exc, getattr(where, "__name__", str(where)))
     code, message = errors.to_status(exc)
     await context.abort(grpc_status(code), message, trailing_metadata=((_HANDLER_ERROR_KEY, "1"),))
 
 
-def _wrap(fn: Callable[[Any], Awaitable[Any]]) -> Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Any]:
-    async def handle(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+def _wrap(
+    fn: Callable[[Any], Awaitable[Any]], request_cls: type[Message]
+) -> Callable[[bytes, grpc.aio.ServicerContext[Any, Any]], Any]:
+    # The request arrives as bytes and is parsed here, so that malformed bytes are
+    # INVALID_ARGUMENT rather than grpc's UNKNOWN with a logged traceback.
+    async def handle(data: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         try:
-            return await fn(request)
+            return await fn(parse_request(request_cls, data))
         except Exception as exc:
             await _abort(context, exc, fn)
         raise AssertionError("unreachable: context.abort raises")
@@ -186,8 +191,9 @@ def _recv_tensor_handlers(hand_over: TensorHandOver) -> tuple[Any, Any]:
     A value the unary call redirects to the stream is parked for the stream call.
     """
 
-    async def unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+    async def unary(data: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
         try:
+            request = parse_request(RecvTensorRequest, data)
             key = parse_rendezvous_key(request.rendezvous_key)
             value, is_dead = await hand_over.fetch(request.step_id, key)
             stream_above = dict(context.invocation_metadata() or ()).get(_STREAM_ABOVE_KEY)
@@ -202,8 +208,9 @@ def _recv_tensor_handlers(hand_over: TensorHandOver) -> tuple[Any, Any]:
             await _abort(context, exc, "RecvTensor")
         raise AssertionError("unreachable: context.abort raises")
 
-    async def stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[bytes]:
+    async def stream(data: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[bytes]:
         try:
+            request = parse_request(RecvTensorRequest, data)
             key = parse_rendezvous_key(request.rendezvous_key)
             value, is_dead = await hand_over.fetch(request.step_id, key)
         except Exception as exc:
@@ -213,12 +220,8 @@ def _recv_tensor_handlers(hand_over: TensorHandOver) -> tuple[Any, Any]:
             yield chunk
 
     return (
-        grpc.unary_unary_rpc_method_handler(
-            unary, request_deserializer=RecvTensorRequest.FromString, response_serializer=_raw
-        ),
-        grpc.unary_stream_rpc_method_handler(
-            stream, request_deserializer=RecvTensorRequest.FromString, response_serializer=_raw
-        ),
+        grpc.unary_unary_rpc_method_handler(unary, request_deserializer=_raw, response_serializer=_raw),
+        grpc.unary_stream_rpc_method_handler(stream, request_deserializer=_raw, response_serializer=_raw),
     )
 
 
@@ -492,8 +495,21 @@ class GrpcChannel(Channel):
         )
 
 
+# (where, exception type) pairs whose traceback was logged: a peer that triggers the
+# same bug in a loop must not flood the log.
+_LOGGED_UNEXPECTED: set[tuple[str, type[BaseException]]] = set()
+_LOGGED_UNEXPECTED_LIMIT = 256
+
+
 def _log_unexpected(exc: Exception, where: str) -> None:
-    logger.error("unexpected error in %s", where, exc_info=exc)
+    """Log a handler's non-OpError (a bug): with its traceback the first time per place and type."""
+    seen = (where, type(exc))
+    if seen in _LOGGED_UNEXPECTED:
+        logger.debug("unexpected error in %s again: %r", where, exc)
+        return
+    if len(_LOGGED_UNEXPECTED) < _LOGGED_UNEXPECTED_LIMIT:
+        _LOGGED_UNEXPECTED.add(seen)
+    logger.error("unexpected error in %s (later ones like it are logged at debug level)", where, exc_info=exc)
 
 
 def _serialize(message: Message) -> bytes:
@@ -536,9 +552,7 @@ async def serve(
         for method, (request_cls, _) in SERVICES[service].items():
             fn = handler.get(method) or _unimplemented(service, method)
             rpc_handlers[method] = grpc.unary_unary_rpc_method_handler(
-                _wrap(fn),
-                request_deserializer=request_cls.FromString,
-                response_serializer=_serialize,
+                _wrap(fn, request_cls), request_deserializer=_raw, response_serializer=_serialize
             )
         if service == WORKER_SERVICE and tensors is not None:
             unary, stream = _recv_tensor_handlers(tensors)

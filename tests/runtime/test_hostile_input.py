@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import struct
+
+import grpc
+import grpc.aio
 import numpy as np
 import pytest
 
@@ -10,9 +16,9 @@ from distserver import errors
 from distserver.protos import master_pb2 as m
 from distserver.protos import types_pb2
 from distserver.protos import worker_pb2 as w
-from distserver.protos.services import MASTER_SERVICE, WORKER_SERVICE
+from distserver.protos.services import MASTER_SERVICE, SERVICES, WORKER_SERVICE
 from distserver.protos.tensor_pb2 import TensorProto
-from distserver.transports import get_transport
+from distserver.transports import call_stream, get_transport
 
 
 def _claims_a_terabyte() -> TensorProto:
@@ -44,3 +50,34 @@ async def test_a_tiny_feed_claiming_a_terabyte_is_refused_and_the_task_keeps_ser
             await channel.close()
         async with ds.AsyncSession(server.target, graph=graph) as session:
             assert await session.run(y, feed_dict={x: np.float32(3)}) == 6.0
+
+
+async def test_malformed_requests_are_invalid_argument_on_every_method_and_log_nothing(caplog):
+    garbage = b"\xff\xff\xff\xff\x0f"  # a varint that never ends: no message parses from it
+    async with ds.AsyncServer({"local": ["localhost:0"]}) as server:
+        address = server.target.removeprefix("grpc://")
+        with caplog.at_level(logging.WARNING):
+            async with grpc.aio.insecure_channel(address) as channel:
+                for service, methods in SERVICES.items():
+                    for method in methods:
+                        call = channel.unary_unary(f"/{service}/{method}")
+                        with pytest.raises(grpc.aio.AioRpcError) as info:
+                            await call(garbage, timeout=10)
+                        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, info.value)
+                        assert "Could not parse" in (info.value.details() or "")
+                # The same bytes framed as a call on distserver's call stream.
+                stream = channel.stream_stream(call_stream.METHOD)()
+                path = f"/{WORKER_SERVICE}/GetStatus".encode()
+                await stream.write(struct.pack("<QBH", 1, 0, len(path)) + path + garbage)
+                async with asyncio.timeout(10):
+                    answer = await stream.read()
+                call_id, kind, code = struct.unpack_from("<QBi", answer)
+                assert kind == 1  # an error frame
+                assert (call_id, code) == (1, errors.INVALID_ARGUMENT)
+                # A frame that is not a frame ends that stream, and only that stream.
+                await stream.write(b"\x01")
+                async with asyncio.timeout(10):
+                    assert await stream.read() is grpc.aio.EOF
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.records
+        async with ds.AsyncSession(server.target) as session:
+            assert len(await session.list_devices()) == 1

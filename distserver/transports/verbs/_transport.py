@@ -42,7 +42,14 @@ from distserver import errors
 from distserver.devices import RendezvousKey, parse_rendezvous_key
 from distserver.protos.services import WORKER_SERVICE
 from distserver.protos.worker_pb2 import RecvTensorRequest
-from distserver.transports.base import Channel, Listener, ServiceHandler, TensorSource, Transport
+from distserver.transports.base import (
+    Channel,
+    Listener,
+    ServiceHandler,
+    TensorSource,
+    Transport,
+    parse_request,
+)
 from distserver.transports.grpc import (
     GrpcChannel,
     GrpcListener,
@@ -284,7 +291,7 @@ def _tensor_source(hand_over: TensorHandOver | None) -> Callable[[bytes], Awaita
     async def source(header: bytes) -> TensorReply:
         if hand_over is None:
             raise errors.UnimplementedError("this server has no WorkerService to serve tensors from")
-        request = RecvTensorRequest.FromString(header)
+        request = parse_request(RecvTensorRequest, header)
         key = parse_rendezvous_key(request.rendezvous_key)
         value, is_dead = await hand_over.fetch(request.step_id, key)
         if not is_plain(value):
