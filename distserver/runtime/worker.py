@@ -48,6 +48,9 @@ class WorkerSession:
     handle: str
     resources: ResourceManager
     graphs: dict[str, Executor] = field(default_factory=dict)
+    # The master that made it ("" and 0 for masters that do not say, like TF before 2.2).
+    master_task: str = ""
+    master_incarnation: int = 0
 
 
 class Worker:
@@ -115,10 +118,31 @@ class Worker:
         handle = request.session_handle
         if not handle:
             raise errors.InvalidArgumentError("CreateWorkerSession needs a session_handle")
+        if request.master_task:
+            self._drop_sessions_of_old_masters(request.master_task, request.master_incarnation)
         if handle not in self._sessions:
             resources = ResourceManager() if request.isolate_session_state else self.resources
-            self._sessions[handle] = WorkerSession(handle, resources)
+            self._sessions[handle] = WorkerSession(
+                handle,
+                resources,
+                master_task=request.master_task,
+                master_incarnation=request.master_incarnation,
+            )
         return w.CreateWorkerSessionResponse()
+
+    def _drop_sessions_of_old_masters(self, master_task: str, incarnation: int) -> None:
+        """A master that restarted (same task, new incarnation) will never close the
+        sessions its old incarnation made here: drop them, as TensorFlow's workers do."""
+        for handle, session in list(self._sessions.items()):
+            if session.master_task == master_task and session.master_incarnation != incarnation:
+                del self._sessions[handle]
+                logger.info(
+                    "Dropped worker session %s of %s: that master restarted (incarnation %d -> %d)",
+                    handle,
+                    master_task,
+                    session.master_incarnation,
+                    incarnation,
+                )
 
     async def delete_worker_session(
         self, request: w.DeleteWorkerSessionRequest
