@@ -33,11 +33,17 @@ MARKS = [
     (
         "distserver.runtime.clients",
         "RemoteMaster",
-        "run_callable_values",
+        "run_callable",
         "client sends RunCallable",
         "client has the result",
     ),
-    ("distserver.runtime.master", "Master", "run_callable", "master handler starts", "master handler ends"),
+    (
+        "distserver.runtime.master",
+        "Master",
+        "run_callable_rpc",
+        "master handler starts",
+        "master handler ends",
+    ),
     (
         "distserver.runtime.clients",
         "RemoteWorker",

@@ -16,7 +16,7 @@ import asyncio
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -25,30 +25,10 @@ from distserver.graph import Graph, Operation, Tensor, get_default_graph
 from distserver.protos import master_pb2 as m
 from distserver.protos.config_pb2 import ConfigProto, RunMetadata, RunOptions
 from distserver.protos.device_attributes_pb2 import DeviceAttributes
-from distserver.runtime.clients import RemoteMaster
+from distserver.runtime.clients import MasterClient, RemoteMaster
 from distserver.runtime.names import canonical_tensor_name
 from distserver.server import AsyncServer, find_local_server
 from distserver.transports import Channel, get_transport
-
-
-class MasterClient(Protocol):
-    """A master, local (`Master`) or remote (`RemoteMaster`)."""
-
-    async def call(self, method: str, request: Any, *, timeout: float | None = None) -> Any: ...
-
-    async def run_step(
-        self,
-        handle: str,
-        feeds: Mapping[str, Any],
-        fetches: Sequence[str],
-        targets: Sequence[str],
-        options: RunOptions | None = None,
-    ) -> dict[str, Any]: ...
-
-    async def run_callable_values(
-        self, handle: str, callable_handle: int, feeds: Sequence[Any]
-    ) -> list[Any]: ...
-
 
 # One implicit in-process server per event loop, for target "".
 _IMPLICIT_SERVERS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncServer] = (
@@ -323,7 +303,7 @@ class AsyncSession:
             if len(values) != len(feed_tensors):
                 raise TypeError(f"This callable takes {len(feed_tensors)} feed values, got {len(values)}")
             arrays = [np.asarray(v, dtype=t.dtype) for v, t in zip(values, feed_tensors, strict=True)]
-            results = await master.run_callable_values(handle, callable_handle, arrays)
+            results = await master.run_callable(handle, callable_handle, arrays)
             return plan.rebuild(dict(zip(plan.tensors, results, strict=True)))
 
         return run_callable

@@ -587,6 +587,23 @@ def test_error_from_rpc_only_exact_stream_removed_is_mapped(details):
     assert type(error) is errors.UnknownError
 
 
+@pytest.mark.parametrize(
+    ("status", "details"),
+    [
+        (grpc.StatusCode.INTERNAL, "Internal error from Core"),
+        (grpc.StatusCode.INTERNAL, "Received RST_STREAM with error code 2"),
+    ],
+)
+def test_error_from_rpc_a_connection_lost_mid_call_is_unavailable(status, details):
+    # Seen when a peer was killed while a RunGraph was in flight (the soak test).
+    error = error_from_rpc(rpc_error(status, details), target=TARGET, method=METHOD)
+    assert type(error) is errors.UnavailableError
+    assert error.message == f"{METHOD} to {TARGET} failed: {details}"
+    assert type(error_from_rpc(rpc_error(status, details, handler=True), target=TARGET, method=METHOD)) is (
+        errors.InternalError
+    )
+
+
 def test_error_from_rpc_stream_removed_needs_unknown_code():
     exc = rpc_error(grpc.StatusCode.INTERNAL, "Stream removed")
     error = error_from_rpc(exc, target=TARGET, method=METHOD)

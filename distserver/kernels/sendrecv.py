@@ -16,6 +16,11 @@ if TYPE_CHECKING:
     from distserver.protos.node_def_pb2 import NodeDef
 
 
+# A `_Recv` marked with this attr waits for a value delivered to this task's
+# rendezvous instead of fetching it (see `distserver.runtime.push`).
+RECV_PUSHED_ATTR = "_recv_pushed"
+
+
 class _SendRecvKernel(OpKernel):
     # Both run on the event loop: the rendezvous is loop-bound.
     runs_on_loop = True
@@ -47,8 +52,9 @@ class RecvKernel(_SendRecvKernel):
 
     def __init__(self, node: NodeDef) -> None:
         super().__init__(node)
-        # Set by the master when the sender's RunGraph response brings the value.
-        self.pushed = self.attr_bool("_recv_pushed", False)
+        # Set by the planner when the sender's RunGraph response brings the value
+        # (the push protocol, `distserver.runtime.push`).
+        self.pushed = self.attr_bool(RECV_PUSHED_ATTR, False)
 
     async def compute_async(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
         if self.pushed:

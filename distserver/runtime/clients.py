@@ -1,8 +1,9 @@
-"""Masters and workers of other tasks, reached through a transport channel.
+"""How the runtime and sessions talk to workers and masters, local or in other tasks.
 
-`RemoteWorker` and `RemoteMaster` present the same methods as the in-process
-`Worker` and `Master` (numpy values in, numpy values out for steps), so the
-runtime and sessions treat local and remote peers alike. They convert values to
+`WorkerClient` and `MasterClient` are the interfaces; the in-process `Worker` and
+`Master` implement them, and so do `RemoteWorker` and `RemoteMaster`, which reach a
+task through a transport channel (numpy values in, numpy values out for steps), so
+the runtime and sessions treat local and remote peers alike. They convert values to
 and from protos and turn errors reported in response bodies back into OpErrors.
 """
 
@@ -84,6 +85,29 @@ class WorkerClient(Protocol):
         ...
 
 
+class MasterClient(Protocol):
+    """How a session talks to its master, local (`Master`) or remote (`RemoteMaster`)."""
+
+    async def call(self, method: str, request: Any, *, timeout: float | None = None) -> Any:
+        """Run a MasterService RPC (`method` from `MASTER_METHODS`) and return its response."""
+        ...
+
+    async def run_step(
+        self,
+        handle: str,
+        feeds: Mapping[str, Any],
+        fetches: Sequence[str],
+        targets: Sequence[str],
+        options: RunOptions | None = None,
+    ) -> dict[str, Any]:
+        """Run one step of session `handle`: canonical fetch name ("x:0") -> value."""
+        ...
+
+    async def run_callable(self, handle: str, callable_handle: int, feeds: Sequence[Any]) -> list[Any]:
+        """Run a callable made by MakeCallable: its fetches' values, in order."""
+        ...
+
+
 def _raise_body_error(code: int, message: str) -> None:
     if code != errors.OK:
         raise errors.from_status(code, message)
@@ -160,7 +184,7 @@ class RemoteMaster:
             results[canonical_tensor_name(named.name)] = from_tensor_proto(named.tensor)
         return results
 
-    async def run_callable_values(self, handle: str, callable_handle: int, feeds: Sequence[Any]) -> list[Any]:
+    async def run_callable(self, handle: str, callable_handle: int, feeds: Sequence[Any]) -> list[Any]:
         request = m.RunCallableRequest(session_handle=handle, handle=callable_handle)
         for value in feeds:
             request.feed.add().CopyFrom(to_tensor_proto(value))

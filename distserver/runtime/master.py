@@ -1,14 +1,15 @@
 """The MasterService of one task: sessions, and the steps that run their graphs.
 
 A session holds a client's graph (grown by ExtendSession). The first time a step
-with a given set of feeds, fetches and targets runs, the master builds its plan:
-rewrite feeds/fetches and prune (`subgraph`), place every node (`placement`),
-split by task (`partition`) and register each partition with its task's worker.
-Every later step with the same signature reuses the plan: it picks a step id,
-runs all partitions concurrently with RunGraph (the first error cancels the
-others), collects the fetches and then tells the workers to clean the step up.
+with a given set of feeds, fetches and targets runs, the master plans it
+(`plan.build_plan`, pure) and registers each partition with its task's worker.
+Every later step with the same signature reuses the registered plan: it picks a
+step id and runs all partitions concurrently with RunGraph (the first error
+cancels the others); values pushed to this task ride the RunGraph responses
+(`push`). Workers free a finished step themselves; only after a failed step does
+the master send CleanupGraph (in the background).
 
-Errors keep TensorFlow's texts (reference §3.6 and §4): an unknown session is
+Errors keep TensorFlow's texts: an unknown session is
 `AbortedError("Session <h> is not found.")`, and so on.
 """
 
@@ -17,29 +18,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from google.protobuf.message import Message
 
 from distserver import errors
-from distserver.devices import parse_rendezvous_key, task_of_device
-from distserver.kernels import has_kernel
-from distserver.kernels.ref_variables import REF_OUTPUT_OPS
+from distserver.devices import DeviceSpec, RendezvousKey, parse_rendezvous_key, task_of_device
 from distserver.protos import master_pb2 as m
 from distserver.protos import worker_pb2 as w
 from distserver.protos.config_pb2 import CallableOptions, ConfigProto, RunOptions
 from distserver.protos.device_attributes_pb2 import DeviceAttributes
 from distserver.protos.graph_pb2 import GraphDef
 from distserver.protos.node_def_pb2 import NodeDef
-from distserver.protos.services import MASTER_METHODS, snake_case
 from distserver.runtime.clients import WorkerClient
 from distserver.runtime.concurrency import gather_all
-from distserver.runtime.names import canonical_tensor_name, parse_input
-from distserver.runtime.partition import partition
-from distserver.runtime.placement import place
-from distserver.runtime.subgraph import move_client_endpoints, rewrite_for_step
+from distserver.runtime.names import canonical_tensor_name
+from distserver.runtime.plan import build_plan, check_kernels
 from distserver.runtime.worker import Worker
 from distserver.tensors import as_datatype, from_tensor_proto, to_tensor_proto
 
@@ -59,20 +56,23 @@ def new_step_id() -> int:
 
 @dataclass
 class _Partition:
+    """One task's part of a registered plan."""
+
     task: str
     worker: WorkerClient
     graph_handle: str
     feed_keys: list[str]
     fetch_keys: list[str]
-    # Values this (remote) partition sends to the master's task, returned in its
-    # RunGraph response instead of fetched with RecvTensor (see `_push_plan`).
-    pushed_keys: list[str] = field(default_factory=list)
+    # Values this (remote) partition pushes to the master's task (`push`).
+    pushed_keys: list[RendezvousKey] = field(default_factory=list)
     # Pushed keys whose values turned out too large for the response (learned).
     large_keys: set[str] = field(default_factory=set)
 
 
 @dataclass
-class _Plan:
+class _RegisteredPlan:
+    """A step plan whose partitions the workers hold."""
+
     partitions: list[_Partition]
     feed_keys: dict[str, str]
     fetch_keys: dict[str, str]
@@ -94,7 +94,7 @@ class MasterSession:
     devices: list[DeviceAttributes]
     nodes: dict[str, NodeDef] = field(default_factory=dict)
     version: int = 0
-    plans: dict[tuple[Any, ...], asyncio.Future[_Plan]] = field(default_factory=dict)
+    plans: dict[tuple[Any, ...], asyncio.Future[_RegisteredPlan]] = field(default_factory=dict)
     callables: dict[int, _Callable] = field(default_factory=dict)
     next_callable: int = 0
     steps: set[asyncio.Task[Any]] = field(default_factory=set)
@@ -120,6 +120,22 @@ class Master:
         self._default_config = default_session_config or ConfigProto()
         self._sessions: dict[str, MasterSession] = {}
         self._background: set[asyncio.Task[Any]] = set()
+        # Workers drop the sessions of this master's earlier incarnations (a restart).
+        self.incarnation = random.getrandbits(63) or 1
+        # MasterService method -> proto-in, proto-out handler. Methods not listed
+        # answer UnimplementedError.
+        self._handlers: dict[str, Callable[[Any], Awaitable[Message]]] = {
+            "CreateSession": self.create_session,
+            "ExtendSession": self.extend_session,
+            "PartialRunSetup": self.partial_run_setup,
+            "RunStep": self.run_step_rpc,
+            "CloseSession": self.close_session,
+            "ListDevices": self.list_devices,
+            "Reset": self.reset,
+            "MakeCallable": self.make_callable,
+            "RunCallable": self.run_callable_rpc,
+            "ReleaseCallable": self.release_callable,
+        }
 
     # -- helpers --------------------------------------------------------------------
 
@@ -137,8 +153,6 @@ class Master:
     def _filtered_tasks(self, device_filters: Sequence[str]) -> list[str]:
         if not device_filters:
             return list(self._tasks)
-        from distserver.devices import DeviceSpec
-
         specs = [DeviceSpec.from_string(f) for f in device_filters]
         chosen = []
         for task in self._tasks:
@@ -191,12 +205,15 @@ class Master:
                 "ClusterSpec propagation (ConfigProto.cluster_def) is not supported by distserver; "
                 "start the servers with the full cluster instead."
             )
-        _check_kernels(request.graph_def)
+        check_kernels(request.graph_def)
         tasks = self._filtered_tasks(list(config.device_filters))
         devices = await self._devices(tasks, self._connect_timeout(config))
         handle = f"{random.getrandbits(64):016x}"
         create = w.CreateWorkerSessionRequest(
-            session_handle=handle, isolate_session_state=config.isolate_session_state
+            session_handle=handle,
+            isolate_session_state=config.isolate_session_state,
+            master_task=self.task_name,
+            master_incarnation=self.incarnation,
         )
         await gather_all(self._worker(task).call("CreateWorkerSession", create) for task in tasks)
         session = MasterSession(handle=handle, config=config, tasks=tasks, devices=devices)
@@ -210,7 +227,7 @@ class Master:
             raise errors.AbortedError(
                 f"Current version is {session.version} but caller expected {request.current_graph_version}."
             )
-        _check_kernels(request.graph_def)
+        check_kernels(request.graph_def)
         _extend_graph(session, request.graph_def)
         session.version += 1
         return m.ExtendSessionResponse(new_graph_version=session.version)
@@ -350,36 +367,36 @@ class Master:
         part: _Partition,
         handle: str,
         step_id: int,
-        plan: _Plan,
+        plan: _RegisteredPlan,
         feeds: Mapping[str, Any],
     ) -> dict[str, Any]:
-        # Values that were too large to ride in the response last time are fetched
-        # with RecvTensor right away, alongside RunGraph, instead of after it.
-        early_keys = [key for key in part.pushed_keys if key in part.large_keys]
+        # The push protocol (`push`): pushed values come back in the response, except
+        # those that were too large last time, which are fetched right away, alongside.
         request = w.RunGraphRequest(
             session_handle=handle,
             create_worker_session_called=True,
             graph_handle=part.graph_handle,
             step_id=step_id,
-            recv_key=[*part.fetch_keys, *(k for k in part.pushed_keys if k not in part.large_keys)],
+            recv_key=[*part.fetch_keys, *(k.text for k in part.pushed_keys if k.text not in part.large_keys)],
             store_errors_in_response_body=True,
         )
         sends = {key: feeds[name] for name, key in plan.feed_keys.items() if key in part.feed_keys}
         early = {
-            key: asyncio.ensure_future(part.worker.recv_tensor(step_id, parse_rendezvous_key(key)))
-            for key in early_keys
+            key.text: asyncio.ensure_future(part.worker.recv_tensor(step_id, key))
+            for key in part.pushed_keys
+            if key.text in part.large_keys
         }
         try:
             results = await part.worker.run_graph(request, sends)
             for key in part.pushed_keys:
-                value = results.pop(key, None)
-                if key in early:
-                    value, _ = await early[key]
+                value = results.pop(key.text, None)
+                if key.text in early:
+                    value, _ = await early[key.text]
                 elif value is None:
                     # Withheld (too large to ride in the response): fetch it as usual.
-                    part.large_keys.add(key)
-                    value, _ = await part.worker.recv_tensor(step_id, parse_rendezvous_key(key))
-                self._local_worker.deliver(step_id, parse_rendezvous_key(key), value)
+                    part.large_keys.add(key.text)
+                    value, _ = await part.worker.recv_tensor(step_id, key)
+                self._local_worker.deliver(step_id, key, value)
             return results
         except errors.OpError as exc:
             if part.task == self.task_name:
@@ -397,7 +414,7 @@ class Master:
                 if not future.cancelled():
                     future.exception()  # seen here; the step's error is what is raised
 
-    def _cleanup_step(self, plan: _Plan, step_id: int, failed: bool) -> None:
+    def _cleanup_step(self, plan: _RegisteredPlan, step_id: int, failed: bool) -> None:
         # Workers drop a finished step's state themselves once every value another
         # task needs has been handed over; only after a failure does CleanupGraph free it.
         if failed:
@@ -416,7 +433,7 @@ class Master:
         feeds: Mapping[str, np.ndarray],
         fetches: list[str],
         targets: list[str],
-    ) -> _Plan:
+    ) -> _RegisteredPlan:
         feed_types = tuple(sorted((name, _datatype(value)) for name, value in feeds.items()))
         signature = (feed_types, tuple(fetches), tuple(sorted(targets)))
         future = session.plans.get(signature)
@@ -424,7 +441,7 @@ class Master:
             future = asyncio.get_running_loop().create_future()
             session.plans[signature] = future
             try:
-                future.set_result(await self._build_plan(session, feed_types, fetches, targets))
+                future.set_result(await self._register_plan(session, feed_types, fetches, targets))
             except BaseException as exc:
                 del session.plans[signature]
                 future.set_exception(exc)
@@ -432,35 +449,25 @@ class Master:
                 raise
         return await asyncio.shield(future)
 
-    async def _build_plan(
+    async def _register_plan(
         self,
         session: MasterSession,
         feed_types: Sequence[tuple[str, int]],
         fetches: list[str],
         targets: list[str],
-    ) -> _Plan:
-        client = self._local_device(session)
-        step = rewrite_for_step(
+    ) -> _RegisteredPlan:
+        plan = build_plan(
             session.nodes,
             feeds=feed_types,
             fetches=fetches,
             targets=targets,
-            client_device=client.name,
-            client_incarnation=client.incarnation,
-        )
-        incarnations = {d.name: d.incarnation for d in session.devices}
-        place(
-            step.nodes,
-            devices=list(incarnations),
-            client_device=client.name,
+            incarnations={d.name: d.incarnation for d in session.devices},
+            client_device=self._local_device(session).name,
+            master_task=self.task_name,
             allow_soft_placement=session.config.allow_soft_placement,
         )
-        _read_refs_late(step.nodes)
-        move_client_endpoints(step, incarnations.__getitem__)
-        parts = partition(step.nodes, incarnation=incarnations.__getitem__)
-        pushed = _push_plan(parts, self.task_name)
-        feed_keys = set(step.feed_keys.values())
-        fetch_keys = set(step.fetch_keys.values())
+        feed_keys = set(plan.feed_keys.values())
+        fetch_keys = set(plan.fetch_keys.values())
 
         async def register(task: str, graph: GraphDef) -> _Partition:
             worker = self._worker(task)
@@ -469,20 +476,20 @@ class Master:
             )
             request.graph_options.CopyFrom(session.config.graph_options)
             response: Any = await worker.call("RegisterGraph", request)
-            keys = {_sendrecv_key(node) for node in graph.node if node.attr["client_terminated"].b}
+            keys = plan.client_keys(task)
             return _Partition(
                 task=task,
                 worker=worker,
                 graph_handle=response.graph_handle,
                 feed_keys=sorted(keys & feed_keys),
                 fetch_keys=sorted(keys & fetch_keys),
-                pushed_keys=sorted(pushed.get(task, ())),
+                pushed_keys=[parse_rendezvous_key(k) for k in sorted(plan.pushed_keys.get(task, ()))],
             )
 
-        return _Plan(
-            partitions=await gather_all(register(t, g) for t, g in parts.items()),
-            feed_keys=step.feed_keys,
-            fetch_keys=step.fetch_keys,
+        return _RegisteredPlan(
+            partitions=await gather_all(register(t, g) for t, g in plan.graphs.items()),
+            feed_keys=plan.feed_keys,
+            fetch_keys=plan.fetch_keys,
         )
 
     def _local_device(self, session: MasterSession) -> DeviceAttributes:
@@ -493,17 +500,12 @@ class Master:
 
     # -- RPC handlers (proto in, proto out) --------------------------------------------
 
-    def service_handlers(self) -> dict[str, Any]:
-        handlers: dict[str, Any] = {}
-        for method in MASTER_METHODS:
-            fn = getattr(self, snake_case(method), None)
-            if fn is not None:
-                handlers[method] = fn
-        handlers["RunStep"] = self.run_step_rpc
-        return handlers
+    def service_handlers(self) -> dict[str, Callable[[Any], Awaitable[Message]]]:
+        """MasterService method name -> handler, for transports."""
+        return dict(self._handlers)
 
     async def call(self, method: str, request: Any, *, timeout: float | None = None) -> Any:
-        handler = self.service_handlers().get(method)
+        handler = self._handlers.get(method)
         if handler is None:
             raise errors.UnimplementedError(f"MasterService/{method} is not implemented by distserver")
         return await handler(request)
@@ -557,7 +559,8 @@ class Master:
         )
         return m.MakeCallableResponse(handle=handle)
 
-    async def run_callable_values(self, handle: str, callable_handle: int, feeds: Sequence[Any]) -> list[Any]:
+    async def run_callable(self, handle: str, callable_handle: int, feeds: Sequence[Any]) -> list[Any]:
+        """Run a callable made by MakeCallable: its fetches' values, in order."""
         session = self._session(handle)
         spec = session.callables.get(callable_handle)
         if spec is None:
@@ -573,9 +576,9 @@ class Master:
         )
         return [results[canonical_tensor_name(f)] for f in spec.fetches]
 
-    async def run_callable(self, request: m.RunCallableRequest) -> m.RunCallableResponse:
+    async def run_callable_rpc(self, request: m.RunCallableRequest) -> m.RunCallableResponse:
         feeds = [from_tensor_proto(t) for t in request.feed]
-        values = await self.run_callable_values(request.session_handle, request.handle, feeds)
+        values = await self.run_callable(request.session_handle, request.handle, feeds)
         response = m.RunCallableResponse()
         for value in values:
             response.fetch.add().CopyFrom(to_tensor_proto(value))
@@ -585,95 +588,6 @@ class Master:
         session = self._session(request.session_handle)
         session.callables.pop(request.handle, None)
         return m.ReleaseCallableResponse()
-
-
-# Ops that call graph functions: what TF 2.x control flow (`tf.cond`/`tf.while_loop` with
-# control flow v2) and `tf.function` put into a graph.
-_FUNCTION_CALL_OPS = frozenset(
-    {"If", "StatelessIf", "While", "StatelessWhile", "Case", "StatelessCase", "PartitionedCall",
-     "StatefulPartitionedCall", "SymbolicGradient", "RemoteCall"}
-)  # fmt: skip
-# Ops of TF 1.x control flow (tf.cond / tf.while_loop without control flow v2).
-_CONTROL_FLOW_V1_OPS = frozenset(
-    {"Switch", "RefSwitch", "Merge", "RefMerge", "Enter", "RefEnter", "Exit", "RefExit", "NextIteration",
-     "RefNextIteration", "LoopCond", "ControlTrigger"}
-)  # fmt: skip
-_MAX_LISTED_OPS = 10
-
-
-def _check_kernels(graph_def: GraphDef) -> None:
-    """Refuse a graph that uses an op distserver has no kernel for, naming the op and the node.
-
-    TensorFlow would refuse an unknown op when the graph is imported (CreateSession or
-    ExtendSession), and an op without a kernel when the step runs; distserver has one
-    registry for both, so it refuses up front, before any worker is involved.
-
-    Raises:
-        UnimplementedError: listing every unsupported op type with a node that uses it.
-    """
-    unsupported: dict[str, list[str]] = {}
-    for node in graph_def.node:
-        if not has_kernel(node.op):
-            unsupported.setdefault(node.op, []).append(node.name)
-    if not unsupported:
-        return
-    parts = []
-    for op, nodes in list(unsupported.items())[:_MAX_LISTED_OPS]:
-        more = f" and {len(nodes) - 1} more" if len(nodes) > 1 else ""
-        parts.append(f"'{op}' (node '{nodes[0]}'{more})")
-    if len(unsupported) > _MAX_LISTED_OPS:
-        parts.append(f"and {len(unsupported) - _MAX_LISTED_OPS} more op types")
-    message = (
-        f"distserver has no kernel for {'this op' if len(unsupported) == 1 else 'these ops'}: "
-        f"{', '.join(parts)}. The supported ops are listed in docs/tf-compat.md "
-        "(distserver.kernels.registered_ops())."
-    )
-    # distserver's FunctionDefLibrary keeps the functions as unknown fields only.
-    if graph_def.library.ByteSize() or not _FUNCTION_CALL_OPS.isdisjoint(unsupported):
-        message += (
-            " Graph functions (tf.function, control flow v2) are not supported: build the graph "
-            "with tf.compat.v1.disable_v2_behavior() (or disable_control_flow_v2())."
-        )
-    if not _CONTROL_FLOW_V1_OPS.isdisjoint(unsupported):
-        message += " Control flow (tf.cond, tf.while_loop) is not supported."
-    first_node = next(iter(unsupported.values()))[0]
-    raise errors.UnimplementedError(message, node_name=first_node)
-
-
-def _read_refs_late(nodes: list[NodeDef]) -> None:
-    """Read a reference variable sent to another task only after the consumer's control inputs.
-
-    A consumer of a reference (TF 1.x variable) reads the variable when it runs, so
-    `with tf.control_dependencies([update]): v.read_value()` sees the update. When
-    the consumer is on another task than the variable, the value crosses in a
-    `_Send` that would otherwise read as soon as `VariableV2` has run. TensorFlow
-    gets the late read from sending the variable's live buffer; distserver inserts
-    an `Identity` next to the variable that waits for the consumer's control inputs,
-    and sends its output instead. Pure; changes `nodes` in place.
-    """
-    by_name = {node.name: node for node in nodes}
-    added: list[NodeDef] = []
-    for position, node in enumerate(nodes):
-        controls = [text for text in node.input if text.startswith("^")]
-        if not controls:
-            continue
-        for i, text in enumerate(node.input):
-            if text.startswith("^"):
-                continue
-            src = by_name.get(parse_input(text)[0])
-            if src is None or src.op not in REF_OUTPUT_OPS:
-                continue
-            if task_of_device(src.device) == task_of_device(node.device):
-                continue
-            if nodes[position] is node:  # the session's own NodeDef: change a copy
-                copy = NodeDef()
-                copy.CopyFrom(node)
-                nodes[position] = copy
-            read = NodeDef(name=f"{node.name}/_late_read_{i}", op="Identity", device=src.device)
-            read.input.extend([text, *controls])
-            nodes[position].input[i] = read.name
-            added.append(read)
-    nodes.extend(added)
 
 
 def _extend_graph(session: MasterSession, graph_def: GraphDef) -> None:
@@ -689,57 +603,11 @@ def _extend_graph(session: MasterSession, graph_def: GraphDef) -> None:
         session.nodes[node.name] = copy
 
 
-def _push_plan(parts: Mapping[str, GraphDef], master_task: str) -> dict[str, set[str]]:
-    """Which cross-task values ride back in RunGraph responses instead of RecvTensor.
-
-    A remote partition that receives nothing from other tasks finishes on its own,
-    so the values it sends to the master's task can come back with its RunGraph
-    response (one RPC less per value, and no CleanupGraph). The master's `_Recv`
-    nodes for them are marked `_recv_pushed` so they wait locally. A partition that
-    does receive from other tasks keeps RecvTensor: it might wait, through another
-    task, for a value the master's task computes only after receiving from it.
-    """
-    pushed: dict[str, set[str]] = {}
-    for task, graph in parts.items():
-        if task == master_task:
-            continue
-        receives = any(n.op == "_Recv" and not n.attr["client_terminated"].b for n in graph.node)
-        if receives:
-            continue
-        keys = {
-            _sendrecv_key(n)
-            for n in graph.node
-            if n.op == "_Send"
-            and not n.attr["client_terminated"].b
-            and task_of_device(n.attr["recv_device"].s.decode()) == master_task
-        }
-        if keys:
-            pushed[task] = keys
-    local = parts.get(master_task)
-    all_pushed = set().union(*pushed.values()) if pushed else set()
-    if local is not None and all_pushed:
-        for node in local.node:
-            if node.op == "_Recv" and _sendrecv_key(node) in all_pushed:
-                node.attr["_recv_pushed"].b = True
-    return pushed
-
-
 def _datatype(value: Any) -> int:
     return (
         as_datatype(np.asarray(value).dtype)
         if not isinstance(value, np.ndarray)
         else as_datatype(value.dtype)
-    )
-
-
-def _sendrecv_key(node: NodeDef) -> str:
-    from distserver.devices import rendezvous_key
-
-    return rendezvous_key(
-        node.attr["send_device"].s.decode(),
-        node.attr["send_device_incarnation"].i,
-        node.attr["recv_device"].s.decode(),
-        node.attr["tensor_name"].s.decode(),
     )
 
 

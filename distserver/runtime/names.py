@@ -1,6 +1,10 @@
-"""Tensor and input names as they appear in NodeDefs: "node:k", "node", "^node"."""
+"""Tensor and input names as they appear in NodeDefs: "node:k", "node", "^node"; and
+the rendezvous key of a `_Send`/`_Recv` node."""
 
 from __future__ import annotations
+
+from distserver.devices import rendezvous_key
+from distserver.protos.node_def_pb2 import NodeDef
 
 
 def parse_input(text: str) -> tuple[str, int, bool]:
@@ -28,3 +32,13 @@ def split_tensor_name(name: str) -> tuple[str, int]:
 def int64_attr(value: int) -> int:
     """A uint64 (a device incarnation) as the int64 that TensorFlow stores in attrs."""
     return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def sendrecv_key(node: NodeDef) -> str:
+    """The rendezvous key a `_Send` or `_Recv` node's attrs make (frame and iteration 0)."""
+    return rendezvous_key(
+        node.attr["send_device"].s.decode(),
+        node.attr["send_device_incarnation"].i,
+        node.attr["recv_device"].s.decode(),
+        node.attr["tensor_name"].s.decode(),
+    )

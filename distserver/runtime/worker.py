@@ -32,15 +32,11 @@ from distserver.protos import worker_pb2 as w
 from distserver.protos.device_attributes_pb2 import DeviceAttributes
 from distserver.runtime.clients import WorkerClient
 from distserver.runtime.executor import Executor, StepContext
+from distserver.runtime.push import worker_returns
 from distserver.runtime.rendezvous import RendezvousTable
 from distserver.tensors import from_tensor_proto, tensor_nbytes, to_tensor_proto
 
 logger = logging.getLogger(__name__)
-
-# A value sent to another task rides back in the RunGraph response (when the
-# master asked for it) only up to this size; larger ones take the RecvTensor path,
-# whose transports move big tensors without protobuf copies.
-PUSH_LIMIT_BYTES = 1 << 20
 
 
 @dataclass
@@ -227,8 +223,8 @@ class Worker:
                 for text in request.recv_key:
                     key = parse_rendezvous_key(text)
                     value, _ = await rendezvous.recv_local(key)
-                    if key.dst_task != self.task_name and tensor_nbytes(value) > PUSH_LIMIT_BYTES:
-                        continue  # too large for the response: it waits for a RecvTensor
+                    if key.dst_task != self.task_name and not worker_returns(tensor_nbytes(value)):
+                        continue  # too large for the response: it waits for a RecvTensor (`push`)
                     results[text] = value
             self._rendezvous.release_if_done(step_id, set(results))
         except TimeoutError as exc:

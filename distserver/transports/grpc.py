@@ -109,6 +109,12 @@ def grpc_status(code: int) -> grpc.StatusCode:
     return _STATUS_BY_CODE.get(code, grpc.StatusCode.UNKNOWN)
 
 
+# What gRPC says when the connection broke under a call (the peer died or restarted).
+_CONNECTION_LOST = frozenset(
+    {(errors.UNKNOWN, "Stream removed"), (errors.INTERNAL, "Internal error from Core")}
+)
+
+
 def error_from_rpc(exc: grpc.aio.AioRpcError, *, target: str, method: str) -> errors.OpError:
     """The OpError a failed call stands for.
 
@@ -121,8 +127,10 @@ def error_from_rpc(exc: grpc.aio.AioRpcError, *, target: str, method: str) -> er
     trailing: Any = exc.trailing_metadata() or ()
     from_handler = any(key == _HANDLER_ERROR_KEY for key, _ in trailing)
     if not from_handler:
-        if code == errors.UNKNOWN and message == "Stream removed":
-            code = errors.UNAVAILABLE
+        if (code, message) in _CONNECTION_LOST or (
+            code == errors.INTERNAL and message.startswith("Received RST_STREAM")
+        ):
+            code = errors.UNAVAILABLE  # the peer went away mid-call
         message = f"{method} to {target} failed: {message}"
     return errors.from_status(code, message)
 

@@ -1,4 +1,4 @@
-"""The master's pure planning steps: rewrite/prune, placement, partitioning (no I/O)."""
+"""The pure planning passes and `build_plan`: rewrite/prune, placement, partitioning, pushes (no I/O)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import pytest
 from distserver import errors
 from distserver.devices import rendezvous_key
 from distserver.protos.node_def_pb2 import NodeDef
-from distserver.runtime.master import _push_plan
 from distserver.runtime.partition import partition
 from distserver.runtime.placement import place
+from distserver.runtime.plan import build_plan
+from distserver.runtime.push import plan_pushes
 from distserver.runtime.subgraph import move_client_endpoints, rewrite_for_step
 
 PS0 = "/job:ps/replica:0/task:0/device:CPU:0"
@@ -225,7 +226,7 @@ def test_feeds_and_fetches_move_to_the_device_that_uses_them():
 def test_values_from_a_partition_without_receives_are_pushed():
     nodes = [node("a", "Const", device=PS0), node("b", "Neg", ["a"], device=W0)]
     parts = partition(nodes, incarnation=INCARNATIONS.__getitem__)
-    pushed = _push_plan(parts, "/job:worker/replica:0/task:0")
+    pushed = plan_pushes(parts, "/job:worker/replica:0/task:0")
     assert list(pushed) == ["/job:ps/replica:0/task:0"]
     (recv,) = [n for n in parts["/job:worker/replica:0/task:0"].node if n.op == "_Recv"]
     assert recv.attr["_recv_pushed"].b
@@ -236,4 +237,35 @@ def test_values_from_a_partition_without_receives_are_pushed():
         node("c", "Neg", ["b"], device=W0),
     ]
     parts = partition(nodes, incarnation=INCARNATIONS.__getitem__)
-    assert _push_plan(parts, "/job:worker/replica:0/task:0") == {}
+    assert plan_pushes(parts, "/job:worker/replica:0/task:0") == {}
+
+
+def test_build_plan_runs_every_pass_for_a_two_task_step():
+    g = graph(
+        node("x", "Placeholder"),
+        node("w", "Const", device="/job:ps/task:0"),
+        node("read", "Identity", ["w"], device="/job:ps/task:0"),
+        node("y", "Mul", ["x", "read"], device="/job:worker/task:0"),
+    )
+    plan = build_plan(
+        g,
+        feeds=[("x:0", 1)],
+        fetches=["y:0"],
+        targets=[],
+        incarnations={PS0: 11, W0: 13},
+        client_device=W0,
+        master_task="/job:worker/replica:0/task:0",
+    )
+    assert set(plan.graphs) == {"/job:ps/replica:0/task:0", "/job:worker/replica:0/task:0"}
+    worker = {n.name: n for n in plan.graphs["/job:worker/replica:0/task:0"].node}
+    assert worker["y"].device == W0
+    # The ps partition receives nothing, so the value it sends rides its RunGraph response.
+    (pushed,) = plan.pushed_keys["/job:ps/replica:0/task:0"]
+    (recv,) = [n for n in worker.values() if n.op == "_Recv" and not n.attr["client_terminated"].b]
+    assert recv.attr["_recv_pushed"].b
+    assert pushed == rendezvous_key(PS0, 11, W0, recv.attr["tensor_name"].s.decode())
+    # The feed and the fetch travel with the worker's partition.
+    assert plan.client_keys("/job:worker/replica:0/task:0") == {plan.feed_keys["x:0"], plan.fetch_keys["y:0"]}
+    assert plan.client_keys("/job:ps/replica:0/task:0") == set()
+    assert g["y"].input == ["x", "read"]  # the session's graph is untouched
+    assert g["y"].device == "/job:worker/task:0"

@@ -11,7 +11,7 @@ import distserver as ds
 from distserver import errors
 from distserver.protos import master_pb2 as m
 from distserver.protos.node_def_pb2 import NodeDef
-from distserver.runtime.master import _check_kernels, _read_refs_late
+from distserver.runtime.plan import check_kernels, read_refs_late
 from distserver.tensors import to_tensor_proto
 
 PS = "/job:ps/replica:0/task:0/device:CPU:0"
@@ -50,7 +50,7 @@ def test_check_kernels_names_every_unsupported_op_and_a_node():
         node("w", "WriteFile", ["a"]),
     )
     with pytest.raises(errors.UnimplementedError) as info:
-        _check_kernels(graph)
+        check_kernels(graph)
     message = info.value.message
     assert "'Svd' (node 's1' and 1 more)" in message
     assert "'WriteFile' (node 'w')" in message
@@ -64,7 +64,7 @@ def test_check_kernels_names_every_unsupported_op_and_a_node():
 )
 def test_check_kernels_explains_control_flow(op, hint):
     with pytest.raises(errors.UnimplementedError, match=re.escape(hint)):
-        _check_kernels(graph_def(node("c", op)))
+        check_kernels(graph_def(node("c", op)))
 
 
 async def test_create_session_refuses_unsupported_ops_before_contacting_workers(master):
@@ -121,7 +121,7 @@ def test_a_cross_task_read_of_a_reference_waits_for_the_consumers_control_inputs
     read = node("read", "Identity", ["v", "^bump"], device=WORKER)
     plain = node("plain", "Identity", ["v"], device=WORKER)
     nodes = [variable, update, read, plain]
-    _read_refs_late(nodes)
+    read_refs_late(nodes)
     late = nodes[-1]
     assert (late.op, late.device, list(late.input)) == ("Identity", PS, ["v", "^bump"])
     assert list(nodes[2].input) == [late.name, "^bump"]

@@ -1,0 +1,194 @@
+"""Planning a step: from a session's graph and a step's signature to one GraphDef per task.
+
+Pure: no I/O, no asyncio, nothing kept between calls. `build_plan` runs the passes
+in order (each in its own module or below):
+
+1. `subgraph.rewrite_for_step`: feeds become client-terminated `_Recv` nodes, fetches
+   `_Send` nodes; the graph is pruned to what the fetches and targets need.
+2. `placement.place`: every node gets a full device name.
+3. `read_refs_late`: a TF 1.x variable read on another task after control inputs.
+4. `subgraph.move_client_endpoints`: feeds and fetches travel with the partition
+   that uses them instead of through the client device.
+5. `partition.partition`: one GraphDef per task, `_Send`/`_Recv` pairs on every
+   edge that crosses tasks.
+6. `push.plan_pushes`: which values ride RunGraph responses (the push protocol).
+
+`check_kernels` is the graph validation CreateSession and ExtendSession run first.
+The master registers the partitions with the workers and runs the steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from distserver import errors
+from distserver.devices import task_of_device
+from distserver.kernels import has_kernel
+from distserver.kernels.ref_variables import REF_OUTPUT_OPS
+from distserver.protos.graph_pb2 import GraphDef
+from distserver.protos.node_def_pb2 import NodeDef
+from distserver.runtime.names import parse_input, sendrecv_key
+from distserver.runtime.partition import partition
+from distserver.runtime.placement import place
+from distserver.runtime.push import plan_pushes
+from distserver.runtime.subgraph import move_client_endpoints, rewrite_for_step
+
+
+@dataclass
+class StepPlan:
+    """What a step runs where, and the keys its values travel under."""
+
+    graphs: dict[str, GraphDef]
+    """Task -> the partition it runs."""
+    feed_keys: dict[str, str]
+    """Fed tensor ("x:0") -> the rendezvous key of its value."""
+    fetch_keys: dict[str, str]
+    """Fetched tensor -> the rendezvous key of its value."""
+    pushed_keys: dict[str, set[str]]
+    """Task -> keys of values its RunGraph response brings to the master's task."""
+
+    def client_keys(self, task: str) -> set[str]:
+        """Keys of the feeds and fetches that task's partition receives or sends itself."""
+        return {sendrecv_key(node) for node in self.graphs[task].node if node.attr["client_terminated"].b}
+
+
+def build_plan(
+    nodes: Mapping[str, NodeDef],
+    *,
+    feeds: Sequence[tuple[str, int]],
+    fetches: Sequence[str],
+    targets: Sequence[str],
+    incarnations: Mapping[str, int],
+    client_device: str,
+    master_task: str,
+    allow_soft_placement: bool = False,
+) -> StepPlan:
+    """Plan one step signature.
+
+    Args:
+        nodes: The session's graph, node name -> NodeDef (not modified).
+        feeds: (tensor name, DataType) of every fed tensor.
+        fetches: Tensor names to fetch (feeds excluded: the master answers those).
+        targets: Names of nodes to run.
+        incarnations: Full name -> incarnation of every device of the session.
+        client_device: The master's device (feeds and fetches go through it).
+        master_task: The master's task.
+        allow_soft_placement: ConfigProto's option, for placement.
+
+    Raises:
+        InvalidArgumentError, NotFoundError: unknown feeds, fetches or targets, or
+            devices that cannot be placed (the passes' errors).
+    """
+    step = rewrite_for_step(
+        nodes,
+        feeds=feeds,
+        fetches=fetches,
+        targets=targets,
+        client_device=client_device,
+        client_incarnation=incarnations[client_device],
+    )
+    place(
+        step.nodes,
+        devices=list(incarnations),
+        client_device=client_device,
+        allow_soft_placement=allow_soft_placement,
+    )
+    read_refs_late(step.nodes)
+    move_client_endpoints(step, incarnations.__getitem__)
+    graphs = partition(step.nodes, incarnation=incarnations.__getitem__)
+    return StepPlan(
+        graphs=graphs,
+        feed_keys=step.feed_keys,
+        fetch_keys=step.fetch_keys,
+        pushed_keys=plan_pushes(graphs, master_task),
+    )
+
+
+# Ops that call graph functions: what TF 2.x control flow (`tf.cond`/`tf.while_loop` with
+# control flow v2) and `tf.function` put into a graph.
+_FUNCTION_CALL_OPS = frozenset(
+    {"If", "StatelessIf", "While", "StatelessWhile", "Case", "StatelessCase", "PartitionedCall",
+     "StatefulPartitionedCall", "SymbolicGradient", "RemoteCall"}
+)  # fmt: skip
+# Ops of TF 1.x control flow (tf.cond / tf.while_loop without control flow v2).
+_CONTROL_FLOW_V1_OPS = frozenset(
+    {"Switch", "RefSwitch", "Merge", "RefMerge", "Enter", "RefEnter", "Exit", "RefExit", "NextIteration",
+     "RefNextIteration", "LoopCond", "ControlTrigger"}
+)  # fmt: skip
+_MAX_LISTED_OPS = 10
+
+
+def check_kernels(graph_def: GraphDef) -> None:
+    """Refuse a graph that uses an op distserver has no kernel for, naming the op and the node.
+
+    TensorFlow would refuse an unknown op when the graph is imported (CreateSession or
+    ExtendSession), and an op without a kernel when the step runs; distserver has one
+    registry for both, so it refuses up front, before any worker is involved.
+
+    Raises:
+        UnimplementedError: listing every unsupported op type with a node that uses it.
+    """
+    unsupported: dict[str, list[str]] = {}
+    for node in graph_def.node:
+        if not has_kernel(node.op):
+            unsupported.setdefault(node.op, []).append(node.name)
+    if not unsupported:
+        return
+    parts = []
+    for op, nodes in list(unsupported.items())[:_MAX_LISTED_OPS]:
+        more = f" and {len(nodes) - 1} more" if len(nodes) > 1 else ""
+        parts.append(f"'{op}' (node '{nodes[0]}'{more})")
+    if len(unsupported) > _MAX_LISTED_OPS:
+        parts.append(f"and {len(unsupported) - _MAX_LISTED_OPS} more op types")
+    message = (
+        f"distserver has no kernel for {'this op' if len(unsupported) == 1 else 'these ops'}: "
+        f"{', '.join(parts)}. The supported ops are listed in docs/tf-compat.md "
+        "(distserver.kernels.registered_ops())."
+    )
+    # distserver's FunctionDefLibrary keeps the functions as unknown fields only.
+    if graph_def.library.ByteSize() or not _FUNCTION_CALL_OPS.isdisjoint(unsupported):
+        message += (
+            " Graph functions (tf.function, control flow v2) are not supported: build the graph "
+            "with tf.compat.v1.disable_v2_behavior() (or disable_control_flow_v2())."
+        )
+    if not _CONTROL_FLOW_V1_OPS.isdisjoint(unsupported):
+        message += " Control flow (tf.cond, tf.while_loop) is not supported."
+    first_node = next(iter(unsupported.values()))[0]
+    raise errors.UnimplementedError(message, node_name=first_node)
+
+
+def read_refs_late(nodes: list[NodeDef]) -> None:
+    """Read a reference variable sent to another task only after the consumer's control inputs.
+
+    A consumer of a reference (TF 1.x variable) reads the variable when it runs, so
+    `with tf.control_dependencies([update]): v.read_value()` sees the update. When
+    the consumer is on another task than the variable, the value crosses in a
+    `_Send` that would otherwise read as soon as `VariableV2` has run. TensorFlow
+    gets the late read from sending the variable's live buffer; distserver inserts
+    an `Identity` next to the variable that waits for the consumer's control inputs,
+    and sends its output instead. Pure; changes `nodes` in place.
+    """
+    by_name = {node.name: node for node in nodes}
+    added: list[NodeDef] = []
+    for position, node in enumerate(nodes):
+        controls = [text for text in node.input if text.startswith("^")]
+        if not controls:
+            continue
+        for i, text in enumerate(node.input):
+            if text.startswith("^"):
+                continue
+            src = by_name.get(parse_input(text)[0])
+            if src is None or src.op not in REF_OUTPUT_OPS:
+                continue
+            if task_of_device(src.device) == task_of_device(node.device):
+                continue
+            if nodes[position] is node:  # the session's own NodeDef: change a copy
+                copy = NodeDef()
+                copy.CopyFrom(node)
+                nodes[position] = copy
+            read = NodeDef(name=f"{node.name}/_late_read_{i}", op="Identity", device=src.device)
+            read.input.extend([text, *controls])
+            nodes[position].input[i] = read.name
+            added.append(read)
+    nodes.extend(added)
