@@ -23,6 +23,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from distserver import errors
+from distserver._process import die_with_parent, run
+from distserver.cluster import TFConfigClusterResolver
+from distserver.facade import Session
+from distserver.protos.master_pb2 import ListDevicesRequest
+from distserver.runtime.clients import RemoteMaster
+from distserver.server import AsyncServer
+from distserver.testing import LocalCluster
+from distserver.transports import get_transport
 
 
 def _cluster_and_task(args: argparse.Namespace) -> tuple[Any, str | None, int | None, str | None]:
@@ -32,8 +40,6 @@ def _cluster_and_task(args: argparse.Namespace) -> tuple[Any, str | None, int | 
         except json.JSONDecodeError as exc:
             raise SystemExit(f"distserver serve: --cluster is not valid JSON: {exc}") from None
         return cluster, args.job, args.task, args.protocol
-    from distserver.cluster import TFConfigClusterResolver
-
     resolver = TFConfigClusterResolver()
     spec = resolver.cluster_spec()
     if not spec:
@@ -50,7 +56,8 @@ def _keep_freed_memory() -> bool:
 
     Every large tensor buffer the transport allocates would otherwise be a new
     `mmap`, zero-filled and faulted in 4 KiB at a time (~16k faults per 64 MiB); with
-    this, a 64 MiB RecvTensor went from ~0.4 to ~1.4 GB/s (benchmarks/probe_grpc_transfer.py).
+    this, a 64 MiB RecvTensor went from ~0.4 to ~1.4 GB/s (docs/benchmarks.md, "the gRPC
+    transfer probe").
     The cost: the process keeps its peak heap instead of returning it to the OS.
     Opt out with DISTSERVER_MALLOC_TUNING=0.
     """
@@ -65,25 +72,9 @@ def _keep_freed_memory() -> bool:
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """Exit with the process that started us, when it asked (LocalCluster does)."""
-    parent = os.environ.get("DISTSERVER_PARENT_PID")
-    if not parent or not sys.platform.startswith("linux"):
-        return
-    try:
-        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != int(parent):  # the parent died before prctl took effect
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    from distserver.server import AsyncServer
-
     cluster, job, task, protocol = _cluster_and_task(args)
     server = AsyncServer(cluster, job, task, protocol, listen_on_all_interfaces=args.all_interfaces)
     await server.start()
@@ -105,10 +96,6 @@ async def _serve(args: argparse.Namespace) -> int:
 
 
 async def _status(args: argparse.Namespace) -> int:
-    from distserver.protos.master_pb2 import ListDevicesRequest
-    from distserver.runtime.clients import RemoteMaster
-    from distserver.transports import get_transport
-
     scheme, sep, address = args.target.partition("://")
     if not sep:
         scheme, address = "grpc", args.target
@@ -123,9 +110,6 @@ async def _status(args: argparse.Namespace) -> int:
 
 
 def _local_cluster(args: argparse.Namespace) -> int:
-    from distserver.facade import Session
-    from distserver.testing import LocalCluster
-
     with LocalCluster({"ps": args.ps, "worker": args.workers}, protocol=args.protocol) as cluster:
         for task, target in cluster.targets.items():
             print(f"{task} serving at {target} (pid {cluster.pids[task]})")
@@ -166,11 +150,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "serve":
-            _die_with_parent()
+            die_with_parent()
             _keep_freed_memory()
-            return _run(_serve(args))
+            return run(_serve(args))
         if args.command == "status":
-            return _run(_status(args))
+            return run(_status(args))
         return _local_cluster(args)
     except errors.OpError as exc:
         print(f"distserver {args.command}: {type(exc).__name__}: {exc.message}", file=sys.stderr)
@@ -178,14 +162,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (TypeError, ValueError) as exc:
         print(f"distserver {args.command}: {exc}", file=sys.stderr)
         return 2
-
-
-def _run(coro: Any) -> int:
-    try:
-        import uvloop
-    except ImportError:
-        return int(asyncio.run(coro))
-    return int(uvloop.run(coro))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import weakref
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
+from distserver._process import new_event_loop
 from distserver.graph import Graph
 from distserver.protos.config_pb2 import RunMetadata, RunOptions
 from distserver.protos.device_attributes_pb2 import DeviceAttributes
@@ -36,11 +37,20 @@ class _LoopThread:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._servers: weakref.WeakSet[AsyncServer] = weakref.WeakSet()
+        self._shut_down = False
 
     def loop(self) -> asyncio.AbstractEventLoop:
         with self._lock:
-            if self._loop is None or self._loop.is_closed():
-                self._loop = _new_event_loop()
+            if self._shut_down:
+                raise RuntimeError(
+                    "distserver's event-loop thread was shut down (at interpreter exit), so the "
+                    "blocking API (Server, Session) can no longer run. Run AsyncServer / "
+                    "AsyncSession on an event loop of your own instead."
+                )
+            if self._thread is not None and not self._thread.is_alive():
+                raise RuntimeError("distserver's event-loop thread has died; the blocking API cannot run.")
+            if self._loop is None:
+                self._loop = new_event_loop()
                 ready = threading.Event()
                 self._thread = threading.Thread(
                     target=self._run, args=(self._loop, ready), name="distserver-loop", daemon=True
@@ -64,7 +74,12 @@ class _LoopThread:
                 "thread, which would deadlock. Inside async code use AsyncServer / AsyncSession "
                 "and await them."
             )
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop())
+        try:
+            loop = self.loop()
+        except RuntimeError:
+            coro.close()
+            raise
+        future = asyncio.run_coroutine_threadsafe(coro, loop)
         try:
             return future.result()
         except BaseException:
@@ -76,7 +91,13 @@ class _LoopThread:
         self._servers.add(server)
 
     def shutdown(self) -> None:
-        """Stop every server still running, then the loop (at interpreter exit)."""
+        """Stop every server still running, then the loop, and close it (at interpreter exit).
+
+        Blocking calls after this raise RuntimeError instead of waiting for a loop
+        that no longer runs.
+        """
+        with self._lock:
+            self._shut_down = True
         loop, thread = self._loop, self._thread
         if loop is None or thread is None or loop.is_closed() or not thread.is_alive():
             return
@@ -92,15 +113,8 @@ class _LoopThread:
             pass
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=5)
-
-
-def _new_event_loop() -> asyncio.AbstractEventLoop:
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
-    return loop
+        if not thread.is_alive():
+            loop.close()
 
 
 _LOOP = _LoopThread()

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from distserver import errors
+from distserver.cluster import coerce_proto
 from distserver.graph import Graph, Operation, Tensor, get_default_graph
 from distserver.protos import master_pb2 as m
 from distserver.protos.config_pb2 import ConfigProto, RunMetadata, RunOptions
@@ -175,8 +176,6 @@ class AsyncSession:
     """
 
     def __init__(self, target: str = "", graph: Graph | None = None, config: Any = None) -> None:
-        from distserver.cluster import coerce_proto
-
         self.target = target
         self._graph = graph if graph is not None else get_default_graph()
         self._config = coerce_proto(config, ConfigProto) if config is not None else ConfigProto()
@@ -273,8 +272,6 @@ class AsyncSession:
         feeds = _feed_items(self._graph, feed_dict)
         master, handle = await self._ensure_session()
         if options is not None:
-            from distserver.cluster import coerce_proto
-
             options = coerce_proto(options, RunOptions)
         values = await master.run_step(handle, feeds, plan.tensors, plan.targets, options)
         return plan.rebuild(values)

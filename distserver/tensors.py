@@ -53,7 +53,14 @@ from distserver.protos.tensor_pb2 import TensorProto, VariantTensorDataProto
 from distserver.protos.tensor_shape_pb2 import TensorShapeProto
 
 __all__ = [
+    "BOOL_DATATYPES",
+    "COMPLEX_DATATYPES",
     "DEFAULT_DECODE_LIMIT_BYTES",
+    "FLOAT_DATATYPES",
+    "INDEX_DATATYPES",
+    "INTEGER_DATATYPES",
+    "SIGNED_DATATYPES",
+    "UNSIGNED_DATATYPES",
     "DecodeBudget",
     "ResourceHandle",
     "Shape",
@@ -111,28 +118,23 @@ _DATATYPE_BY_TF_NAME: Final[dict[str, int]] = {
     "bfloat16": _DT.DT_BFLOAT16,
 }
 
+# Dtype groups, as DataType values: the one definition (graph ops and kernels derive
+# theirs from these).
+FLOAT_DATATYPES: Final = frozenset({_DT.DT_HALF, _DT.DT_BFLOAT16, _DT.DT_FLOAT, _DT.DT_DOUBLE})
+COMPLEX_DATATYPES: Final = frozenset({_DT.DT_COMPLEX64, _DT.DT_COMPLEX128})
+SIGNED_DATATYPES: Final = frozenset({_DT.DT_INT8, _DT.DT_INT16, _DT.DT_INT32, _DT.DT_INT64})
+UNSIGNED_DATATYPES: Final = frozenset({_DT.DT_UINT8, _DT.DT_UINT16, _DT.DT_UINT32, _DT.DT_UINT64})
+INTEGER_DATATYPES: Final = SIGNED_DATATYPES | UNSIGNED_DATATYPES
+INDEX_DATATYPES: Final = frozenset({_DT.DT_INT32, _DT.DT_INT64})
+BOOL_DATATYPES: Final = frozenset({_DT.DT_BOOL})
+
 # Kinds of values a python input may hold for each numeric target, so that e.g.
 # `to_tensor_proto([1.5], dtype="int32")` is refused instead of truncated (as TF does).
-_BOOL_TYPES: Final = frozenset({_DT.DT_BOOL})
-_INT_TYPES: Final = frozenset(
-    {
-        _DT.DT_INT8,
-        _DT.DT_INT16,
-        _DT.DT_INT32,
-        _DT.DT_INT64,
-        _DT.DT_UINT8,
-        _DT.DT_UINT16,
-        _DT.DT_UINT32,
-        _DT.DT_UINT64,
-    }
-)
-_FLOAT_TYPES: Final = frozenset({_DT.DT_HALF, _DT.DT_BFLOAT16, _DT.DT_FLOAT, _DT.DT_DOUBLE})
-_COMPLEX_TYPES: Final = frozenset({_DT.DT_COMPLEX64, _DT.DT_COMPLEX128})
 _ACCEPTED_KINDS: Final[dict[frozenset[int], str]] = {
-    _BOOL_TYPES: "b",
-    _INT_TYPES: "biu",
-    _FLOAT_TYPES: "biuf",
-    _COMPLEX_TYPES: "biufc",
+    BOOL_DATATYPES: "b",
+    INTEGER_DATATYPES: "biu",
+    FLOAT_DATATYPES: "biuf",
+    COMPLEX_DATATYPES: "biufc",
 }
 
 # TensorFlow refuses to build a TensorProto whose content is 2 GiB or more: protobuf

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 import distserver as ds
+from distserver.testing import LocalCluster
 from distserver.transports import get_transport
 
 FEATURES, CLASSES = 20, 4
@@ -167,7 +168,6 @@ def main() -> None:
     if cluster is not None:
         train(cluster, args.steps, args.batch, args.learning_rate, args.log_every)
         return
-    from distserver.testing import LocalCluster
 
     with LocalCluster({"ps": 1, "worker": 2}, protocol=args.protocol) as local:
         for task, target in local.targets.items():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import signal
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import time
 import pytest
 
 import distserver as ds
-from distserver import errors
+from distserver import errors, facade
 
 
 def test_create_local_server_target_and_stop():
@@ -166,7 +167,6 @@ def test_sessions_from_many_threads():
 
 
 def test_facade_parity_with_async_classes():
-    import inspect
 
     for sync_cls, async_cls in ((ds.Server, ds.AsyncServer), (ds.Session, ds.AsyncSession)):
         for name, member in inspect.getmembers(async_cls, inspect.iscoroutinefunction):
@@ -181,3 +181,27 @@ def test_facade_parity_with_async_classes():
 async def test_async_server_in_user_loop_is_independent_of_the_facade_loop():
     async with ds.AsyncServer({"localhost": ["localhost:0"]}) as server:
         assert server.loop is asyncio.get_running_loop()
+
+
+def test_a_call_after_the_loop_thread_shut_down_raises_instead_of_waiting_forever():
+    loop_thread = facade._LoopThread()  # not the process-wide one, which other tests use
+    assert loop_thread.run(asyncio.sleep(0, result=7)) == 7
+    loop = loop_thread.loop()
+    loop_thread.shutdown()
+    assert loop.is_closed()
+    outcome: list[BaseException | None] = []
+
+    def call() -> None:
+        try:
+            loop_thread.run(asyncio.sleep(0))
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    caller = threading.Thread(target=call, daemon=True)
+    caller.start()
+    caller.join(timeout=10)
+    assert not caller.is_alive(), "a blocking call after shutdown() hung"
+    (error,) = outcome
+    assert isinstance(error, RuntimeError)
+    assert "shut down" in str(error)

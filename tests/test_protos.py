@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import TypeVar
 
+import grpc
 import pytest
 from google.protobuf import unknown_fields
 from google.protobuf.message import Message
@@ -536,7 +537,6 @@ def test_error_code_values(number: int, name: str) -> None:
 
 
 def test_error_codes_complete_and_match_grpc() -> None:
-    import grpc
 
     values = {v.name: v.number for v in error_codes_pb2.Code.DESCRIPTOR.values}
     assert values.pop("DO_NOT_USE_RESERVED_FOR_FUTURE_EXPANSION_USE_DEFAULT_IN_SWITCH_INSTEAD_") == 20

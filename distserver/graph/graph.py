@@ -310,11 +310,20 @@ def _single_attr(field: str, item: Any) -> AttrValue:
 # --------------------------------------------------------------------------- tensors
 
 
-def _operator(py_name: str, x: Any, y: Any) -> Tensor:
-    # ops builds on this module, so it is imported when an operator first runs.
-    from distserver.graph import ops
+# Tensor operators build ops, and `ops` builds on this module: it registers the
+# builders when it is imported (the `distserver.graph` package imports it), so this
+# module never imports `ops`. Keys: "binary" (py_name, x, y), "negative", "abs",
+# "logical_not" (x) and "slice" (x, key).
+_OPERATOR_BUILDERS: dict[str, Callable[..., Tensor]] = {}
 
-    return ops.binary_operator(py_name, x, y)
+
+def register_operator_builders(builders: Mapping[str, Callable[..., Tensor]]) -> None:
+    """Called by `ops` at import: the functions Python's operators on tensors call."""
+    _OPERATOR_BUILDERS.update(builders)
+
+
+def _operator(py_name: str, x: Any, y: Any) -> Tensor:
+    return _OPERATOR_BUILDERS["binary"](py_name, x, y)
 
 
 class _TensorLike:
@@ -415,24 +424,16 @@ class _TensorLike:
         return _operator("GreaterEqual", self._as_operand(), other)
 
     def __neg__(self) -> Tensor:
-        from distserver.graph import ops
-
-        return ops.negative(self._as_operand())
+        return _OPERATOR_BUILDERS["negative"](self._as_operand())
 
     def __abs__(self) -> Tensor:
-        from distserver.graph import ops
-
-        return ops.abs(self._as_operand())
+        return _OPERATOR_BUILDERS["abs"](self._as_operand())
 
     def __invert__(self) -> Tensor:
-        from distserver.graph import ops
-
-        return ops.logical_not(self._as_operand())
+        return _OPERATOR_BUILDERS["logical_not"](self._as_operand())
 
     def __getitem__(self, key: Any) -> Tensor:
-        from distserver.graph import ops
-
-        return ops.slice_helper(self._as_operand(), key)
+        return _OPERATOR_BUILDERS["slice"](self._as_operand(), key)
 
     def __bool__(self) -> bool:
         raise TypeError(

@@ -46,6 +46,7 @@ from distserver.graph.graph import (
     dtype_name,
     get_default_graph,
     name_scope,
+    register_operator_builders,
     shape_text,
 )
 from distserver.protos import types_pb2
@@ -127,25 +128,14 @@ __all__ = [
 ]
 
 _DT = types_pb2
-_FLOATS: Final = frozenset({_DT.DT_HALF, _DT.DT_BFLOAT16, _DT.DT_FLOAT, _DT.DT_DOUBLE})
-_COMPLEX: Final = frozenset({_DT.DT_COMPLEX64, _DT.DT_COMPLEX128})
-_INTS: Final = frozenset(
-    {
-        _DT.DT_INT8,
-        _DT.DT_INT16,
-        _DT.DT_INT32,
-        _DT.DT_INT64,
-        _DT.DT_UINT8,
-        _DT.DT_UINT16,
-        _DT.DT_UINT32,
-        _DT.DT_UINT64,
-    }
-)
+_FLOATS: Final = tensors.FLOAT_DATATYPES
+_COMPLEX: Final = tensors.COMPLEX_DATATYPES
+_INTS: Final = tensors.INTEGER_DATATYPES
 _REAL: Final = _FLOATS | _INTS
 _NUMBERS: Final = _REAL | _COMPLEX
 _INEXACT: Final = _FLOATS | _COMPLEX
-_BOOL: Final = frozenset({_DT.DT_BOOL})
-_INDEX: Final = frozenset({_DT.DT_INT32, _DT.DT_INT64})
+_BOOL: Final = tensors.BOOL_DATATYPES
+_INDEX: Final = tensors.INDEX_DATATYPES
 _ANY: Final[frozenset[int] | None] = None
 
 # tf.math.truediv casts integer operands to a float type first (None: divide as is).
@@ -1722,3 +1712,14 @@ def binary_operator(py_name: str, x: Any, y: Any) -> Tensor:
         return function(x, y)
     with name_scope(None, py_name, [x, y]) as scope:
         return function(x, y, name=scope)
+
+
+register_operator_builders(
+    {
+        "binary": binary_operator,
+        "negative": negative,
+        "abs": abs,
+        "logical_not": logical_not,
+        "slice": slice_helper,
+    }
+)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Final
 import ml_dtypes
 import numpy as np
 
-from distserver import errors
+from distserver import errors, tensors
 from distserver.protos import types_pb2
 from distserver.tensors import ResourceHandle, as_datatype, as_numpy_dtype, shape_from_proto
 
@@ -31,19 +31,20 @@ INT64: Final[np.dtype[Any]] = np.dtype(np.int64)
 OBJECT: Final[np.dtype[Any]] = np.dtype(object)  # DT_STRING and DT_RESOURCE values
 
 
-def _dtypes(*types: Any) -> DTypes:
-    return frozenset(np.dtype(t) for t in types)
+def _dtypes(datatypes: frozenset[int]) -> DTypes:
+    # The groups are defined once, as DataTypes, in `distserver.tensors`.
+    return frozenset(as_numpy_dtype(datatype) for datatype in datatypes)
 
 
-FLOATS: Final = _dtypes(np.float16, np.float32, np.float64, ml_dtypes.bfloat16)
-COMPLEX: Final = _dtypes(np.complex64, np.complex128)
-SIGNED: Final = _dtypes(np.int8, np.int16, np.int32, np.int64)
-UNSIGNED: Final = _dtypes(np.uint8, np.uint16, np.uint32, np.uint64)
+FLOATS: Final = _dtypes(tensors.FLOAT_DATATYPES)
+COMPLEX: Final = _dtypes(tensors.COMPLEX_DATATYPES)
+SIGNED: Final = _dtypes(tensors.SIGNED_DATATYPES)
+UNSIGNED: Final = _dtypes(tensors.UNSIGNED_DATATYPES)
 INTEGERS: Final = SIGNED | UNSIGNED
 REAL: Final = FLOATS | INTEGERS
 NUMBER: Final = REAL | COMPLEX
 ALL_TYPES: Final = NUMBER | {BOOL, OBJECT}
-INDEX_TYPES: Final = _dtypes(np.int32, np.int64)
+INDEX_TYPES: Final = _dtypes(tensors.INDEX_DATATYPES)
 
 # numpy has no native bfloat16 kernels for everything (matmul returns float32,
 # transcendental functions are slow); such ops compute in float32 and cast back.

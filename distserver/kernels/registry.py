@@ -23,6 +23,7 @@ import numpy as np
 
 from distserver import errors
 from distserver.kernels.resources import VariableRef
+from distserver.tensors import as_numpy_dtype
 
 if TYPE_CHECKING:
     from distserver.devices import RendezvousKey
@@ -147,8 +148,6 @@ class OpKernel:
         return name in self.node.attr
 
     def attr_type(self, name: str, default: np.dtype[Any] | None = None) -> np.dtype[Any]:
-        from distserver.tensors import as_numpy_dtype
-
         if default is not None and name not in self.node.attr:
             return default
         return as_numpy_dtype(self._attr(name).type)

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
 import importlib
 import json
 import math
@@ -62,6 +61,7 @@ import ml_dtypes
 import numpy as np
 
 from distserver import errors
+from distserver._process import die_with_parent, run
 from distserver.devices import RendezvousKey
 from distserver.protos.device_attributes_pb2 import DeviceAttributes
 from distserver.protos.services import WORKER_SERVICE
@@ -372,18 +372,6 @@ async def serve(transport: Transport, host: str, grace: float) -> int:
     return 0
 
 
-def _die_with_parent() -> None:
-    parent = os.environ.get("DISTSERVER_PARENT_PID")
-    if not parent or not sys.platform.startswith("linux"):
-        return
-    try:
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != int(parent):  # the parent died before prctl took effect
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument(
@@ -394,12 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="localhost", help="host to bind (port 0)")
     parser.add_argument("--grace", type=float, default=1.0, help="seconds calls in flight get on stop")
     args = parser.parse_args(argv)
-    _die_with_parent()
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(serve(load_transport(args.transport), args.host, args.grace))
-    return int(uvloop.run(serve(load_transport(args.transport), args.host, args.grace)))
+    die_with_parent()
+    return run(serve(load_transport(args.transport), args.host, args.grace))
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ def _load_builtins() -> None:
     global _builtins_loaded
     if _builtins_loaded:
         return
+    # Imported here: the transports import this package's submodules (base, call_stream).
     from distserver.transports.grpc import GrpcTransport
     from distserver.transports.verbs._transport import VerbsTransport
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from distserver import errors
+from distserver.kernels import create_kernel
 
 RNG = np.random.default_rng(0)
 
@@ -136,7 +137,6 @@ def test_input_dtype_must_match_attr(run_op):
 
 
 def test_unsupported_type_attr_is_refused_at_creation(make_node):
-    from distserver.kernels import create_kernel
 
     with pytest.raises(
         errors.InvalidArgumentError, match=r"No OpKernel was registered to support Op 'AddV2'"
@@ -266,7 +266,6 @@ def test_cast_truncate_to_bfloat16(run_op):
 
 
 def test_cast_of_strings_is_unimplemented(make_node):
-    from distserver.kernels import create_kernel
 
     with pytest.raises(errors.UnimplementedError, match="Cast string to float is not supported"):
         create_kernel(make_node("Cast", ["x"], name="cast", SrcT=object, DstT=np.float32))

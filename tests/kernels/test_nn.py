@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from distserver import errors
+from distserver.kernels import create_kernel
 
 RNG = np.random.default_rng(7)
 
@@ -142,7 +143,6 @@ def test_bias_add_grad_needs_two_dimensions(run_op):
 
 
 def test_bias_add_grad_rejects_unknown_data_formats(make_node):
-    from distserver.kernels import create_kernel
 
     with pytest.raises(errors.InvalidArgumentError, match="Invalid data format: NDHWC"):
         create_kernel(make_node("BiasAddGrad", ["g"], T=np.float32, data_format="NDHWC"))

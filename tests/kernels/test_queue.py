@@ -9,7 +9,7 @@ import pytest
 
 from distserver import errors
 from distserver.kernels import create_kernel
-from distserver.kernels.resources import FIFOQueue
+from distserver.kernels.resources import FIFOQueue, ResourceManager
 
 F32 = np.float32
 
@@ -330,7 +330,6 @@ async def test_anonymous_queues_are_private_to_their_kernel(make_node, ctx):
 
 
 async def test_missing_queue_is_not_found(ops, ctx):
-    from distserver.kernels.resources import ResourceManager
 
     q = await ops.create()
     ctx.resources = ResourceManager()

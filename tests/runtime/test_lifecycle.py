@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+import distserver as ds
 from distserver import errors
 from distserver.protos.master_pb2 import ListDevicesRequest
 from distserver.runtime.clients import RemoteMaster
@@ -80,7 +81,6 @@ async def test_join_times_out_then_returns_after_stop():
 
 
 async def test_stop_with_grace_cancels_a_call_in_flight():
-    import distserver as ds
     from distserver.protos.config_pb2 import ConfigProto
 
     server = AsyncServer(LOCAL)

@@ -11,6 +11,7 @@ import pytest
 import distserver as ds
 from distserver import errors
 from distserver.protos.config_pb2 import ConfigProto, RunOptions
+from distserver.runtime.master import Master
 
 
 @pytest.fixture(params=["inprocess", "grpc"])
@@ -50,7 +51,6 @@ async def test_the_shortcut_is_taken_only_in_process(server, mode):
         ds.constant(1.0, name="c")
     async with ds.AsyncSession(server.target, graph=graph, config=session_config(mode)) as session:
         await session.run("c:0")
-        from distserver.runtime.master import Master
 
         assert isinstance(session._master, Master) is (mode == "inprocess")
 

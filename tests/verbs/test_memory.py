@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import gc
 import math
@@ -14,6 +15,7 @@ import pytest
 
 from distserver import errors
 from distserver.transports import verbs
+from distserver.transports.verbs._memory import MIN_COPY_PIECE, SharedCopy, wait_offloaded
 
 
 def _rss_of_mapping(region: verbs.MemoryRegion) -> int:
@@ -243,7 +245,6 @@ async def test_invalid_sizes(pd):
 
 @pytest.mark.parametrize("nbytes", [0, 1, (1 << 20) - 1, 8 << 20, (16 << 20) + 3])
 def test_a_shared_copy_covers_the_destination_once_with_any_number_of_threads(nbytes):
-    from distserver.transports.verbs._memory import MIN_COPY_PIECE, SharedCopy
 
     source = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
     destination = bytearray(nbytes)
@@ -261,7 +262,6 @@ def test_a_shared_copy_covers_the_destination_once_with_any_number_of_threads(nb
 
 
 def test_a_shared_copy_takes_pieces_that_shrink_as_the_copy_ends():
-    from distserver.transports.verbs._memory import MIN_COPY_PIECE, SharedCopy
 
     nbytes = 16 * MIN_COPY_PIECE
     work = SharedCopy(memoryview(bytearray(nbytes)), np.zeros(nbytes, np.uint8), nbytes)
@@ -273,7 +273,6 @@ def test_a_shared_copy_takes_pieces_that_shrink_as_the_copy_ends():
 
 
 def test_a_shared_copy_keeps_a_strided_array_whole_and_off_a_bounded_loop():
-    from distserver.transports.verbs._memory import SharedCopy
 
     source = np.arange(2 * (8 << 20) // 4, dtype=np.float32).reshape(2, -1).T  # Fortran order
     destination = bytearray(source.nbytes)
@@ -285,7 +284,6 @@ def test_a_shared_copy_keeps_a_strided_array_whole_and_off_a_bounded_loop():
 
 
 def test_after_a_failed_piece_no_thread_takes_another():
-    from distserver.transports.verbs._memory import MIN_COPY_PIECE, SharedCopy
 
     nbytes = 4 * MIN_COPY_PIECE
     read_only = memoryview(bytearray(nbytes)).toreadonly()  # every piece fails
@@ -298,9 +296,6 @@ def test_after_a_failed_piece_no_thread_takes_another():
 
 
 async def test_wait_offloaded_waits_for_every_job_and_raises_the_first_error():
-    import asyncio
-
-    from distserver.transports.verbs._memory import wait_offloaded
 
     loop = asyncio.get_running_loop()
     finished = []

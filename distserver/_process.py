@@ -1,0 +1,62 @@
+"""Process-wide setup shared by distserver's processes and threads: the event loop, and
+dying with the parent process.
+
+Every distserver process (`distserver serve`, the conformance peer, benchmarks) and the
+facade's loop thread get their event loop from `new_event_loop`, so they all run on
+uvloop when it is installed, and on asyncio's loop otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import os
+import signal
+import sys
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+_uvloop: Any
+try:
+    import uvloop as _uvloop
+except ImportError:  # optional: asyncio's own loop works, more slowly
+    _uvloop = None
+
+T = TypeVar("T")
+
+_PR_SET_PDEATHSIG = 1
+PARENT_PID_ENV = "DISTSERVER_PARENT_PID"
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """A new event loop: uvloop's when installed, else asyncio's."""
+    if _uvloop is None:
+        return asyncio.new_event_loop()
+    loop: asyncio.AbstractEventLoop = _uvloop.new_event_loop()
+    return loop
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    """`asyncio.run(coro)` on a loop from `new_event_loop`."""
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        return runner.run(coro)
+
+
+def die_with_parent() -> None:
+    """Die (SIGKILL) when the process that started this one dies, if it asked to.
+
+    A parent that wants this sets `DISTSERVER_PARENT_PID` to its pid in the child's
+    environment (`LocalCluster` and the conformance suite do): a crashed test or
+    benchmark then leaves no server behind. Linux only (PR_SET_PDEATHSIG); elsewhere
+    a no-op. Called by the child itself: a `preexec_fn` would make Popen fork, which
+    breaks gRPC.
+    """
+    parent = os.environ.get(PARENT_PID_ENV)
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(parent):  # the parent died before prctl took effect
+        os.kill(os.getpid(), signal.SIGKILL)
