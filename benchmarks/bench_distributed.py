@@ -1,4 +1,4 @@
-"""Distributed-execution benchmarks, distserver side by side with TensorFlow's runtime (issue #4).
+"""Distributed-execution benchmarks, distserver side by side with TensorFlow's runtime.
 
 Both runtimes run the same graphs (`_shared.py` builds them through either graph
 API), on a ps and a worker task, one OS process each, loopback only, with the
@@ -38,7 +38,6 @@ import os
 import platform
 import select
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -47,6 +46,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import _report
 import _shared
 import _tfenv
 from _shared import MiB
@@ -76,33 +76,6 @@ def parse_size(text: str) -> int:
 
 def parse_size_or_zero(text: str) -> int:
     return 0 if text.strip() == "0" else parse_size(text)
-
-
-def size_label(nbytes: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", MiB), ("KiB", 1 << 10)):
-        if nbytes >= scale and nbytes % scale == 0:
-            return f"{nbytes // scale} {unit}"
-    return f"{nbytes} B"
-
-
-def fmt_time(seconds: float) -> str:
-    if seconds < 1e-3:
-        return f"{seconds * 1e6:.0f} µs"
-    if seconds < 1.0:
-        return f"{seconds * 1e3:.2f} ms"
-    return f"{seconds:.2f} s"
-
-
-def fmt_rate(mb_per_s: float) -> str:
-    if mb_per_s >= 100:
-        return f"{mb_per_s:,.0f}"
-    if mb_per_s >= 10:
-        return f"{mb_per_s:.1f}"
-    return f"{mb_per_s:.2f}"
-
-
-def fmt_mib(nbytes: float) -> str:
-    return f"{nbytes / MiB:,.0f} MiB"
 
 
 def _version(dist: str) -> str:
@@ -284,7 +257,6 @@ class TFSide:
             stderr=self._stderr,
             text=True,
             env=_tfenv.quiet_tf_env(),
-            preexec_fn=_die_with_parent,
         )
 
     def wait_ready(self) -> None:
@@ -383,13 +355,6 @@ def _running(pid: int) -> bool:
         return False
 
 
-def _die_with_parent() -> None:
-    import ctypes
-
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 # --------------------------------------------------------------------------- the run
 
 
@@ -435,6 +400,7 @@ def run(args: argparse.Namespace, tf_setup: dict[str, Any], deadline: float) -> 
             "trivial_steps": args.trivial_steps,
             "memory_size": args.memory_size,
             "memory_repeat": args.memory_repeat,
+            "steps_per_size": {str(n): repeat_for(n, args.repeat) for n in args.sizes},
         },
         "tf_skipped": tf_setup["skipped"],
         "ours": {"recv": {}, "trivial": None, "trivial_var": None, "memory": None},
@@ -468,14 +434,15 @@ def run(args: argparse.Namespace, tf_setup: dict[str, Any], deadline: float) -> 
                 report[side.name][kind] = result
         for nbytes in args.sizes:
             repeat = repeat_for(nbytes, args.repeat)
-            _log(f"RecvTensor {size_label(nbytes)} x {repeat}")
+            _log(f"RecvTensor {_report.size_label(nbytes)} x {repeat}")
             for side, result in measure(sides, "recv", nbytes, args.warmup, repeat, args, deadline):
                 report[side.name]["recv"][str(nbytes)] = result
         report["errors"] += [r["error"] for s in sides for r in _all_results(report[s.name]) if "error" in r]
 
         if args.memory_size:
             for side in [side for side in sides if not side.dead]:
-                _log(f"memory: {size_label(args.memory_size)} ps -> worker, fresh cluster ({side.name})")
+                size = _report.size_label(args.memory_size)
+                _log(f"memory: {size} ps -> worker, fresh cluster ({side.name})")
                 report[side.name]["memory"] = _guard(
                     report, side, "memory", lambda s=side: _memory(s, args, deadline)
                 )
@@ -517,7 +484,7 @@ def measure(
     machine's load hit both alike. Every block starts with `--settle-ms` of untimed
     steps (`_shared.settle`). A side that fails gets an error result.
     """
-    what = f"{kind} {size_label(nbytes)}" if nbytes else kind
+    what = f"{kind} {_report.size_label(nbytes)}" if nbytes else kind
     dead = [side for side in sides if side.dead]
     sides = [side for side in sides if not side.dead]
     all_pids = {pid for side in sides for pid in side.pids.values()}
@@ -630,341 +597,6 @@ def _log(message: str) -> None:
     print(f"[bench] {message}", file=sys.stderr, flush=True)
 
 
-# --------------------------------------------------------------------------- tables
-
-
-def _ok(result: Any) -> bool:
-    return isinstance(result, dict) and "error" not in result
-
-
-def _verdict(met: bool) -> str:
-    return "met" if met else "**missed**"
-
-
-def _header(report: dict[str, Any]) -> list[str]:
-    m = report["machine"]
-    out = [
-        f"Command: `.venv/bin/python {report['command']}`",
-        "",
-        f"Machine: {m['nproc']} CPUs ({m['cpu_model']}), Linux {m['kernel']}, Python {m['python']}, "
-        f"numpy {m['numpy']}, grpcio {m['grpcio']}, protobuf {m['protobuf']}, uvloop {m['uvloop']}, "
-        f"TensorFlow {m.get('tensorflow', '(not run)')}.",
-    ]
-    if report["tf_skipped"] is not None:
-        out += ["", f"**TensorFlow columns skipped:** {report['tf_skipped']}"]
-    return out
-
-
-def _load_line(report: dict[str, Any]) -> str:
-    m = report["machine"]
-    return (
-        f"Load average {m['loadavg_start']} at start, {m.get('loadavg_end', '?')} at end; during the run "
-        f"{m.get('run_busy_cpus', 0):.2f} of {m['nproc']} CPUs busy on average (everything, benchmark "
-        f"included), {m.get('run_steal_cpus', 0):.2f} CPUs stolen by the hypervisor."
-    )
-
-
-def tables(report: dict[str, Any], header: bool = True) -> str:
-    params = report["params"]
-    ours, tf = report["ours"], report["tf"]
-    with_tf = report["tf_skipped"] is None
-    m = report["machine"]
-    out: list[str] = _header(report) if header else []
-    out += ["", _load_line(report)]
-    w, rounds, settle = params["warmup"], params["rounds"], params.get("settle_ms", 0)
-
-    # 1. RecvTensor
-    out += [
-        "",
-        f"### RecvTensor ps -> worker (median step; {w} warm-up steps, then the timed "
-        f"steps in {rounds} blocks{', alternating with TF' if with_tf else ''}, "
-        f"each after {settle:g} ms of untimed steps)",
-        "",
-    ]
-    head = "| size | steps | ours step | ours MB/s |"
-    rule = "|---|---:|---:|---:|"
-    if with_tf:
-        head += " TF step | TF MB/s | ours/TF throughput | target |"
-        rule += "---:|---:|---:|---|"
-    out += [head, rule]
-    for nbytes in params["sizes"]:
-        o, t = ours["recv"].get(str(nbytes)), tf["recv"].get(str(nbytes))
-        row = f"| {size_label(nbytes)} | {repeat_for(nbytes, params['repeat'])} | " + _step_cells(o)
-        if with_tf:
-            row += " | " + _step_cells(t)
-            if _ok(o) and _ok(t):
-                row += f" | {o['mb_per_s'] / t['mb_per_s']:.2f}x | " + _recv_target(nbytes, o, t)
-            else:
-                row += " | - | -"
-        out.append(row + " |")
-
-    # 2. trivial step
-    steps = params["trivial_steps"]
-    out += [
-        "",
-        f"### Trivial step on a remote task (ops on ps, session on worker; median of {steps} steps "
-        f"in {rounds} blocks, each after {settle:g} ms of untimed steps)",
-        "",
-    ]
-    variants = [("`a + 1.0`, `a` fed by the client", "trivial"), ("`s + 1.0`, `s` a variable", "trivial_var")]
-    if with_tf:
-        out += [
-            "| step | ours | TF | ours/TF | target (ours ≤ TF) | CPU/step ours | CPU/step TF | other load |",
-            "|---|---:|---:|---:|---|---:|---:|---:|",
-        ]
-    else:
-        out += ["| step | ours | CPU/step ours |", "|---|---:|---:|"]
-    for label, kind in variants:
-        o, t = ours.get(kind), tf.get(kind)
-        if not with_tf:
-            out.append(f"| {label} | {_time_cell(o)} | {_cpu_cell(o)} |")
-            continue
-        if _ok(o) and _ok(t):
-            ratio = f"{o['median_s'] / t['median_s']:.2f}x | {_verdict(o['median_s'] <= t['median_s'])}"
-        else:
-            ratio = "- | -"
-        background = _load_cell(o) if _ok(o) else "-"
-        out.append(
-            f"| {label} | {_time_cell(o)} | {_time_cell(t)} | {ratio} | {_cpu_cell(o)} | {_cpu_cell(t)} "
-            f"| {background} |"
-        )
-    out.append("")
-    out.append(
-        "CPU/step: ps + worker + client processes together. Other load: CPUs taken by other processes "
-        "(background) / by the hypervisor (stolen) while this benchmark ran."
-    )
-
-    # 3. memory
-    size = params["memory_size"]
-    if size:
-        label = size_label(size)
-        out += ["", f"### Peak memory of the worker while {label} crosses from ps (fresh cluster)", ""]
-        cols = ["ours", "TF"] if with_tf else ["ours"]
-        out += ["| | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
-        mems = [ours["memory"], tf["memory"]][: len(cols)]
-        rows = [
-            ("idle worker VmRSS (before any step)", lambda r: fmt_mib(r["idle"]["worker"]["VmRSS"])),
-            (
-                f"worker VmHWM after 1 + {params['memory_repeat']} steps",
-                lambda r: fmt_mib(_hwm(r)),
-            ),
-            (
-                f"VmHWM / {label} (target ≤ 3x)",
-                lambda r: _ratio_cell(_hwm(r) / size),
-            ),
-            (
-                f"(VmHWM - idle VmRSS) / {label}",
-                lambda r: f"{(_hwm(r) - r['idle']['worker']['VmRSS']) / size:.2f}x",
-            ),
-            ("median step", lambda r: fmt_time(r["step"]["median_s"])),
-            ("MB/s", lambda r: fmt_rate(r["step"]["mb_per_s"])),
-            ("worker minor faults per step", lambda r: f"{r['step']['per_step']['worker']['minflt']:,.0f}"),
-            ("ps VmHWM", lambda r: fmt_mib(r["step"]["memory_after"]["ps"]["VmHWM"])),
-        ]
-        for name, cell in rows:
-            out.append(f"| {name} | " + " | ".join(cell(r) if _ok(r) else "error" for r in mems) + " |")
-
-    # 4. where the time goes
-    out += [
-        "",
-        "### Where the time goes: CPU time and minor page faults per RecvTensor step, by process",
-        "",
-        "| size | side | step | CPU ps | CPU worker | CPU client "
-        "| faults ps | faults worker | faults client | other load |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for nbytes in params["sizes"]:
-        for name, side in (("ours", ours), ("TF", tf)):
-            r = side["recv"].get(str(nbytes))
-            if not _ok(r):
-                continue
-            ps, wk, cl = (r["per_step"][role] for role in ("ps", "worker", "client"))
-            out.append(
-                f"| {size_label(nbytes)} | {name} | {fmt_time(r['median_s'])} | "
-                f"{_ms(ps)} | {_ms(wk)} | {_ms(cl)} | "
-                f"{ps['minflt']:,.0f} | {wk['minflt']:,.0f} | {cl['minflt']:,.0f} | "
-                f"{_load_cell(r)} |"
-            )
-    out.append("")
-    out.append(
-        "CPU = user + system time of the whole process (all threads) per timed step, from "
-        "/proc/<pid>/stat (10 ms ticks, averaged over the timed steps); faults = minor page faults per "
-        "step; other load = CPUs (of "
-        f"{m['nproc']}) kept busy by anything but the benchmark's six processes while this size ran "
-        "(/proc/stat minus the six; includes kernel softirq time, some of it loopback traffic) / CPUs "
-        "stolen by the hypervisor."
-    )
-    if report["errors"]:
-        out += ["", "Errors:", *[f"- {e}" for e in report["errors"]]]
-    return "\n".join(out)
-
-
-def _spread(values: list[float], kind: str) -> str:
-    """Median and (min-max) of per-run values: kind "time" (seconds), "rate", "ratio", "cpus"."""
-    mid, low, high = statistics.median(values), min(values), max(values)
-    if kind == "time":
-        scale, unit = (1e6, "µs") if mid < 1e-3 else (1e3, "ms") if mid < 1.0 else (1.0, "s")
-        digits = 0 if unit == "µs" else 2
-        return f"{mid * scale:.{digits}f} {unit} ({low * scale:.{digits}f}-{high * scale:.{digits}f})"
-    if kind == "rate":
-        return f"{fmt_rate(mid)} ({fmt_rate(low)}-{fmt_rate(high)})"
-    return f"{mid:.2f}x ({low:.2f}-{high:.2f})"
-
-
-def summary_tables(reports: list[dict[str, Any]]) -> str:
-    """Median over runs, with the range, of the headline figures; targets counted per run."""
-    first = reports[0]
-    params, n = first["params"], len(reports)
-    with_tf = first["tf_skipped"] is None
-    out = _header(first)
-    out += ["", *[f"Run {i + 1}: {_load_line(r)}" for i, r in enumerate(reports)]]
-
-    def ok_all(pick: Any) -> list[Any] | None:
-        values = [pick(r) for r in reports]
-        return values if all(_ok(v) for v in values) else None
-
-    out += [
-        "",
-        f"### RecvTensor ps -> worker: median over {n} runs (min-max) of each run's median step",
-        "",
-    ]
-    if with_tf:
-        out += [
-            "| size | ours step | TF step | ours MB/s | TF MB/s | ours/TF throughput | target met in |",
-            "|---|---:|---:|---:|---:|---:|---|",
-        ]
-    else:
-        out += ["| size | ours step | ours MB/s |", "|---|---:|---:|"]
-    for nbytes in params["sizes"]:
-        key = str(nbytes)
-        o = ok_all(lambda r, k=key: r["ours"]["recv"].get(k))
-        t = ok_all(lambda r, k=key: r["tf"]["recv"].get(k)) if with_tf else None
-        if o is None:
-            out.append(f"| {size_label(nbytes)} | error in some run |" + (" |" * 5 if with_tf else " |"))
-            continue
-        o_step = _spread([x["median_s"] for x in o], "time")
-        o_rate = _spread([x["mb_per_s"] for x in o], "rate")
-        if not with_tf:
-            out.append(f"| {size_label(nbytes)} | {o_step} | {o_rate} |")
-            continue
-        if t is None:
-            out.append(f"| {size_label(nbytes)} | {o_step} | error | {o_rate} | error | - | - |")
-            continue
-        ratios = [a["mb_per_s"] / b["mb_per_s"] for a, b in zip(o, t, strict=True)]
-        if nbytes >= 16 * MiB:
-            met = f"{sum(r >= 1.0 for r in ratios)} of {n} runs (MB/s ≥ TF)"
-        elif nbytes <= 4 * 1024:
-            met = f"{sum(a['median_s'] <= b['median_s'] for a, b in zip(o, t, strict=True))} of {n} runs "
-            met += "(step ≤ TF)"
-        else:
-            met = "-"
-        out.append(
-            f"| {size_label(nbytes)} | {o_step} | {_spread([x['median_s'] for x in t], 'time')} | {o_rate} | "
-            f"{_spread([x['mb_per_s'] for x in t], 'rate')} | {_spread(ratios, 'ratio')} | {met} |"
-        )
-
-    if with_tf:
-        out += [
-            "",
-            "ours/TF: median (min-max) of the per-run ratios, so not always the ratio of the two medians.",
-        ]
-    out += ["", f"### Trivial step on a remote task: median over {n} runs (min-max)", ""]
-    if with_tf:
-        out += ["| step | ours | TF | ours/TF | target (ours ≤ TF) met in |", "|---|---:|---:|---:|---|"]
-    else:
-        out += ["| step | ours |", "|---|---:|"]
-    for label, kind in (
-        ("`a + 1.0`, `a` fed by the client", "trivial"),
-        ("`s + 1.0`, `s` a variable", "trivial_var"),
-    ):
-        o = ok_all(lambda r, k=kind: r["ours"].get(k))
-        t = ok_all(lambda r, k=kind: r["tf"].get(k)) if with_tf else None
-        o_cell = _spread([x["median_s"] for x in o], "time") if o else "error"
-        if not with_tf:
-            out.append(f"| {label} | {o_cell} |")
-            continue
-        if o is None or t is None:
-            out.append(f"| {label} | {o_cell} | {'error' if t is None else ''} | - | - |")
-            continue
-        ratios = [a["median_s"] / b["median_s"] for a, b in zip(o, t, strict=True)]
-        out.append(
-            f"| {label} | {o_cell} | {_spread([x['median_s'] for x in t], 'time')} | "
-            f"{_spread(ratios, 'ratio')} | {sum(r <= 1.0 for r in ratios)} of {n} runs |"
-        )
-
-    size = params["memory_size"]
-    if size:
-        label = size_label(size)
-        out += ["", f"### Peak memory of the worker, {label} from ps: median over {n} runs (min-max)", ""]
-        cols = [("ours", "ours")] + ([("TF", "tf")] if with_tf else [])
-        out += ["| | " + " | ".join(c for c, _ in cols) + " |", "|---|" + "---:|" * len(cols)]
-        mems = {side: ok_all(lambda r, s=side: r[s]["memory"]) for _, side in cols}
-
-        def row(name: str, pick: Any, kind: str) -> str:
-            cells = [
-                _spread([pick(m) for m in mems[side]], kind) if mems[side] else "error" for _, side in cols
-            ]
-            return f"| {name} | " + " | ".join(cells) + " |"
-
-        mib = float(MiB)
-        out += [
-            row("idle worker VmRSS (MiB)", lambda m: m["idle"]["worker"]["VmRSS"] / mib, "rate"),
-            row("worker VmHWM (MiB)", lambda m: _hwm(m) / mib, "rate"),
-            row(f"VmHWM / {label} (target ≤ 3x)", lambda m: _hwm(m) / size, "ratio"),
-            row(
-                f"(VmHWM - idle VmRSS) / {label}",
-                lambda m: (_hwm(m) - m["idle"]["worker"]["VmRSS"]) / size,
-                "ratio",
-            ),
-            row(f"{label} step", lambda m: m["step"]["median_s"], "time"),
-        ]
-        if mems["ours"]:
-            met = sum(_hwm(m) / size <= 3.0 for m in mems["ours"])
-            out += ["", f"Ours met the ≤ 3x target in {met} of {n} runs."]
-    return "\n".join(out)
-
-
-def _load_cell(result: dict[str, Any]) -> str:
-    return f"{result['background_cpus']:.2f} / {result['steal_cpus']:.2f}"
-
-
-def _hwm(result: dict[str, Any]) -> int:
-    hwm: int = result["step"]["memory_after"]["worker"]["VmHWM"]
-    return hwm
-
-
-def _step_cells(result: Any) -> str:
-    if not _ok(result):
-        return "error | error" if result else "- | -"
-    return f"{fmt_time(result['median_s'])} | {fmt_rate(result['mb_per_s'])}"
-
-
-def _time_cell(result: Any) -> str:
-    return fmt_time(result["median_s"]) if _ok(result) else "error"
-
-
-def _cpu_cell(result: Any) -> str:
-    if not _ok(result):
-        return "-"
-    return fmt_time(sum(p["cpu_s"] for p in result["per_step"].values()))
-
-
-def _ms(per_step: dict[str, float]) -> str:
-    return f"{per_step['cpu_s'] * 1e3:.1f} ms"
-
-
-def _ratio_cell(ratio: float) -> str:
-    return f"{ratio:.2f}x ({_verdict(ratio <= 3.0)})"
-
-
-def _recv_target(nbytes: int, ours: dict[str, Any], tf: dict[str, Any]) -> str:
-    if nbytes >= 16 * MiB:
-        return "MB/s ≥ TF: " + _verdict(ours["mb_per_s"] >= tf["mb_per_s"])
-    if nbytes <= 4 * 1024:
-        return "step ≤ TF: " + _verdict(ours["median_s"] <= tf["median_s"])
-    return "-"
-
-
 # --------------------------------------------------------------------------- main
 
 
@@ -1033,10 +665,10 @@ def main() -> None:
         if any(e.startswith("aborted") for e in reports[-1]["errors"]):
             break
     if len(reports) == 1:
-        print(tables(reports[0]))
+        print(_report.tables(reports[0]))
     else:
-        print(summary_tables(reports))
-        print(f"\n## Last run in detail\n{tables(reports[-1], header=False)}")
+        print(_report.summary_tables(reports))
+        print(f"\n## Last run in detail\n{_report.tables(reports[-1], header=False)}")
     print(f"\n(whole command: {time.monotonic() - started:.0f} s)")
     if args.json:
         args.json.write_text(json.dumps({"runs": reports}, indent=1))

@@ -1,4 +1,4 @@
-"""RecvTensor throughput by transport, side by side in one run (issue #5).
+"""RecvTensor throughput by transport, side by side in one run.
 
 For each size, one float32 tensor crosses ps -> worker per step (the RecvTensor
 graph of `bench_distributed.py`: a variable on ps read there, ``x[0]`` on worker,
@@ -19,7 +19,7 @@ steps) that take turns between the transports (forward, then reverse order, ...)
 background load is shared fairly; median step time over all timed steps and MB/s =
 10^6 bytes / median step seconds.
 
-Targets (issue #5): at 16 MiB and above, grpc+verbs >= 50% of memcpy bandwidth and
+Targets: at 16 MiB and above, grpc+verbs >= 50% of memcpy bandwidth and
 >= 5x TensorFlow's gRPC throughput; at 4 KiB, grpc+verbs step time <= grpc's.
 
     DISTSERVER_TF_PYTHON=/path/to/tf/python \
@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import _report
 import _shared
 import bench_distributed as bd
 import numpy as np
@@ -183,7 +184,7 @@ def run(args: argparse.Namespace, tf_setup: dict[str, Any], deadline: float) -> 
                 report["machine"]["tf_interfaces"] = tf.info["interfaces"]
         for nbytes in args.sizes:
             repeat = repeat_for(nbytes, args.repeat)
-            bd._log(f"RecvTensor {bd.size_label(nbytes)} x {repeat} per transport")
+            bd._log(f"RecvTensor {_report.size_label(nbytes)} x {repeat} per transport")
             for side, result in bd.measure(sides, "recv", nbytes, args.warmup, repeat, args, deadline):
                 report["results"][side.name][str(nbytes)] = result
                 if "error" in result:
@@ -204,14 +205,6 @@ def run(args: argparse.Namespace, tf_setup: dict[str, Any], deadline: float) -> 
 
 
 # --------------------------------------------------------------------------- tables
-
-
-def _ok(result: Any) -> bool:
-    return isinstance(result, dict) and "error" not in result
-
-
-def _verdict(met: bool) -> str:
-    return "met" if met else "**missed**"
 
 
 def tables(report: dict[str, Any]) -> str:
@@ -247,25 +240,29 @@ def tables(report: dict[str, Any]) -> str:
     ]
     for nbytes in params["sizes"]:
         key = str(nbytes)
-        row = [bd.size_label(nbytes)]
-        first = next((res[n][key] for n, _ in cols if _ok(res[n].get(key))), None)
+        row = [_report.size_label(nbytes)]
+        first = next((res[n][key] for n, _ in cols if _report.ok(res[n].get(key))), None)
         row.append(str(first["repeat"]) if first else "-")
         for name, _ in cols:
             r = res[name].get(key)
-            row.append(f"{bd.fmt_time(r['median_s'])} / {bd.fmt_rate(r['mb_per_s'])}" if _ok(r) else "error")
+            row.append(
+                f"{_report.fmt_time(r['median_s'])} / {_report.fmt_rate(r['mb_per_s'])}"
+                if _report.ok(r)
+                else "error"
+            )
         v = res["verbs"].get(key)
         ratios = [("memcpy", "mb_per_s")] + ([("tf", "mb_per_s")] if with_tf else []) + [("grpc", "mb_per_s")]
         for other, field in ratios:
             o = res[other].get(key)
-            row.append(f"{v[field] / o[field]:.2f}x" if _ok(v) and _ok(o) else "-")
-        row.append(bd._load_cell(first) if first else "-")
+            row.append(f"{v[field] / o[field]:.2f}x" if _report.ok(v) and _report.ok(o) else "-")
+        row.append(_report.load_cell(first) if first else "-")
         out.append("| " + " | ".join(row) + " |")
     out += [
         "",
         "Cells: median step / MB/s (10^6 B per second). Ratios are of throughput (MB/s). Other load: CPUs "
         "kept busy by processes other than the benchmark's / stolen by the hypervisor, while that size ran.",
         "",
-        "### Targets (issue #5)",
+        "### Targets",
         "",
         "| target | size | measured | verdict |",
         "|---|---|---:|---|",
@@ -275,29 +272,28 @@ def tables(report: dict[str, Any]) -> str:
             continue
         key = str(nbytes)
         v, mc, t = res["verbs"].get(key), res["memcpy"].get(key), res["tf"].get(key)
-        label = bd.size_label(nbytes)
-        if _ok(v) and _ok(mc):
+        label = _report.size_label(nbytes)
+        if _report.ok(v) and _report.ok(mc):
             ratio = v["mb_per_s"] / mc["mb_per_s"]
-            out.append(
-                f"| grpc+verbs ≥ 50% of memcpy MB/s | {label} | {ratio:.0%} | {_verdict(ratio >= 0.5)} |"
-            )
+            met = _report.verdict(ratio >= 0.5)
+            out.append(f"| grpc+verbs ≥ 50% of memcpy MB/s | {label} | {ratio:.0%} | {met} |")
         else:
             out.append(f"| grpc+verbs ≥ 50% of memcpy MB/s | {label} | error | - |")
         if not with_tf:
             out.append(f"| grpc+verbs ≥ 5x TF gRPC MB/s | {label} | TF skipped | not evaluated |")
-        elif _ok(v) and _ok(t):
+        elif _report.ok(v) and _report.ok(t):
             ratio = v["mb_per_s"] / t["mb_per_s"]
             out.append(
-                f"| grpc+verbs ≥ 5x TF gRPC MB/s | {label} | {ratio:.2f}x | {_verdict(ratio >= 5.0)} |"
+                f"| grpc+verbs ≥ 5x TF gRPC MB/s | {label} | {ratio:.2f}x | {_report.verdict(ratio >= 5.0)} |"
             )
         else:
             out.append(f"| grpc+verbs ≥ 5x TF gRPC MB/s | {label} | error | - |")
     key = str(4 << 10)
     if key in res["verbs"] or key in res["grpc"]:
         v, g = res["verbs"].get(key), res["grpc"].get(key)
-        if _ok(v) and _ok(g):
-            measured = f"{bd.fmt_time(v['median_s'])} vs {bd.fmt_time(g['median_s'])}"
-            verdict = _verdict(v["median_s"] <= g["median_s"])
+        if _report.ok(v) and _report.ok(g):
+            measured = f"{_report.fmt_time(v['median_s'])} vs {_report.fmt_time(g['median_s'])}"
+            verdict = _report.verdict(v["median_s"] <= g["median_s"])
             out.append(f"| grpc+verbs step ≤ grpc step | 4 KiB | {measured} | {verdict} |")
         else:
             out.append("| grpc+verbs step ≤ grpc step | 4 KiB | error | - |")
@@ -316,12 +312,12 @@ def tables(report: dict[str, Any]) -> str:
             if name == "memcpy":
                 continue
             r = res[name].get(key)
-            if not _ok(r):
+            if not _report.ok(r):
                 cells.append("error")
                 continue
             cpu = sum(p["cpu_s"] for p in r["per_step"].values())
-            cells.append(f"{bd.fmt_time(cpu)}, {r['per_step']['worker']['minflt']:,.0f} faults")
-        out.append(f"| {bd.size_label(nbytes)} | " + " | ".join(cells) + " |")
+            cells.append(f"{_report.fmt_time(cpu)}, {r['per_step']['worker']['minflt']:,.0f} faults")
+        out.append(f"| {_report.size_label(nbytes)} | " + " | ".join(cells) + " |")
     if report["errors"]:
         out += ["", "Errors:", *[f"- {e}" for e in report["errors"]]]
     return "\n".join(out)

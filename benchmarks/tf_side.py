@@ -55,6 +55,8 @@ OPERATION_TIMEOUT_MS = 60_000
 
 
 def _die_with_parent() -> None:
+    # Not distserver._process.die_with_parent: this runs under TensorFlow's interpreter,
+    # which has no distserver installed.
     with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 

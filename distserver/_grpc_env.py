@@ -4,7 +4,7 @@ grpcio 1.85 moves every call between its EventEngine threads, its completion-que
 poller thread and the asyncio loop. Turning off the EventEngine client and listener
 (the iomgr poller reads the sockets itself) takes one thread hop out of each RPC:
 a loopback unary round trip went from ~460 to ~300 µs, and a two-task step from 1.48
-to 1.26 ms (`benchmarks/probe_grpc_floor.py`; docs/benchmarks.md, issue #4).
+to 1.26 ms (`benchmarks/probe_grpc_floor.py`; docs/benchmarks.md).
 
 `distserver` is imported before grpc in our own processes (`distserver serve`,
 `LocalCluster` tasks), so there this always applies. In a user's process it applies

@@ -2,7 +2,7 @@
 
 Run with the Python of a venv that has TensorFlow (not distserver's venv):
 
-    /work/tfenv/bin/python scripts/compare_protos_with_tf.py [-v]
+    .tfenv/bin/python scripts/compare_protos_with_tf.py [-v]      (.tfenv: scripts/interop-setup)
 
 For every message and enum of distserver/protos/*.proto, the script looks up the
 TensorFlow type of the same name (package `distserver` <-> `tensorflow`, nested names
@@ -22,7 +22,7 @@ How TensorFlow's descriptors are found:
     so their serialized FileDescriptorProto is extracted from the C++ library
     (libtensorflow_cc.so / libtensorflow_framework.so), where protoc embeds it.
 
-How OUR descriptors are loaded: /work/main is put on sys.path and
+How OUR descriptors are loaded: the repository root is put on sys.path and
 `distserver.protos.<x>_pb2` is imported. If importing the `distserver` package
 fails in the TensorFlow venv (its __init__ may import things that venv lacks), the
 packages `distserver` and `distserver.protos` are created as empty module objects

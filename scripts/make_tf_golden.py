@@ -2,7 +2,7 @@
 
 Run with the Python of a venv that has TensorFlow (not distserver's venv):
 
-    /work/tfenv/bin/python scripts/make_tf_golden.py
+    .tfenv/bin/python scripts/make_tf_golden.py      (.tfenv: scripts/interop-setup)
 
 tests/test_protos.py parses each file with distserver's classes, checks the values
 set here (keep both in sync) and that re-serializing gives the same bytes. Every

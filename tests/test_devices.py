@@ -183,7 +183,6 @@ def test_task_of_device():
 
 
 def test_rendezvous_key_matches_reference_examples():
-    # tf-runtime.md §4.4.
     assert (
         rendezvous_key(PS0, 0x00A3F1C2D4E5F607, WORKER0, "edge_7_Variable/read")
         == "/job:ps/replica:0/task:0/device:CPU:0;00a3f1c2d4e5f607;"

@@ -1,4 +1,4 @@
-"""distserver.errors: TensorFlow's error classes, codes and wire format (reference §3.6)."""
+"""distserver.errors: TensorFlow's error classes, codes and wire format."""
 
 from __future__ import annotations
 

@@ -260,6 +260,9 @@ def test_a_killed_task_fails_pending_steps_fast_and_a_restart_aborts(protocol):
 
         thread = threading.Thread(target=blocked_step)
         thread.start()
+        # Time for the step to reach the ps and block in the dequeue; nothing outside the
+        # two task processes can see that moment. Should it come later, the kill still
+        # fails the step, and the assertions below hold either way.
         time.sleep(0.5)
         started = time.monotonic()
         cluster.kill("ps")

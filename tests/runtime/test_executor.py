@@ -20,6 +20,17 @@ DEVICE = f"{TASK}/device:CPU:0"
 MiB = 1 << 20
 
 
+def _step_context(pool: concurrent.futures.Executor | None) -> StepContext:
+    return StepContext(
+        step_id=1,
+        device=DEVICE,
+        device_incarnation=1,
+        rendezvous=StepRendezvous(1, TASK, None),
+        resources=ResourceManager(),
+        pool=pool,
+    )
+
+
 def _chain(length: int, elements: int) -> ds.Graph:
     """fill -> negative x length -> a reduction, the tensor `elements` float32 long."""
     with ds.Graph().as_default() as graph:
@@ -35,14 +46,7 @@ async def test_a_chain_holds_a_few_intermediates_not_one_per_node(offload):
     nbytes = 4 * MiB
     executor = Executor(_chain(40, nbytes // 4).as_graph_def())
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        ctx = StepContext(
-            step_id=1,
-            device=DEVICE,
-            device_incarnation=1,
-            rendezvous=StepRendezvous(1, TASK, None),
-            resources=ResourceManager(),
-            pool=pool if offload else None,
-        )
+        ctx = _step_context(pool if offload else None)
         tracemalloc.start()
         try:
             await executor.run(ctx)
@@ -90,13 +94,5 @@ async def test_kernels_with_small_inputs_and_a_large_output_leave_the_event_loop
         build(4 * MiB)
     executor = Executor(graph.as_graph_def())
     with _CountingPool() as pool:
-        ctx = StepContext(
-            step_id=1,
-            device=DEVICE,
-            device_incarnation=1,
-            rendezvous=StepRendezvous(1, TASK, None),
-            resources=ResourceManager(),
-            pool=pool,
-        )
-        await executor.run(ctx)
+        await executor.run(_step_context(pool))
     assert ("out" in pool.kernels) is large, pool.kernels

@@ -31,7 +31,8 @@ def echo_name(request):
 
 async def test_concurrent_calls_share_the_stream_and_each_gets_its_own_answer():
     async def list_devices(request):
-        await asyncio.sleep(int(request.session_handle) % 5 * 0.01)  # answers come back out of order
+        # This sleep is the test's point: answers come back out of order.
+        await asyncio.sleep(int(request.session_handle) % 5 * 0.01)
         return echo_name(request)
 
     listener, address = await serve(list_devices)
@@ -147,7 +148,9 @@ async def test_a_stopping_server_ends_its_streams_after_their_calls():
         async with asyncio.timeout(5):
             await running.wait()
         stopping = asyncio.ensure_future(listener.stop(grace=30))
-        await asyncio.sleep(0.1)  # the stop has begun: the stream is draining
+        async with asyncio.timeout(5):  # the stop has begun: the stream is draining
+            while not listener.calls.draining:  # noqa: ASYNC110 - a flag, no event to wait on
+                await asyncio.sleep(0)
         release.set()
         assert (await slow).local_device[0].name == "slow"  # the running call finished
         async with asyncio.timeout(5):  # the open stream does not hold the stop for the grace

@@ -18,6 +18,7 @@ class Handler:
 
     def __init__(self) -> None:
         self.cancelled = asyncio.Event()
+        self.hanging = asyncio.Event()  # a /hang call reached the handler
 
     async def __call__(self, path: str, payload: bytes) -> bytes:
         if path == "/echo":
@@ -29,6 +30,7 @@ class Handler:
         if path == "/fail/bug":
             raise KeyError("oops")
         if path == "/hang":
+            self.hanging.set()
             try:
                 await asyncio.Event().wait()
             except asyncio.CancelledError:
@@ -84,7 +86,7 @@ async def test_a_deadline_fails_the_call_and_cancels_the_remote_handler(calls):
 async def test_cancelling_the_caller_cancels_the_remote_handler(calls):
     endpoint, handler, _ = calls
     waiting = asyncio.ensure_future(endpoint.calls.call("/hang", b"", timeout=None, name="Hang"))
-    await asyncio.sleep(0.05)
+    await asyncio.wait_for(handler.hanging.wait(), 10)
     waiting.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiting
@@ -92,9 +94,9 @@ async def test_cancelling_the_caller_cancels_the_remote_handler(calls):
 
 
 async def test_a_closing_server_fails_waiting_calls_with_unavailable(calls):
-    endpoint, _, server = calls
+    endpoint, handler, server = calls
     waiting = asyncio.ensure_future(endpoint.calls.call("/hang", b"", timeout=None, name="Hang"))
-    await asyncio.sleep(0.05)
+    await asyncio.wait_for(handler.hanging.wait(), 10)
     await server.close()
     with pytest.raises(errors.UnavailableError):
         await asyncio.wait_for(waiting, 10)
@@ -115,9 +117,9 @@ async def test_an_endpoint_without_a_handler_refuses_calls():
 
 
 async def test_closing_the_caller_fails_its_waiting_calls_at_once(calls):
-    endpoint, _, _ = calls
+    endpoint, handler, _ = calls
     waiting = asyncio.ensure_future(endpoint.calls.call("/hang", b"", timeout=None, name="Hang"))
-    await asyncio.sleep(0.05)
+    await asyncio.wait_for(handler.hanging.wait(), 10)
     closing = asyncio.ensure_future(endpoint.close())
     with pytest.raises(errors.UnavailableError, match="closed"):
         await asyncio.wait_for(waiting, 1)

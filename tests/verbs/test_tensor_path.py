@@ -242,8 +242,7 @@ async def test_a_tensor_larger_than_the_budget_is_admitted_alone(link, probes):
     await probes.poll_until(lambda: source.started == 1, what="the gated request")
     huge = asyncio.ensure_future(endpoint.recv_tensor_into(pool, b"huge", size_hint=6 * MiB))
     small = asyncio.ensure_future(endpoint.recv_tensor_into(pool, b"small", size_hint=MiB))
-    for _ in range(20):
-        await asyncio.sleep(0)
+    await probes.poll_until(lambda: endpoint._budget.waiting == 2, what="both requests queued")
     # FIFO: the huge request waits for the gated one to finish, the small one waits behind it.
     assert source.started == 1
     assert endpoint.statistics().bytes_in_flight == MiB
@@ -355,7 +354,8 @@ async def test_a_write_that_fails_after_writing_is_answered_with_an_error_and_no
         answers = [wire.decode_tensor_message(await receiver.recv()) for _ in range(2)]
         assert [a.kind for a in answers] == [wire.ResponseKind.WRITING, wire.ResponseKind.ERROR]
         assert answers[1].code == errors.PERMISSION_DENIED
-        await asyncio.sleep(0.05)
+        # The ERROR is the sender's final answer, sent after its write failed: no completion
+        # can follow it on the same socket.
         assert receiver.cq.poll_nowait() == []  # nothing was written
     finally:
         await receiver.close()

@@ -4,9 +4,11 @@ on one host, as SEND messages on the queue pair's socket (`QueuePairCalls`).
 Why: a gRPC message costs its sender ~60 µs of loop time and its receiver two thread
 hand-offs (grpc's poller thread, then the event loop); a RunGraph took ~130-185 µs
 from the master's send to the worker's handler, on the critical path of every step.
-A SEND is read by the peer's event loop itself. Once a channel's verbs endpoint is
-connected, `VerbsChannel` sends WorkerService calls this way; TensorFlow peers, calls
-larger than `MAX_CALL_BYTES` and calls before the first tensor use gRPC as before.
+A SEND is read by the peer's event loop itself. A grpc+verbs channel's first
+WorkerService call to a same-host distserver peer sets the queue pair up
+(`VerbsTensorPath.carry_call`), so its calls ride it from the start; TensorFlow
+peers, peers on another host or namespace, and calls larger than `MAX_CALL_BYTES`
+use gRPC.
 
 Semantics match a unary call: the remote handler's error arrives as its `OpError`
 class and message; a deadline gives DeadlineExceededError and cancels the remote

@@ -163,6 +163,11 @@ class _ByteBudget:
         self.peak = 0
         self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
 
+    @property
+    def waiting(self) -> int:
+        """Requests queued for admission."""
+        return len(self._waiters)
+
     def _fits(self, nbytes: int) -> bool:
         return self.in_use == 0 or self.in_use + nbytes <= self.limit
 

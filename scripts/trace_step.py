@@ -9,7 +9,7 @@ Prints, for each mark, the median time after the client started the step.
 The marks wrap methods by name (`MARKS`); a renamed method makes this script fail
 loudly rather than print a partial timeline.
 
-    .venv/bin/python benchmarks/trace_step.py [--protocol grpc+verbs] [--size 16M] [--seconds 6]
+    .venv/bin/python scripts/trace_step.py [--protocol grpc+verbs] [--size 16M] [--seconds 6]
 """
 
 from __future__ import annotations
@@ -26,7 +26,15 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+# The benchmarks' graph builders and timing helpers (`_shared`).
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import _shared  # noqa: E402
+
+import distserver as ds  # noqa: E402
+from distserver.protos.config_pb2 import ConfigProto  # noqa: E402
+from distserver.testing import LocalCluster  # noqa: E402
 
 # (module, class, method, mark at entry, mark at exit); None: no mark.
 MARKS = [
@@ -110,13 +118,6 @@ def parse_size(text: str) -> int:
 
 def run_steps(protocol: str, nbytes: int, seconds: float) -> None:
     """The traced child: a LocalCluster and back-to-back steps for `seconds`."""
-    sys.path.insert(0, str(HERE))
-    import _shared
-
-    import distserver as ds
-    from distserver.protos.config_pb2 import ConfigProto
-    from distserver.testing import LocalCluster
-
     env = {"DISTSERVER_VERBS_STRICT": "1"} if protocol == "grpc+verbs" else {}
     with LocalCluster({"ps": 1, "worker": 1}, protocol=protocol, env=env) as cluster:
         pids = {

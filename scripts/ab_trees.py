@@ -11,8 +11,8 @@ task processes run each tree's code; this process (the client) runs the installe
 distserver for both.
 
     git worktree add /tmp/base HEAD~1
-    .venv/bin/python benchmarks/ab_trees.py /tmp/base . [--size 16M] [--protocol grpc+verbs]
-    .venv/bin/python benchmarks/ab_trees.py . /tmp/base ...
+    .venv/bin/python scripts/ab_trees.py /tmp/base . [--size 16M] [--protocol grpc+verbs]
+    .venv/bin/python scripts/ab_trees.py . /tmp/base ...
 """
 
 from __future__ import annotations
@@ -20,9 +20,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+# The benchmarks' graph builders and timing helpers (`_shared`).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import _shared
 from trace_step import parse_size

@@ -1,1 +1,0 @@
-"""distserver.client."""
