@@ -7,6 +7,7 @@ The public API:
 * Clusters: `ClusterSpec`, `TFConfigClusterResolver`.
 * Graph building, TF 1.x style: `Graph`, `placeholder`, `constant`, `matmul`,
   `Variable`, `device`, ... (also importable as `distserver.graph`).
+* Security: `Security` (TLS, mutual TLS, a shared token).
 * Errors: `distserver.errors` (`OpError` and TensorFlow's 16 subclasses).
 """
 
@@ -18,6 +19,10 @@ from distserver.facade import Server as Server
 from distserver.facade import Session as Session
 from distserver.graph import *  # noqa: F403 - the graph API is part of the top-level API
 from distserver.graph import __all__ as _graph_all
+from distserver.protos.config_pb2 import ConfigProto as ConfigProto
+from distserver.protos.config_pb2 import RunMetadata as RunMetadata
+from distserver.protos.config_pb2 import RunOptions as RunOptions
+from distserver.security import Security as Security
 from distserver.server import AsyncServer as AsyncServer
 from distserver.session import AsyncSession as AsyncSession
 
@@ -28,6 +33,10 @@ __all__ = sorted(
         "AsyncServer",
         "AsyncSession",
         "ClusterSpec",
+        "ConfigProto",
+        "RunMetadata",
+        "RunOptions",
+        "Security",
         "Server",
         "Session",
         "TFConfigClusterResolver",

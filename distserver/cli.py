@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from distserver import errors
@@ -28,6 +29,8 @@ from distserver.cluster import TFConfigClusterResolver
 from distserver.facade import Session
 from distserver.protos.master_pb2 import ListDevicesRequest
 from distserver.runtime.clients import RemoteMaster
+from distserver.runtime.master import DEFAULT_SESSION_GC_SECONDS
+from distserver.security import TOKEN_ENV, Security, from_environment
 from distserver.server import AsyncServer
 from distserver.testing import LocalCluster
 from distserver.transports import get_transport
@@ -76,7 +79,15 @@ _M_MMAP_MAX = -4
 
 async def _serve(args: argparse.Namespace) -> int:
     cluster, job, task, protocol = _cluster_and_task(args)
-    server = AsyncServer(cluster, job, task, protocol, listen_on_all_interfaces=args.all_interfaces)
+    server = AsyncServer(
+        cluster,
+        job,
+        task,
+        protocol,
+        listen_on_all_interfaces=args.all_interfaces,
+        session_gc_seconds=args.session_gc_seconds,
+        security=_security(args),
+    )
     await server.start()
     loop = asyncio.get_running_loop()
     stopping: list[asyncio.Task[None]] = []
@@ -99,7 +110,7 @@ async def _status(args: argparse.Namespace) -> int:
     scheme, sep, address = args.target.partition("://")
     if not sep:
         scheme, address = "grpc", args.target
-    channel = get_transport(scheme).connect(address)
+    channel = get_transport(scheme).connect(address, security=from_environment(_security(args)))
     try:
         response = await RemoteMaster(channel).call("ListDevices", ListDevicesRequest(), timeout=args.timeout)
     finally:
@@ -123,6 +134,42 @@ def _local_cluster(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_security_options(parser: argparse.ArgumentParser, *, serving: bool) -> None:
+    group = parser.add_argument_group("security (docs/security.md)")
+    mine = "this server's" if serving else "the client's"
+    group.add_argument("--tls-cert", metavar="FILE", help=f"PEM certificate: {mine} (turns TLS on)")
+    group.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert")
+    group.add_argument("--tls-ca", metavar="FILE", help="PEM certificates to trust for peers (turns TLS on)")
+    if serving:
+        group.add_argument(
+            "--require-client-cert",
+            action="store_true",
+            help="mutual TLS: refuse clients without a certificate signed by --tls-ca",
+        )
+    group.add_argument(
+        "--auth-token-file",
+        metavar="FILE",
+        help=f"file holding the cluster's shared token, required on every call (or set {TOKEN_ENV})",
+    )
+
+
+def _security(args: argparse.Namespace) -> Security | None:
+    """The `Security` the command-line options ask for; None when they ask for nothing."""
+    token = None
+    if args.auth_token_file:
+        try:
+            token = Path(args.auth_token_file).read_text().strip()
+        except OSError as exc:
+            reason = exc.strerror or exc
+            raise ValueError(f"--auth-token-file: cannot read {args.auth_token_file}: {reason}") from exc
+        if not token:
+            raise ValueError(f"--auth-token-file: {args.auth_token_file} is empty")
+    require_client_cert = getattr(args, "require_client_cert", False)
+    if not (args.tls_cert or args.tls_key or args.tls_ca or require_client_cert or token):
+        return None
+    return Security(args.tls_cert, args.tls_key, args.tls_ca, require_client_cert, token)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="distserver", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -134,10 +181,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--protocol", help='transport, "grpc" by default')
     serve.add_argument("--grace", type=float, default=5.0, help="seconds in-flight RPCs get on stop")
     serve.add_argument("--all-interfaces", action="store_true", help="listen on every interface")
+    serve.add_argument(
+        "--session-gc-seconds",
+        type=float,
+        default=DEFAULT_SESSION_GC_SECONDS,
+        help="close master sessions that ran nothing for this long (0: never; default: %(default)g)",
+    )
+    _add_security_options(serve, serving=True)
 
     status = commands.add_parser("status", help="list the devices of a running cluster")
     status.add_argument("target", help="a task's target, e.g. grpc://localhost:2222")
     status.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for an answer")
+    _add_security_options(status, serving=False)
 
     local = commands.add_parser("local-cluster", help="start a local multi-process cluster, list it, stop it")
     local.add_argument("--ps", type=int, default=1)

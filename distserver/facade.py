@@ -23,6 +23,8 @@ from distserver.graph import Graph
 from distserver.protos.config_pb2 import RunMetadata, RunOptions
 from distserver.protos.device_attributes_pb2 import DeviceAttributes
 from distserver.protos.tensorflow_server_pb2 import ServerDef
+from distserver.runtime.master import DEFAULT_SESSION_GC_SECONDS
+from distserver.security import Security
 from distserver.server import AsyncServer
 from distserver.session import AsyncSession
 
@@ -137,6 +139,10 @@ class Server:
         config: A `ConfigProto` merged into every session this server creates.
         start: Start serving at once (the port is bound in the constructor either way).
         listen_on_all_interfaces: Bind every interface, not just this task's host.
+        session_gc_seconds: Close master sessions idle this long (0: never); one hour
+            by default.
+        security: TLS, mutual TLS and/or token (`distserver.Security`) for this server
+            and its channels to its peers.
 
     Unlike TensorFlow's, this server can be stopped (`stop(grace)`, also from another
     thread), releases its port when stopped, and `join(timeout)` can time out.
@@ -152,6 +158,8 @@ class Server:
         start: bool = True,
         *,
         listen_on_all_interfaces: bool = False,
+        session_gc_seconds: float = DEFAULT_SESSION_GC_SECONDS,
+        security: Security | None = None,
     ) -> None:
         self._async = AsyncServer(
             server_or_cluster_def,
@@ -160,6 +168,8 @@ class Server:
             protocol,
             config,
             listen_on_all_interfaces=listen_on_all_interfaces,
+            session_gc_seconds=session_gc_seconds,
+            security=security,
         )
         _LOOP.run(self._async.bind())
         _LOOP.track(self._async)
@@ -218,10 +228,18 @@ class Session:
         target: `server.target` ("grpc://host:port"), or "" for an in-process session.
         graph: The graph to run (the default graph when None).
         config: A `ConfigProto` (TensorFlow's is accepted too).
+        security: TLS and/or token (`distserver.Security`) for the channel to the master.
     """
 
-    def __init__(self, target: str = "", graph: Graph | None = None, config: Any = None) -> None:
-        self._async = AsyncSession(target, graph, config)
+    def __init__(
+        self,
+        target: str = "",
+        graph: Graph | None = None,
+        config: Any = None,
+        *,
+        security: Security | None = None,
+    ) -> None:
+        self._async = AsyncSession(target, graph, config, security=security)
 
     @property
     def graph(self) -> Graph:

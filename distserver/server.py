@@ -36,8 +36,9 @@ from distserver.protos.device_attributes_pb2 import DeviceAttributes
 from distserver.protos.services import MASTER_SERVICE, WORKER_SERVICE
 from distserver.protos.tensorflow_server_pb2 import ServerDef
 from distserver.runtime.clients import RemoteWorker, WorkerClient
-from distserver.runtime.master import Master
+from distserver.runtime.master import DEFAULT_SESSION_GC_SECONDS, Master
 from distserver.runtime.worker import Worker
+from distserver.security import Security, from_environment
 from distserver.transports import Channel, Listener, Transport, get_transport
 
 logger = logging.getLogger(__name__)
@@ -89,6 +90,12 @@ class AsyncServer:
             this task's address (TensorFlow always binds every interface).
         serve: False builds a server that listens on no port: it serves only
             sessions of this process (what `Session("")` uses).
+        session_gc_seconds: Close a master session that ran nothing for this long
+            (its client most likely died without closing it); 0 keeps sessions
+            until they are closed, as TensorFlow's servers do. Default: one hour.
+        security: TLS, mutual TLS and/or a token (`distserver.Security`) for this
+            server's port and for its channels to the other tasks. None: plaintext,
+            and a token only when `DISTSERVER_AUTH_TOKEN` is set.
 
     Raises:
         TypeError, ValueError: the cluster or task is not given right (TF's messages).
@@ -107,7 +114,18 @@ class AsyncServer:
         *,
         listen_on_all_interfaces: bool = False,
         serve: bool = True,
+        session_gc_seconds: float = DEFAULT_SESSION_GC_SECONDS,
+        security: Security | None = None,
     ) -> None:
+        if session_gc_seconds < 0:
+            raise ValueError(f"session_gc_seconds must be >= 0 (0: never), got {session_gc_seconds}")
+        self._session_gc_seconds = session_gc_seconds
+        self._security = from_environment(security)
+        if self._security is not None and self._security.ca_file and not self._security.cert_file:
+            raise ValueError(
+                "Security for a server needs cert_file and key_file to serve TLS (ca_file alone "
+                "only configures clients)"
+            )
         self._server_def: ServerDef = make_server_def(
             server_or_cluster_def, job_name, task_index, protocol, config
         )
@@ -201,6 +219,7 @@ class AsyncServer:
                     WORKER_SERVICE: self.worker.service_handlers(),
                 },
                 self.worker.recv_tensor,
+                security=self._security,
             )
             self._port = self._listener.port
             _LOCAL_SERVERS[self.target] = self
@@ -232,6 +251,7 @@ class AsyncServer:
             local_worker=self.worker,
             worker_client=self._worker_client,
             default_session_config=config,
+            session_gc_seconds=self._session_gc_seconds,
         )
 
     def _worker_client(self, task: str) -> WorkerClient:
@@ -240,7 +260,7 @@ class AsyncServer:
         if client is None:
             job, index = _split_task(task)
             address = self._cluster.task_address(job, index)
-            channel = self._transport.connect(address)
+            channel = self._transport.connect(address, security=self._security)
             self._channels[task] = channel
             client = self._worker_clients[task] = RemoteWorker(channel)
         return client

@@ -28,6 +28,7 @@ from distserver.protos.config_pb2 import ConfigProto, RunMetadata, RunOptions
 from distserver.protos.device_attributes_pb2 import DeviceAttributes
 from distserver.runtime.clients import MasterClient, RemoteMaster
 from distserver.runtime.names import canonical_tensor_name
+from distserver.security import Security, from_environment
 from distserver.server import AsyncServer, find_local_server
 from distserver.transports import Channel, get_transport
 
@@ -171,12 +172,22 @@ class AsyncSession:
         target: `server.target` ("grpc://host:port"), or "" for an in-process session.
         graph: The graph to run; the default graph when None.
         config: A `ConfigProto` (TensorFlow's is accepted too).
+        security: TLS and/or token (`distserver.Security`) for the channel to the
+            master; None: plaintext, with `DISTSERVER_AUTH_TOKEN`'s token if it is set.
 
     Many `run` calls may be in flight at once. Use `async with` or `await close()`.
     """
 
-    def __init__(self, target: str = "", graph: Graph | None = None, config: Any = None) -> None:
+    def __init__(
+        self,
+        target: str = "",
+        graph: Graph | None = None,
+        config: Any = None,
+        *,
+        security: Security | None = None,
+    ) -> None:
         self.target = target
+        self._security = from_environment(security)
         self._graph = graph if graph is not None else get_default_graph()
         self._config = coerce_proto(config, ConfigProto) if config is not None else ConfigProto()
         if target:
@@ -216,7 +227,7 @@ class AsyncSession:
             assert local.master is not None
             self._master = local.master
         else:
-            self._channel = get_transport(scheme).connect(address)
+            self._channel = get_transport(scheme).connect(address, security=self._security)
             self._master = RemoteMaster(self._channel)
         return self._master
 
@@ -271,10 +282,22 @@ class AsyncSession:
         plan = _plan_fetches(self._graph, fetches)
         feeds = _feed_items(self._graph, feed_dict)
         master, handle = await self._ensure_session()
-        if options is not None:
-            options = coerce_proto(options, RunOptions)
+        options = self._run_options(options)
         values = await master.run_step(handle, feeds, plan.tensors, plan.targets, options)
         return plan.rebuild(values)
+
+    def _run_options(self, options: Any) -> RunOptions | None:
+        """`options` as our RunOptions, with the session's operation timeout when it sets none
+        (so the RPC gets a deadline too, see `clients.rpc_deadline`)."""
+        run_options: RunOptions | None = None if options is None else coerce_proto(options, RunOptions)
+        timeout_ms = self._config.operation_timeout_in_ms
+        if timeout_ms > 0 and (run_options is None or run_options.timeout_in_ms <= 0):
+            with_timeout = RunOptions()  # never change the caller's object
+            if run_options is not None:
+                with_timeout.CopyFrom(run_options)
+            with_timeout.timeout_in_ms = timeout_ms
+            run_options = with_timeout
+        return run_options
 
     async def make_callable(self, fetches: Any, feed_list: Sequence[Any] | None = None) -> Callable[..., Any]:
         """A coroutine function `fn(*feed_values)` running `fetches` with `feed_list` fed.

@@ -67,6 +67,8 @@ __all__ = [
     "as_datatype",
     "as_numpy_dtype",
     "datatype_name",
+    "decode_elements",
+    "decode_tensors",
     "from_tensor_proto",
     "make_tensor_proto",
     "shape_from_proto",
@@ -724,6 +726,30 @@ def from_tensor_proto(
         array = array.reshape(shape)
         return array.copy() if writable and not array.flags.writeable else array
     return _from_typed_field(proto, datatype, dtype, count).reshape(shape)
+
+
+def decode_tensors(protos: Iterable[TensorProto], *, what: str) -> list[NDArray[Any]]:
+    """Decode the tensors of one message, all charged to one `DecodeBudget` (its limits are per message).
+
+    Args:
+        protos: The message's tensors.
+        what: The message, for errors ("a RunGraph request").
+    """
+    budget = DecodeBudget(what=what)
+    return [from_tensor_proto(proto, budget=budget) for proto in protos]
+
+
+def decode_elements(protos: Iterable[TensorProto]) -> int:
+    """How many elements decoding `protos` builds one by one: those of typed fields and padding.
+
+    ``tensor_content`` is read without a copy and counts nothing. A measure of the CPU
+    a decode takes, known before decoding (a caller moves large decodes off its event
+    loop); the shapes are what the message claims, checked by the decode itself.
+    """
+    return sum(
+        0 if proto.tensor_content else math.prod(max(dim.size, 0) for dim in proto.tensor_shape.dim)
+        for proto in protos
+    )
 
 
 def _from_typed_field(proto: TensorProto, datatype: int, dtype: np.dtype[Any], count: int) -> NDArray[Any]:

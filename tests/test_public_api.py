@@ -30,6 +30,13 @@ def test_core_names():
         assert name in ds.__all__
 
 
+def test_the_protos_users_need_for_timeouts_are_top_level():
+    options = ds.RunOptions(timeout_in_ms=2000)
+    config = ds.ConfigProto(operation_timeout_in_ms=5000)
+    assert (options.timeout_in_ms, config.operation_timeout_in_ms) == (2000, 5000)
+    assert ds.RunMetadata().ByteSize() == 0
+
+
 def test_import_does_not_import_tensorflow(python_env):
     code = "import sys, distserver; assert 'tensorflow' not in sys.modules; print('ok')"
     result = subprocess.run(

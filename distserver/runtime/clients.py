@@ -108,6 +108,19 @@ class MasterClient(Protocol):
         ...
 
 
+# How much longer than the step's own timeout a client waits for the master's answer:
+# the master reports its DeadlineExceededError itself; this bound is for a master that
+# cannot (hung, stopped, its network cut).
+RPC_DEADLINE_SLACK_SECONDS = 1.0
+
+
+def rpc_deadline(options: RunOptions | None) -> float | None:
+    """The RunStep RPC's deadline in seconds: the step's timeout plus a little; None without one."""
+    if options is None or options.timeout_in_ms <= 0:
+        return None
+    return options.timeout_in_ms / 1000 * 1.05 + RPC_DEADLINE_SLACK_SECONDS
+
+
 def _raise_body_error(code: int, message: str) -> None:
     if code != errors.OK:
         raise errors.from_status(code, message)
@@ -177,7 +190,7 @@ class RemoteMaster:
         for name, value in feeds.items():
             named = request.feed.add(name=name)
             named.tensor.CopyFrom(to_tensor_proto(value))
-        response: Any = await self.call("RunStep", request)
+        response: Any = await self.call("RunStep", request, timeout=rpc_deadline(options))
         _raise_body_error(response.status_code, response.status_error_message)
         results = {}
         for named in response.tensor:

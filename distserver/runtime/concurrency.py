@@ -1,14 +1,28 @@
-"""Run coroutines together; the first real error wins and cancels the others."""
+"""Run coroutines together (the first real error wins and cancels the others), and keep
+heavy work off the event loop."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Iterable
+from collections.abc import Awaitable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from distserver import errors
+from distserver.protos.tensor_pb2 import TensorProto
+from distserver.tensors import decode_elements, decode_tensors
 
 T = TypeVar("T")
+
+# Decoding more elements one by one than this (typed fields, padding) takes long
+# enough (~1 ms and up) to stall every other call of the task: it runs in a thread.
+INLINE_DECODE_ELEMENTS = 1 << 15
+
+
+async def decode_message_tensors(protos: Sequence[TensorProto], *, what: str) -> list[Any]:
+    """`tensors.decode_tensors` of a request's tensors, in a thread when it is heavy."""
+    if decode_elements(protos) > INLINE_DECODE_ELEMENTS:
+        return await asyncio.to_thread(decode_tensors, protos, what=what)
+    return decode_tensors(protos, what=what)
 
 
 def first_error(group: BaseExceptionGroup[Any]) -> BaseException:

@@ -33,18 +33,22 @@ from distserver.protos.config_pb2 import CallableOptions, ConfigProto, RunOption
 from distserver.protos.device_attributes_pb2 import DeviceAttributes
 from distserver.protos.graph_pb2 import GraphDef
 from distserver.protos.node_def_pb2 import NodeDef
+from distserver.protos.tensor_pb2 import TensorProto
 from distserver.runtime.clients import WorkerClient
-from distserver.runtime.concurrency import gather_all
+from distserver.runtime.concurrency import decode_message_tensors, gather_all
 from distserver.runtime.names import canonical_tensor_name
-from distserver.runtime.plan import build_plan, check_kernels
+from distserver.runtime.plan import build_plan, import_graph
 from distserver.runtime.worker import Worker
-from distserver.tensors import as_datatype, from_tensor_proto, to_tensor_proto
+from distserver.tensors import as_datatype, to_tensor_proto
 
 logger = logging.getLogger(__name__)
 
 # How long CreateSession and ListDevices wait for a task that is not up yet, when
 # the session config sets no operation timeout. TensorFlow waits forever; we fail.
-DEFAULT_CONNECT_TIMEOUT = 60.0
+DEFAULT_CONNECT_TIMEOUT = 20.0
+# A session that runs nothing for this long is closed (its client died without closing
+# it, most likely): TensorFlow's session GC, on by default here.
+DEFAULT_SESSION_GC_SECONDS = 3600.0
 _WAITING_LOG_INTERVAL = 10.0
 _STEP_ID_MASK = ((1 << 56) - 1) | (1 << 56)
 
@@ -99,6 +103,7 @@ class MasterSession:
     next_callable: int = 0
     steps: set[asyncio.Task[Any]] = field(default_factory=set)
     closed: bool = False
+    last_used: float = 0.0  # loop time of the last call that named this session
 
 
 class Master:
@@ -112,6 +117,7 @@ class Master:
         local_worker: Worker,
         worker_client: Callable[[str], WorkerClient],
         default_session_config: ConfigProto | None = None,
+        session_gc_seconds: float = DEFAULT_SESSION_GC_SECONDS,
     ) -> None:
         self.task_name = task_name
         self._tasks = list(tasks)
@@ -120,6 +126,8 @@ class Master:
         self._default_config = default_session_config or ConfigProto()
         self._sessions: dict[str, MasterSession] = {}
         self._background: set[asyncio.Task[Any]] = set()
+        self._session_gc_seconds = session_gc_seconds
+        self._session_gc: asyncio.Task[None] | None = None
         # Workers drop the sessions of this master's earlier incarnations (a restart).
         self.incarnation = random.getrandbits(63) or 1
         # MasterService method -> proto-in, proto-out handler. Methods not listed
@@ -148,7 +156,28 @@ class Master:
             raise errors.AbortedError(f"Session {handle} is not found.")
         if session.closed:
             raise errors.FailedPreconditionError("Session is closed.")
+        session.last_used = asyncio.get_running_loop().time()
         return session
+
+    def _start_session_gc(self) -> None:
+        if self._session_gc is None and self._session_gc_seconds > 0:
+            self._session_gc = asyncio.get_running_loop().create_task(self._collect_idle_sessions())
+
+    async def _collect_idle_sessions(self) -> None:
+        """Close sessions that ran nothing for `session_gc_seconds` (TensorFlow's session GC)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(max(self._session_gc_seconds / 4, 0.01))
+            now = loop.time()
+            for handle, session in list(self._sessions.items()):
+                if not session.steps and now - session.last_used > self._session_gc_seconds:
+                    del self._sessions[handle]
+                    logger.info(
+                        "Closing session %s: idle for %g s (its client is gone?)",
+                        handle,
+                        self._session_gc_seconds,
+                    )
+                    await self._close(session)
 
     def _filtered_tasks(self, device_filters: Sequence[str]) -> list[str]:
         if not device_filters:
@@ -205,7 +234,7 @@ class Master:
                 "ClusterSpec propagation (ConfigProto.cluster_def) is not supported by distserver; "
                 "start the servers with the full cluster instead."
             )
-        check_kernels(request.graph_def)
+        nodes = await asyncio.to_thread(import_graph, request.graph_def, {})
         tasks = self._filtered_tasks(list(config.device_filters))
         devices = await self._devices(tasks, self._connect_timeout(config))
         handle = f"{random.getrandbits(64):016x}"
@@ -216,9 +245,16 @@ class Master:
             master_incarnation=self.incarnation,
         )
         await gather_all(self._worker(task).call("CreateWorkerSession", create) for task in tasks)
-        session = MasterSession(handle=handle, config=config, tasks=tasks, devices=devices)
-        _extend_graph(session, request.graph_def)
+        session = MasterSession(
+            handle=handle,
+            config=config,
+            tasks=tasks,
+            devices=devices,
+            nodes=nodes,
+            last_used=asyncio.get_running_loop().time(),
+        )
         self._sessions[handle] = session
+        self._start_session_gc()
         return m.CreateSessionResponse(session_handle=handle, graph_version=session.version)
 
     async def extend_session(self, request: m.ExtendSessionRequest) -> m.ExtendSessionResponse:
@@ -227,8 +263,13 @@ class Master:
             raise errors.AbortedError(
                 f"Current version is {session.version} but caller expected {request.current_graph_version}."
             )
-        check_kernels(request.graph_def)
-        _extend_graph(session, request.graph_def)
+        version = session.version
+        nodes = await asyncio.to_thread(import_graph, request.graph_def, session.nodes)
+        if session.version != version:  # another ExtendSession came first
+            raise errors.AbortedError(
+                f"Current version is {session.version} but caller expected {request.current_graph_version}."
+            )
+        session.nodes.update(nodes)
         session.version += 1
         return m.ExtendSessionResponse(new_graph_version=session.version)
 
@@ -268,6 +309,9 @@ class Master:
                 step.cancel()
         for task in list(self._background):
             task.cancel()
+        if self._session_gc is not None:
+            self._session_gc.cancel()
+            self._background.add(self._session_gc)
         pending = [s for session in sessions for s in session.steps] + list(self._background)
         if pending:
             await asyncio.wait(pending)
@@ -327,6 +371,7 @@ class Master:
             raise
         finally:
             session.steps.discard(task)
+            session.last_used = asyncio.get_running_loop().time()
 
     async def _run_step(
         self,
@@ -515,11 +560,13 @@ class Master:
         try:
             if request.partial_run_handle:
                 raise errors.UnimplementedError("Partial runs are not supported by distserver")
-            feeds = {}
+            fed: dict[str, TensorProto] = {}
             for named in request.feed:
-                if named.name in feeds:
+                if named.name in fed:
                     raise errors.InvalidArgumentError(f"Duplicated feeds: {named.name}")
-                feeds[named.name] = from_tensor_proto(named.tensor)
+                fed[named.name] = named.tensor
+            values = await decode_message_tensors(list(fed.values()), what="a RunStep request")
+            feeds = dict(zip(fed, values, strict=True))
             results = await self.run_step(
                 request.session_handle, feeds, list(request.fetch), list(request.target), request.options
             )
@@ -577,7 +624,7 @@ class Master:
         return [results[canonical_tensor_name(f)] for f in spec.fetches]
 
     async def run_callable_rpc(self, request: m.RunCallableRequest) -> m.RunCallableResponse:
-        feeds = [from_tensor_proto(t) for t in request.feed]
+        feeds = await decode_message_tensors(request.feed, what="a RunCallable request")
         values = await self.run_callable(request.session_handle, request.handle, feeds)
         response = m.RunCallableResponse()
         for value in values:
@@ -588,19 +635,6 @@ class Master:
         session = self._session(request.session_handle)
         session.callables.pop(request.handle, None)
         return m.ReleaseCallableResponse()
-
-
-def _extend_graph(session: MasterSession, graph_def: GraphDef) -> None:
-    for node in graph_def.node:
-        if node.name in session.nodes:
-            raise errors.InvalidArgumentError(
-                f"Node '{node.name}' is already in the graph; ExtendSession may only add new nodes",
-                node_name=node.name,
-            )
-    for node in graph_def.node:
-        copy = NodeDef()
-        copy.CopyFrom(node)
-        session.nodes[node.name] = copy
 
 
 def _datatype(value: Any) -> int:

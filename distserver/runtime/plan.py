@@ -13,7 +13,8 @@ in order (each in its own module or below):
    edge that crosses tasks.
 6. `push.plan_pushes`: which values ride RunGraph responses (the push protocol).
 
-`check_kernels` is the graph validation CreateSession and ExtendSession run first.
+`import_graph` is the validation CreateSession and ExtendSession run on a client's
+GraphDef (kernels, names, inputs, cycles), before any worker is involved.
 The master registers the partitions with the workers and runs the steps.
 """
 
@@ -103,6 +104,66 @@ def build_plan(
         fetch_keys=step.fetch_keys,
         pushed_keys=plan_pushes(graphs, master_task),
     )
+
+
+def import_graph(graph_def: GraphDef, existing: Mapping[str, NodeDef]) -> dict[str, NodeDef]:
+    """The nodes of `graph_def`, checked against the graph so far and copied, ready to add.
+
+    Refused, with TensorFlow's texts, when: an op has no kernel (`check_kernels`); a
+    node name repeats, or is in `existing` already; an input names no node; the
+    nodes form a cycle. CPU-bound on large graphs: the master runs it in a thread
+    (it only reads `existing`). The copies do not pin the request.
+
+    Raises:
+        UnimplementedError: ops without a kernel.
+        InvalidArgumentError: the other faults, naming a node.
+    """
+    check_kernels(graph_def)
+    nodes: dict[str, NodeDef] = {}
+    for node in graph_def.node:
+        if node.name in existing:
+            raise errors.InvalidArgumentError(
+                f"Node '{node.name}' is already in the graph; ExtendSession may only add new nodes",
+                node_name=node.name,
+            )
+        if node.name in nodes:
+            raise errors.InvalidArgumentError(
+                f"Duplicate node name in graph: '{node.name}'", node_name=node.name
+            )
+        copy = NodeDef()
+        copy.CopyFrom(node)
+        nodes[node.name] = copy
+    # Kahn's algorithm over the new nodes; inputs from `existing` are already there.
+    waiting: dict[str, int] = {}
+    consumers: dict[str, list[str]] = {}
+    for node in nodes.values():
+        count = 0
+        for text in node.input:
+            source = parse_input(text)[0]
+            if source in nodes:
+                count += 1
+                consumers.setdefault(source, []).append(node.name)
+            elif source not in existing:
+                raise errors.InvalidArgumentError(
+                    f"Node '{node.name}': Unknown input node '{text}'", node_name=node.name
+                )
+        waiting[node.name] = count
+    ready = [name for name, count in waiting.items() if not count]
+    done = 0
+    while ready:
+        name = ready.pop()
+        done += 1
+        for consumer in consumers.get(name, ()):
+            waiting[consumer] -= 1
+            if not waiting[consumer]:
+                ready.append(consumer)
+    if done != len(nodes):
+        stuck = [name for name, count in waiting.items() if count]
+        raise errors.InvalidArgumentError(
+            f"Graph is invalid, contains a cycle with {len(stuck)} nodes, including: {', '.join(stuck[:5])}",
+            node_name=stuck[0],
+        )
+    return nodes
 
 
 # Ops that call graph functions: what TF 2.x control flow (`tf.cond`/`tf.while_loop` with

@@ -31,10 +31,11 @@ from distserver.kernels.resources import ResourceManager
 from distserver.protos import worker_pb2 as w
 from distserver.protos.device_attributes_pb2 import DeviceAttributes
 from distserver.runtime.clients import WorkerClient
+from distserver.runtime.concurrency import decode_message_tensors
 from distserver.runtime.executor import Executor, StepContext
 from distserver.runtime.push import worker_returns
 from distserver.runtime.rendezvous import RendezvousTable
-from distserver.tensors import from_tensor_proto, tensor_nbytes, to_tensor_proto
+from distserver.tensors import tensor_nbytes, to_tensor_proto
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,13 @@ class WorkerSession:
     # The master that made it ("" and 0 for masters that do not say, like TF before 2.2).
     master_task: str = ""
     master_incarnation: int = 0
+
+
+# What to do about a session a restarted worker no longer knows.
+_RECREATE = (
+    "What the session held on this task (variables, queues) is gone: close the session and "
+    "create a new one (MonitoredSession does so on AbortedError)."
+)
 
 
 class Worker:
@@ -155,7 +163,7 @@ class Worker:
                 return self._legacy_session
             raise errors.AbortedError(
                 f"Session handle is not found: {handle}. Possibly this worker "
-                f'("{self.task_name}") just restarted.'
+                f'("{self.task_name}") just restarted. {_RECREATE}'
             )
         return session
 
@@ -202,7 +210,8 @@ class Worker:
         executor = session.graphs.get(request.graph_handle)
         if executor is None:
             raise errors.AbortedError(
-                f"Graph handle is not found: {request.graph_handle}. Possibly, this worker just restarted."
+                f"Graph handle is not found: {request.graph_handle}. Possibly, this worker just restarted. "
+                + _RECREATE
             )
         step_id = request.step_id
         rendezvous = self._rendezvous.start(step_id)
@@ -244,7 +253,10 @@ class Worker:
     async def run_graph_rpc(self, request: w.RunGraphRequest) -> w.RunGraphResponse:
         response = w.RunGraphResponse()
         try:
-            sends = {named.name: from_tensor_proto(named.tensor) for named in request.send}
+            values = await decode_message_tensors(
+                [named.tensor for named in request.send], what="a RunGraph request"
+            )
+            sends = dict(zip((named.name for named in request.send), values, strict=True))
             results = await self.run_graph(request, sends)
             for key, value in results.items():
                 named = response.recv.add(name=key)

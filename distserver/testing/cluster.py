@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 
@@ -49,6 +49,8 @@ class LocalCluster:
         host: Host in every address ("localhost" binds loopback only).
         env: Extra environment variables for the task processes.
         start_timeout: Seconds each start attempt may take.
+        serve_args: More `distserver serve` options for every task (e.g. the
+            security options `--tls-cert F ... --auth-token-file F`).
 
     Use as a context manager, or call `start()` and `stop()`.
     """
@@ -61,12 +63,14 @@ class LocalCluster:
         host: str = "localhost",
         env: Mapping[str, str] | None = None,
         start_timeout: float = 60.0,
+        serve_args: Sequence[str] = (),
     ) -> None:
         self.jobs = dict(jobs or {"ps": 1, "worker": 2})
         self.protocol = protocol
         self.host = host
         self.env = dict(env or {})
         self.start_timeout = start_timeout
+        self.serve_args = list(serve_args)
         self.cluster: dict[str, list[str]] = {}
         self.processes: dict[str, subprocess.Popen[str]] = {}
         # stderr goes to files: an undrained pipe would block a chatty task.
@@ -119,7 +123,7 @@ class LocalCluster:
                 command = [
                     sys.executable, "-m", "distserver", "serve",
                     "--cluster", cluster_json, "--job", job, "--task", str(index),
-                    "--protocol", self.protocol,
+                    "--protocol", self.protocol, *self.serve_args,
                 ]  # fmt: skip
                 task = f"/job:{job}/replica:0/task:{index}"
                 self._commands[task] = command

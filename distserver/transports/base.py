@@ -34,6 +34,7 @@ from google.protobuf.message import DecodeError, Message
 
 from distserver import errors
 from distserver.devices import RendezvousKey
+from distserver.security import Security
 
 # A service implementation: method name ("RunStep") -> coroutine taking the request
 # message and returning the response message. Raising an OpError reports that status.
@@ -153,6 +154,8 @@ class Transport(abc.ABC):
         address: str,
         services: Mapping[str, ServiceHandler],
         tensors: TensorSource | None = None,
+        *,
+        security: Security | None = None,
     ) -> Listener:
         """Bind `address` ("host:port", port 0 for any free port) and prepare to serve.
 
@@ -163,12 +166,20 @@ class Transport(abc.ABC):
                 Methods a handler lacks answer `UnimplementedError`.
             tensors: Where RecvTensor (and any faster tensor path) takes its values;
                 None: RecvTensor answers `UnimplementedError`.
+            security: TLS (mutual with `require_client_cert`) on every way in, and
+                its token required of every call (`UnauthenticatedError` without).
+                A transport that cannot do what it asks raises `UnimplementedError`.
 
         Raises:
             UnknownError: the address cannot be bound (in use, not local); the message
                 names the address.
+            InvalidArgumentError: `security` cannot serve (TLS without a certificate).
         """
 
     @abc.abstractmethod
-    def connect(self, address: str) -> Channel:
-        """A channel to the task at `address` ("host:port"). Connects lazily."""
+    def connect(self, address: str, *, security: Security | None = None) -> Channel:
+        """A channel to the task at `address` ("host:port"). Connects lazily.
+
+        With `security`, it uses TLS (presenting its certificate, when it has one) and
+        sends the token with every call.
+        """

@@ -255,7 +255,11 @@ class CallStream:
         try:
             async with timer:
                 async with self._write_lock:
-                    await stream.write(frame)
+                    # A write to a stream that has ended fails with a bare "Internal error";
+                    # the stream's status (UNAUTHENTICATED, say) tells why, and its reader,
+                    # which ends after `future` was registered, fails `future` with it.
+                    with contextlib.suppress(grpc.aio.AioRpcError):
+                        await stream.write(frame)
                 return await future
         except TimeoutError:
             if not timer.expired():
@@ -266,8 +270,6 @@ class CallStream:
         except asyncio.CancelledError:
             self._cancel(stream, call_id)
             raise
-        except grpc.aio.AioRpcError as exc:  # the write found the stream broken
-            raise self._failure(exc, method) from exc
         except asyncio.InvalidStateError as exc:  # the stream ended before the write
             raise errors.UnavailableError(
                 f"{method} to {self._target} failed: the call stream ended"

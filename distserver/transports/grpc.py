@@ -38,6 +38,7 @@ import abc
 import asyncio
 import contextlib
 import logging
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
@@ -49,6 +50,7 @@ from distserver import errors
 from distserver.devices import RendezvousKey, parse_rendezvous_key
 from distserver.protos.services import SERVICES, WORKER_SERVICE
 from distserver.protos.worker_pb2 import RecvTensorRequest
+from distserver.security import Security
 from distserver.tensors import tensor_nbytes
 from distserver.transports import call_stream
 from distserver.transports.base import (
@@ -74,14 +76,35 @@ _MESSAGE_LIMITS = [
     ("grpc.max_send_message_length", -1),
     ("grpc.max_receive_message_length", -1),
 ]
-SERVER_OPTIONS = [*_MESSAGE_LIMITS, ("grpc.so_reuseport", 0)]
+# A peer that stops answering (hung, SIGSTOPped, its network cut) is noticed by HTTP/2
+# keepalive: while calls are in flight a channel pings every KEEPALIVE_MS, and a ping
+# not answered within KEEPALIVE_TIMEOUT_MS fails those calls with UNAVAILABLE. So a
+# step waiting on a hung task fails within ~10 s instead of never. Our servers accept
+# pings that often; TensorFlow's servers allow fewer while no data flows and may end a
+# connection with a step that runs silently for over ~15 s ("too many pings").
+KEEPALIVE_MS = 5000
+KEEPALIVE_TIMEOUT_MS = 4000
+SERVER_OPTIONS = [
+    *_MESSAGE_LIMITS,
+    ("grpc.so_reuseport", 0),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
+    ("grpc.http2.max_ping_strikes", 0),
+]
 CHANNEL_OPTIONS = [
     *_MESSAGE_LIMITS,
     ("grpc.enable_http_proxy", 0),
-    # Reconnect quickly to a task that was down (TensorFlow caps the backoff at 1 s).
+    ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    # gRPC core also times out every ping after its own limit (60 s by default),
+    # which newer releases apply to keepalive pings too.
+    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.keepalive_permit_without_calls", 0),
+    ("grpc.http2.max_pings_without_data", 0),
+    # Reconnect quickly to a task that was down or restarted: a caller otherwise keeps
+    # getting "connection refused" for up to the backoff after the task is back.
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.max_reconnect_backoff_ms", 250),
 ]
 
 # Trailing metadata that marks an error raised by a distserver handler, as opposed
@@ -342,6 +365,43 @@ class GrpcTensorPath(TensorPath):
         return assembler.result()
 
 
+def open_channel(address: str, security: Security | None = None) -> grpc.aio.Channel:
+    """A grpc.aio channel to `address` with our options, TLS and token as `security` says."""
+    interceptors = _token_interceptors(security.token_metadata) if security is not None else []
+    if security is None or not security.tls:
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=interceptors)
+    pem = security.credentials()
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=pem.root_certificates,
+        private_key=pem.private_key,
+        certificate_chain=pem.certificate_chain,
+    )
+    return grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS, interceptors=interceptors)
+
+
+def _token_interceptors(metadata: tuple[tuple[str, str], ...]) -> list[Any]:
+    """Client interceptors adding `metadata` (the token) to every call; none without it."""
+    if not metadata:
+        return []
+
+    def with_token(details: Any) -> Any:
+        return details._replace(metadata=grpc.aio.Metadata(*(details.metadata or ()), *metadata))
+
+    class UnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[type-arg]
+        async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+            return await continuation(with_token(details), request)
+
+    class UnaryStream(grpc.aio.UnaryStreamClientInterceptor):  # type: ignore[type-arg]
+        async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+            return await continuation(with_token(details), request)
+
+    class StreamStream(grpc.aio.StreamStreamClientInterceptor):  # type: ignore[type-arg]
+        async def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+            return await continuation(with_token(details), requests)
+
+    return [UnaryUnary(), UnaryStream(), StreamStream()]
+
+
 # Makes a channel's tensor path from its gRPC connection and target address.
 TensorPathFactory = Callable[[grpc.aio.Channel, str], TensorPath]
 
@@ -357,9 +417,14 @@ class GrpcChannel(Channel):
     carries calls), the call stream (distserver peers), or a unary call.
     """
 
-    def __init__(self, address: str, tensor_path: TensorPathFactory = _grpc_tensor_path) -> None:
+    def __init__(
+        self,
+        address: str,
+        tensor_path: TensorPathFactory = _grpc_tensor_path,
+        security: Security | None = None,
+    ) -> None:
         self.target = address
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = open_channel(address, security)
         self._callables: dict[tuple[str, str], Any] = {}
         self._tensors = tensor_path(self._channel, address)
         self._calls: call_stream.CallStream | None = call_stream.CallStream(
@@ -533,6 +598,7 @@ async def serve(
     services: Mapping[str, ServiceHandler],
     tensors: TensorHandOver | None,
     extra_handlers: Sequence[Any] = (),
+    security: Security | None = None,
 ) -> GrpcListener:
     """A grpc.aio server bound to `address`, not started yet, serving:
 
@@ -541,8 +607,12 @@ async def serve(
       UNIMPLEMENTED;
     * RecvTensor (unary, and the chunk stream) from `tensors`;
     * `extra_handlers` (generic RPC handlers), for transports built on this one.
+
+    With `security`: TLS when it has a certificate (clients' certificates required
+    with `require_client_cert`), and every call checked for its token.
     """
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    interceptors = [_TokenCheck(security)] if security is not None and security.token else []
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
     if extra_handlers:
         server.add_generic_rpc_handlers(tuple(extra_handlers))
     calls = call_stream.CallStreamServer(
@@ -571,17 +641,116 @@ async def serve(
             )
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, rpc_handlers),))
     try:
-        port = server.add_insecure_port(address)
-    except RuntimeError as exc:
+        port = _bind(server, address, _server_credentials(security))
+    except errors.UnknownError:
         await server.stop(None)
-        raise errors.UnknownError(
-            f"Could not start gRPC server: cannot bind {address} ({exc}). "
-            "Is another server using that port? Pick a free port or use port 0."
-        ) from exc
-    if port == 0:
-        await server.stop(None)
-        raise errors.UnknownError(f"Could not start gRPC server: cannot bind {address}")
+        raise
     return GrpcListener(server, port, calls)
+
+
+def _bind(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None) -> int:
+    """Bind `address`; "localhost" binds every loopback address it names, or fails.
+
+    gRPC binds "localhost:P" on whichever of 127.0.0.1 and [::1] it can: with
+    127.0.0.1:P held by another process it would serve on [::1] alone, and peers
+    dialing 127.0.0.1:P would reach that other process. Each loopback address is bound
+    on its own instead (the port the first one got, for port 0).
+    """
+    host, _, port_text = address.rpartition(":")
+    targets = [address]
+    if host == "localhost":
+        targets = [f"{loopback}:{port_text}" for loopback in _loopback_addresses()]
+    port = 0
+    for target in targets:
+        if port:
+            target = f"{target.rpartition(':')[0]}:{port}"
+        named = target if target == address else f"{target} (for {address})"
+        try:
+            if credentials is None:
+                port = server.add_insecure_port(target)
+            else:
+                port = server.add_secure_port(target, credentials)
+        except RuntimeError as exc:
+            port, reason = 0, f" ({exc})"
+        else:
+            reason = ""
+        if port == 0:
+            raise errors.UnknownError(
+                f"Could not start gRPC server: cannot bind {named}{reason}. "
+                "Is another process using that port? Pick a free port or use port 0."
+            )
+    return port
+
+
+def _server_credentials(security: Security | None) -> grpc.ServerCredentials | None:
+    """TLS credentials for a server port; None: plaintext."""
+    if security is None or not security.tls:
+        return None
+    pem = security.credentials()
+    if pem.certificate_chain is None or pem.private_key is None:
+        raise errors.InvalidArgumentError(
+            "A server with TLS needs its own certificate: give Security(cert_file=..., key_file=...) "
+            "(ca_file alone configures clients)"
+        )
+    return grpc.ssl_server_credentials(
+        [(pem.private_key, pem.certificate_chain)],
+        root_certificates=pem.root_certificates,
+        require_client_auth=security.require_client_cert,
+    )
+
+
+class _TokenCheck(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
+    """Refuses, with UNAUTHENTICATED, every call that does not carry the security's token."""
+
+    def __init__(self, security: Security) -> None:
+        self._security = security
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
+        details: grpc.HandlerCallDetails,
+    ) -> Any:
+        handler = await continuation(details)
+        if handler is None or self._security.admits(details.invocation_metadata):
+            return handler
+        return _refusal(handler, f"{details.method} needs the cluster's token")
+
+
+def _refusal(handler: Any, message: str) -> Any:
+    """A handler of `handler`'s kind that answers UNAUTHENTICATED without reading a request."""
+
+    async def refuse(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        if handler.request_streaming:
+            # Take the first message before answering: a client still writing when the
+            # call ends would see a bare "Internal error" instead of this status.
+            async for _ in request:
+                break
+        await context.abort(
+            grpc.StatusCode.UNAUTHENTICATED,
+            f"{message}: set it with Security(token=...) or the DISTSERVER_AUTH_TOKEN environment variable",
+        )
+
+    kind = (handler.request_streaming, handler.response_streaming)
+    make = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }[kind]
+    return make(refuse, request_deserializer=_raw, response_serializer=_raw)
+
+
+def _loopback_addresses() -> list[str]:
+    """The loopback addresses "localhost" stands for here: 127.0.0.1, and [::1] when it exists."""
+    addresses = ["127.0.0.1"]
+    if socket.has_ipv6:
+        try:
+            with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe:
+                probe.bind(("::1", 0))
+            addresses.append("[::1]")
+        except OSError:
+            pass  # IPv6 is off here: 127.0.0.1 is all "localhost" can reach
+    return addresses
 
 
 class GrpcTransport(Transport):
@@ -592,8 +761,11 @@ class GrpcTransport(Transport):
         address: str,
         services: Mapping[str, ServiceHandler],
         tensors: TensorSource | None = None,
+        *,
+        security: Security | None = None,
     ) -> Listener:
-        return await serve(address, services, None if tensors is None else TensorHandOver(tensors))
+        hand_over = None if tensors is None else TensorHandOver(tensors)
+        return await serve(address, services, hand_over, security=security)
 
-    def connect(self, address: str) -> Channel:
-        return GrpcChannel(address)
+    def connect(self, address: str, *, security: Security | None = None) -> Channel:
+        return GrpcChannel(address, security=security)

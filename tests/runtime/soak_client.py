@@ -18,7 +18,6 @@ import numpy as np
 
 import distserver as ds
 from distserver import errors
-from distserver.protos.config_pb2 import RunOptions
 
 SIZES = [1, 16, 1024, 65536, 1 << 20]  # float32 elements: 4 B .. 4 MiB
 EXPECTED_FAILURES = (
@@ -42,7 +41,7 @@ def build_graph() -> tuple[ds.Graph, ds.Tensor, ds.Tensor]:
 async def run(target: str, steps: int, concurrency: int, seed: int, seconds: float) -> dict[str, object]:
     graph, x, total = build_graph()
     rng = np.random.default_rng(seed)
-    options = RunOptions(timeout_in_ms=10_000)
+    options = ds.RunOptions(timeout_in_ms=10_000)
     report: dict[str, object] = {"ok": 0, "wrong": [], "failures": {}, "unexpected": []}
     failures: dict[str, int] = report["failures"]  # type: ignore[assignment]
     session = ds.AsyncSession(target, graph=graph)

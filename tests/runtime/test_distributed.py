@@ -287,4 +287,7 @@ def test_a_killed_task_fails_pending_steps_fast_and_a_restart_aborts(protocol):
                 break
             pytest.fail("a step planned for the old ps ran on the restarted one")
         assert "not found" in aborted.message or "incarnation" in aborted.message
+        assert "create a new one" in aborted.message
         session.close()
+        with ds.Session(cluster.target("worker"), graph=graph) as again:
+            assert again.run(fetch_value) == 10.0

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import distserver as ds
-from distserver import errors
+from distserver import errors, tensors
 from distserver.protos import master_pb2 as m
 from distserver.protos import types_pb2
 from distserver.protos import worker_pb2 as w
@@ -81,3 +81,58 @@ async def test_malformed_requests_are_invalid_argument_on_every_method_and_log_n
         assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.records
         async with ds.AsyncSession(server.target) as session:
             assert len(await session.list_devices()) == 1
+
+
+def _padded_floats(count: int) -> TensorProto:
+    proto = TensorProto(dtype=types_pb2.DT_FLOAT, float_val=[1.0])
+    proto.tensor_shape.dim.add(size=count)
+    return proto
+
+
+async def test_the_budget_covers_all_the_tensors_of_a_message(monkeypatch):
+    """Each feed fits the padding limit; together they do not."""
+    monkeypatch.setattr(tensors, "DEFAULT_PADDING_LIMIT_BYTES", 1000)
+    async with ds.AsyncServer({"local": ["localhost:0"]}) as server:
+        with ds.Graph().as_default() as graph:
+            x = ds.placeholder(ds.float32, shape=[200], name="x")
+            y = ds.placeholder(ds.float32, shape=[200], name="y")
+            total = ds.reduce_sum(x + y)
+        channel = get_transport("grpc").connect(server.target.removeprefix("grpc://"))
+        try:
+            create = m.CreateSessionRequest(graph_def=graph.as_graph_def())
+            created = await channel.call(MASTER_SERVICE, "CreateSession", create, timeout=30)
+            step = m.RunStepRequest(session_handle=created.session_handle, fetch=[total.name])
+            step.feed.add(name=x.name).tensor.CopyFrom(_padded_floats(200))  # 796 bytes of padding
+            step.feed.add(name=y.name).tensor.CopyFrom(_padded_floats(2))
+            with pytest.raises(errors.InvalidArgumentError, match="shape"):  # fits; wrong shape
+                await channel.call(MASTER_SERVICE, "RunStep", step, timeout=30)
+            step.feed[1].tensor.CopyFrom(_padded_floats(200))
+            with pytest.raises(errors.ResourceExhaustedError, match=r"in a RunStep request.*padding"):
+                await channel.call(MASTER_SERVICE, "RunStep", step, timeout=30)
+        finally:
+            await channel.close()
+
+
+async def test_a_large_feed_is_decoded_while_the_task_keeps_answering():
+    async with ds.AsyncServer({"local": ["localhost:0"]}) as server:
+        with ds.Graph().as_default() as graph:
+            x = ds.placeholder(ds.float32, shape=[None], name="x")
+            total = ds.reduce_sum(x)
+        channel = get_transport("grpc").connect(server.target.removeprefix("grpc://"))
+        try:
+            create = m.CreateSessionRequest(graph_def=graph.as_graph_def())
+            created = await channel.call(MASTER_SERVICE, "CreateSession", create, timeout=30)
+            step = m.RunStepRequest(session_handle=created.session_handle, fetch=[total.name])
+            feed = step.feed.add(name=x.name).tensor
+            feed.dtype = types_pb2.DT_FLOAT
+            feed.tensor_shape.dim.add(size=1 << 22)
+            feed.float_val.extend(np.ones(1 << 22, np.float32))  # typed values: decoded one by one
+            run = asyncio.ensure_future(channel.call(MASTER_SERVICE, "RunStep", step, timeout=60))
+            answered = 0
+            while not run.done():
+                await channel.call(MASTER_SERVICE, "ListDevices", m.ListDevicesRequest(), timeout=30)
+                answered += 1
+            assert tensors.from_tensor_proto((await run).tensor[0].tensor) == float(1 << 22)
+            assert answered > 1
+        finally:
+            await channel.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import pytest
 
@@ -59,6 +60,24 @@ async def test_port_in_use_is_an_unknown_error_naming_the_address():
         clash = AsyncServer({"localhost": [f"localhost:{port}"]})
         with pytest.raises(errors.UnknownError, match=f"Could not start gRPC server.*localhost:{port}"):
             await clash.bind()
+
+
+@pytest.mark.parametrize("held", ["127.0.0.1", "::1"])
+async def test_localhost_with_one_loopback_address_taken_is_refused(held):
+    """ "localhost:P" must serve every loopback address peers may dial, or not start."""
+    family = socket.AF_INET6 if ":" in held else socket.AF_INET
+    try:
+        other = socket.socket(family, socket.SOCK_STREAM)
+        other.bind((held, 0))
+    except OSError:
+        pytest.skip(f"{held} is not configured here")
+    with other:
+        other.listen()
+        port = other.getsockname()[1]
+        clash = AsyncServer({"localhost": [f"localhost:{port}"]})
+        with pytest.raises(errors.UnknownError, match=rf"cannot bind .*{port} \(for localhost:{port}\)"):
+            await clash.bind()
+        assert clash.state is not ServerState.STARTED
 
 
 async def test_join_on_a_never_started_server_returns_and_forbids_start():

@@ -283,7 +283,7 @@ async def test_listener_refuses_a_bad_handshake_and_keeps_serving(pd, probes):
     async with await verbs.listen(pd, handshake_timeout=5) as listener:
         rogue = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with rogue:
-            rogue.connect("\0" + listener.address[1:])
+            rogue.connect("\0" + listener.socket_address[1:])
             rogue.send(b"\x04not a hello")
             await probes.poll_until(lambda: listener.statistics().rejected == 1, what="rejection")
         async with verbs.ProtectionDomain() as other:
@@ -294,13 +294,30 @@ async def test_listener_refuses_a_bad_handshake_and_keeps_serving(pd, probes):
             assert listener.statistics() == verbs.ListenerStatistics(accepted=1, rejected=1)
 
 
+async def test_a_peer_without_the_listener_ticket_is_refused(pd, probes):
+    """The socket's name can be listed by any local process; the ticket comes only with the address."""
+    async with await verbs.listen(pd, handshake_timeout=5) as listener:
+        assert listener.address.startswith(listener.socket_address + "#")
+        wrong_ticket = listener.socket_address + "#" + "00" * 16
+        async with verbs.ProtectionDomain() as other:
+            for address in (listener.socket_address, wrong_ticket):
+                with pytest.raises(errors.OpError):
+                    await verbs.connect(other, address, timeout=5)
+            await probes.poll_until(lambda: listener.statistics().rejected == 2, what="rejections")
+            connecting = asyncio.ensure_future(verbs.connect(other, listener.address))
+            qp = await listener.accept()
+            await (await connecting).send(b"fine")
+            assert await qp.recv() == b"fine"
+
+
 async def test_path_address(pd, tmp_path):
     directory = tmp_path / "private"
     directory.mkdir(mode=0o700)
     address = str(directory / "qp.sock")
     listener = await verbs.listen(pd, address)
+    assert listener.socket_address == address
     async with verbs.ProtectionDomain() as other:
-        connecting = asyncio.ensure_future(verbs.connect(other, address))
+        connecting = asyncio.ensure_future(verbs.connect(other, listener.address))
         qp = await listener.accept()
         await (await connecting).send(b"via a path")
         assert await qp.recv() == b"via a path"

@@ -87,10 +87,10 @@ def test_malformed_messages_are_protocol_errors():
 
 
 def test_queue_pair_frames_round_trip():
-    hello = wire.Hello(wire.VERSION, 123, 1024, 32768, b"{}")
+    hello = wire.Hello(wire.VERSION, 123, 1024, 32768, b"{}", b"t" * wire.TICKET_BYTES)
     assert wire.decode_hello(wire.encode_hello(hello)) == hello
     with pytest.raises(wire.ProtocolError, match="not a distserver"):
-        wire.decode_hello(b"\x01XXXX" + bytes(20))
+        wire.decode_hello(b"\x01XXXX" + bytes(36))
     reg = wire.decode_reg_mr(wire.encode_reg_mr(3, 4096, b"q" * 16))
     assert (reg.region_id, reg.nbytes, reg.key) == (3, 4096, b"q" * 16)
     assert wire.decode_unreg_mr(wire.encode_unreg_mr(3)) == 3

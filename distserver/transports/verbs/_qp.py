@@ -8,7 +8,12 @@ Setup (`connect` / `QueuePairAcceptor.accept`), over a Unix `SOCK_SEQPACKET` soc
    is refused (`PermissionDeniedError`). This is the access control the abstract
    namespace lacks.
 3. Both send HELLO carrying their completion queue's ring memfd and eventfd; each
-   maps the other's ring and keeps its eventfd to post completions.
+   maps the other's ring and keeps its eventfd to post completions. The connecting
+   side speaks first; its HELLO carries the listener's ticket, and the listener
+   answers only a HELLO with the right one. The ticket is 128 random bits, part of the
+   address `connect` takes ("<socket>#<ticket hex>"), given out only over the
+   (authenticated) control plane. The socket's name alone, which any local process
+   can list, does not get a peer in.
 4. Later, `expose(region)` sends a region's memfd once (REG_MR); the peer maps it.
 
 After setup the socket carries only small frames (REG_MR/UNREG_MR, SEND, CREDIT,
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import mmap
 import os
@@ -174,6 +180,7 @@ class QueuePair:
         self.peer_pid = 0
         self.peer_identity: HostIdentity | None = None
         self._hello: asyncio.Future[wire.Hello] = self._loop.create_future()
+        self._expected_ticket: bytes | None = None  # set by the acceptor: what a peer must present
         self._producer: CqProducer | None = None
         self._remote: dict[int, _RemoteRegion] = {}
         self._exposed: dict[int, asyncio.Future[None]] = {}
@@ -223,14 +230,18 @@ class QueuePair:
 
     # -- setup -----------------------------------------------------------------------
 
-    async def _handshake(self, timeout: float) -> None:
+    async def _handshake(self, timeout: float, ticket: bytes = bytes(wire.TICKET_BYTES)) -> None:
         try:
             self.peer_pid, _ = check_peer_uid(self._channel.socket, os.getuid())
             self._channel.start()
             hello = wire.Hello(
-                wire.VERSION, os.getpid(), self.cq.depth, self.cq.ring_bytes, host_identity().encode()
+                wire.VERSION, os.getpid(), self.cq.depth, self.cq.ring_bytes, host_identity().encode(), ticket
             )
-            self._channel.send_nowait(wire.encode_hello(hello), [self.cq.ring_fd, self.cq.eventfd])
+            # The connecting side speaks first; the listener answers only a HELLO that
+            # carries its ticket, so a refused peer never sees a HELLO.
+            accepting = self._expected_ticket is not None
+            if not accepting:
+                self._send_hello(hello)
             timer = asyncio.timeout(timeout)
             try:
                 async with timer:
@@ -241,6 +252,8 @@ class QueuePair:
                 raise errors.DeadlineExceededError(
                     f"verbs queue pair setup with process {self.peer_pid} timed out after {timeout} s"
                 ) from exc
+            if accepting:
+                self._send_hello(hello)
         except BaseException as exc:
             # Tell the peer why (BYE before HELLO reads as a refusal), then let go.
             if self._error is None:
@@ -250,6 +263,16 @@ class QueuePair:
             await self.close()
             raise
         self.cq._start(self._loop)
+
+    def _send_hello(self, hello: wire.Hello) -> None:
+        self._channel.send_nowait(wire.encode_hello(hello), [self.cq.ring_fd, self.cq.eventfd])
+
+    def _check_ticket(self, hello_frame: bytes) -> None:
+        expected = self._expected_ticket
+        if expected is not None and not hmac.compare_digest(wire.decode_hello(hello_frame).ticket, expected):
+            raise errors.PermissionDeniedError(
+                "the peer did not present this listener's ticket (learn the address over the control plane)"
+            )
 
     def _on_hello(self, data: bytes, fds: list[int]) -> None:
         hello = wire.decode_hello(data)
@@ -287,6 +310,7 @@ class QueuePair:
                     )
                 if kind != wire.FrameType.HELLO:
                     raise wire.ProtocolError(f"expected HELLO from the peer, got frame type {kind}")
+                self._check_ticket(data)
                 taken, fds = fds, []
                 self._on_hello(data, taken)
             elif kind == wire.FrameType.SEND:
@@ -701,21 +725,24 @@ async def connect(
     cq_depth: int = DEFAULT_CQ_DEPTH,
     timeout: float = HANDSHAKE_TIMEOUT,
 ) -> QueuePair:
-    """A queue pair to the `QueuePairAcceptor` at `address` (its `address` attribute).
+    """A queue pair to the `QueuePairAcceptor` at `address` (its `address` attribute, ticket included).
 
     Raises:
         UnavailableError: nothing listens there.
         PermissionDeniedError: the listener runs as another user.
         DeadlineExceededError: the setup took longer than `timeout` seconds.
     """
+    socket_address, ticket = _split_ticket(address)
     loop = asyncio.get_running_loop()
     sock = seqpacket_socket()
     try:
         async with asyncio.timeout(timeout):
-            await loop.sock_connect(sock, _sockaddr(address))
+            await loop.sock_connect(sock, _sockaddr(socket_address))
     except (OSError, TimeoutError) as exc:
         sock.close()
-        raise errors.UnavailableError(f"cannot reach the verbs listener at {address!r}: {exc!r}") from exc
+        raise errors.UnavailableError(
+            f"cannot reach the verbs listener at {socket_address!r}: {exc!r}"
+        ) from exc
     except BaseException:
         sock.close()
         raise
@@ -724,8 +751,17 @@ async def connect(
     except BaseException:
         sock.close()
         raise
-    await qp._handshake(timeout)
+    await qp._handshake(timeout, ticket)
     return qp
+
+
+def _split_ticket(address: str) -> tuple[str, bytes]:
+    """A `connect` address's socket address and ticket (zeros when it names none)."""
+    socket_address, sep, ticket_hex = address.rpartition("#")
+    if sep and len(ticket_hex) == 2 * wire.TICKET_BYTES:
+        with contextlib.suppress(ValueError):
+            return socket_address, bytes.fromhex(ticket_hex)
+    return address, bytes(wire.TICKET_BYTES)
 
 
 @dataclass(frozen=True)
@@ -752,14 +788,16 @@ class QueuePairAcceptor:
         self,
         pd: ProtectionDomain,
         sock: socket.socket,
-        address: str,
+        socket_address: str,
         *,
         cq_depth: int,
         handshake_timeout: float,
     ) -> None:
         pd._check_open()
         self.pd = pd
-        self.address = address
+        self._ticket = secrets.token_bytes(wire.TICKET_BYTES)
+        self.socket_address = socket_address
+        self.address = f"{socket_address}#{self._ticket.hex()}"
         self._sock = sock
         self._cq_depth = cq_depth
         self._handshake_timeout = handshake_timeout
@@ -769,7 +807,7 @@ class QueuePairAcceptor:
         self._accepted = 0
         self._rejected = 0
         self._closed = False
-        self._error = errors.UnavailableError(f"the verbs listener at {address} is closed")
+        self._error = errors.UnavailableError(f"the verbs listener at {socket_address} is closed")
         pd._attach(self)
         self._spawn(self._accept_loop())
 
@@ -785,8 +823,10 @@ class QueuePairAcceptor:
                 conn, _ = await loop.sock_accept(self._sock)
             except OSError as exc:
                 # Out of fds or memory: retrying at once would spin; stop serving loudly.
-                logger.error("verbs listener %s stops accepting: %s", self.address, exc)
-                self._error = errors.UnavailableError(f"the verbs listener at {self.address} failed: {exc}")
+                logger.error("verbs listener %s stops accepting: %s", self.socket_address, exc)
+                self._error = errors.UnavailableError(
+                    f"the verbs listener at {self.socket_address} failed: {exc}"
+                )
                 self._ready.put_nowait(None)
                 return
             self._spawn(self._set_up(conn))
@@ -797,13 +837,14 @@ class QueuePairAcceptor:
         except Exception as exc:
             conn.close()
             self._rejected += 1
-            logger.warning("verbs listener %s: cannot set up a queue pair: %s", self.address, exc)
+            logger.warning("verbs listener %s: cannot set up a queue pair: %s", self.socket_address, exc)
             return
+        qp._expected_ticket = self._ticket
         try:
             await qp._handshake(self._handshake_timeout)
         except Exception as exc:  # OpErrors, and anything unexpected: refuse, keep serving
             self._rejected += 1
-            logger.warning("verbs listener %s: refused a peer: %s", self.address, exc)
+            logger.warning("verbs listener %s: refused a peer: %s", self.socket_address, exc)
             return
         self._accepted += 1
         self._ready.put_nowait(qp)
@@ -846,9 +887,9 @@ class QueuePairAcceptor:
                 await qp.close()
         self._ready.put_nowait(None)
         self._sock.close()
-        if not self.address.startswith(_ABSTRACT_PREFIX):
+        if not self.socket_address.startswith(_ABSTRACT_PREFIX):
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.address)
+                os.unlink(self.socket_address)
         self.pd._detach(self)
 
     async def __aenter__(self) -> QueuePairAcceptor:

@@ -894,7 +894,7 @@ class TensorServer:
                 self._endpoints.add(endpoint)
                 self._spawn(self._reap(endpoint))
         except errors.UnavailableError as exc:  # the listener failed (it logged why)
-            logger.error("verbs tensor server at %s stopped accepting: %s", self.address, exc)
+            logger.error("verbs tensor server stopped accepting: %s", exc)
 
     async def _reap(self, endpoint: TensorEndpoint) -> None:
         await endpoint.wait_closed()

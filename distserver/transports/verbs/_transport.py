@@ -42,6 +42,7 @@ from distserver import errors
 from distserver.devices import RendezvousKey, parse_rendezvous_key
 from distserver.protos.services import WORKER_SERVICE
 from distserver.protos.worker_pb2 import RecvTensorRequest
+from distserver.security import Security
 from distserver.transports.base import (
     Channel,
     Listener,
@@ -243,6 +244,8 @@ class VerbsTransport(Transport):
         address: str,
         services: Mapping[str, ServiceHandler],
         tensors: TensorSource | None = None,
+        *,
+        security: Security | None = None,
     ) -> Listener:
         # gRPC serves what shared memory cannot carry, from the same hand-over.
         hand_over = None if tensors is None else TensorHandOver(tensors)
@@ -259,7 +262,7 @@ class VerbsTransport(Transport):
                 )
             },
         )
-        listener = await serve(address, services, hand_over, (handler,))
+        listener = await serve(address, services, hand_over, (handler,), security=security)
         calls = listener.calls
 
         async def serve_call(path: str, payload: bytes) -> bytes:
@@ -282,9 +285,11 @@ class VerbsTransport(Transport):
             raise
         return TaskListener(listener, tensor_server, pd)
 
-    def connect(self, address: str) -> Channel:
+    def connect(self, address: str, *, security: Security | None = None) -> Channel:
         strict = self.strict
-        return GrpcChannel(address, lambda channel, target: VerbsTensorPath(channel, target, strict=strict))
+        return GrpcChannel(
+            address, lambda channel, target: VerbsTensorPath(channel, target, strict=strict), security
+        )
 
 
 def _tensor_source(hand_over: TensorHandOver | None) -> Callable[[bytes], Awaitable[TensorReply]]:

@@ -51,7 +51,7 @@ import numpy as np
 from distserver import errors
 
 MAGIC = b"DSVB"
-VERSION = 2
+VERSION = 3
 KEY_BYTES = 16
 MAX_RANK = 254  # TensorFlow's limit
 MAX_PACKET_BYTES = 256 << 10
@@ -72,7 +72,8 @@ class FrameType(enum.IntEnum):
     BYE = 6
 
 
-_HELLO = struct.Struct("<B4sHIIQ")  # type, magic, version, pid, cq depth, cq ring bytes
+_HELLO = struct.Struct("<B4sHIIQ16s")  # type, magic, version, pid, cq depth, cq ring bytes, ticket
+TICKET_BYTES = 16
 _REG_MR = struct.Struct("<BQQ16s")
 _UNREG_MR = struct.Struct("<BQ")
 _CREDIT = struct.Struct("<BI")
@@ -85,6 +86,7 @@ class Hello:
     cq_depth: int
     cq_ring_bytes: int
     identity: bytes
+    ticket: bytes = bytes(TICKET_BYTES)  # the listener's ticket, from the connecting side
 
 
 @dataclass(frozen=True)
@@ -95,16 +97,18 @@ class RegMr:
 
 
 def encode_hello(hello: Hello) -> bytes:
-    head = _HELLO.pack(FrameType.HELLO, MAGIC, hello.version, hello.pid, hello.cq_depth, hello.cq_ring_bytes)
+    head = _HELLO.pack(
+        FrameType.HELLO, MAGIC, hello.version, hello.pid, hello.cq_depth, hello.cq_ring_bytes, hello.ticket
+    )
     return head + hello.identity
 
 
 def decode_hello(data: bytes) -> Hello:
     _need(data, _HELLO.size, "HELLO")
-    _, magic, version, pid, depth, ring_bytes = _HELLO.unpack_from(data)
+    _, magic, version, pid, depth, ring_bytes, ticket = _HELLO.unpack_from(data)
     if magic != MAGIC:
         raise ProtocolError(f"the peer is not a distserver verbs endpoint (magic {magic!r})")
-    return Hello(version, pid, depth, ring_bytes, bytes(data[_HELLO.size :]))
+    return Hello(version, pid, depth, ring_bytes, bytes(data[_HELLO.size :]), ticket)
 
 
 def encode_reg_mr(region_id: int, nbytes: int, key: bytes) -> bytes:

@@ -1,0 +1,107 @@
+"""A peer that stops answering (SIGSTOP: alive, port open, silent) fails steps within bounds."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+import distserver as ds
+from distserver import errors
+from distserver.testing import LocalCluster
+from distserver.testing.cluster import free_ports
+
+pytestmark = pytest.mark.slow
+
+PS = "/job:ps/replica:0/task:0"
+
+
+def _graph():
+    graph = ds.Graph()
+    with graph.as_default():
+        with ds.device("/job:ps/task:0"):
+            on_ps = ds.constant(np.arange(4, dtype=np.float32), name="on_ps") * 2.0
+        total = ds.reduce_sum(on_ps, name="total")
+    return graph, total
+
+
+def _run_timed(session, fetch, **kwargs):
+    started = time.monotonic()
+    with pytest.raises(errors.OpError) as info:
+        session.run(fetch, **kwargs)
+    return info.value, time.monotonic() - started
+
+
+def test_a_step_touching_a_hung_task_fails_unavailable_naming_it():
+    with LocalCluster({"ps": 1, "worker": 1}) as cluster:
+        graph, total = _graph()
+        with ds.Session(cluster.target("worker"), graph=graph) as session:
+            assert session.run(total) == 12.0
+            os.kill(cluster.process("ps").pid, signal.SIGSTOP)
+            try:
+                # No step timeout: keepalive alone must end the wait (~10 s by default).
+                error, took = _run_timed(session, total)
+            finally:
+                os.kill(cluster.process("ps").pid, signal.SIGCONT)
+            assert isinstance(error, errors.UnavailableError), error
+            assert PS in error.message
+            assert took < 30, (took, error)
+            # The task answers again: the next step runs.
+            assert session.run(total) == 12.0
+
+
+def test_a_hung_master_fails_the_client_soon_after_the_step_timeout():
+    with LocalCluster({"worker": 1}) as cluster:
+        graph = ds.Graph()
+        with graph.as_default():
+            value = ds.constant(3.0) * 2.0
+        with ds.Session(cluster.target("worker"), graph=graph) as session:
+            assert session.run(value) == 6.0
+            os.kill(cluster.process("worker").pid, signal.SIGSTOP)
+            try:
+                error, took = _run_timed(session, value, options=ds.RunOptions(timeout_in_ms=2000))
+            finally:
+                os.kill(cluster.process("worker").pid, signal.SIGCONT)
+            assert isinstance(error, errors.DeadlineExceededError), error
+            assert took < 10
+            assert session.run(value) == 6.0
+
+
+def test_a_session_operation_timeout_bounds_every_step_of_a_hung_master():
+    with LocalCluster({"worker": 1}) as cluster:
+        graph = ds.Graph()
+        with graph.as_default():
+            value = ds.constant(3.0) * 2.0
+        config = ds.ConfigProto(operation_timeout_in_ms=2000)
+        with ds.Session(cluster.target("worker"), graph=graph, config=config) as session:
+            assert session.run(value) == 6.0
+            options = ds.RunOptions(trace_level=ds.RunOptions.NO_TRACE)
+            os.kill(cluster.process("worker").pid, signal.SIGSTOP)
+            try:
+                error, took = _run_timed(session, value, options=options)
+            finally:
+                os.kill(cluster.process("worker").pid, signal.SIGCONT)
+            assert isinstance(error, errors.DeadlineExceededError), error
+            assert took < 10
+            assert options.timeout_in_ms == 0  # the caller's options are left as they were
+
+
+def test_create_session_waits_for_an_absent_task_only_as_long_as_told():
+    worker_port, ps_port = free_ports(2)
+    spec = {"worker": [f"localhost:{worker_port}"], "ps": [f"localhost:{ps_port}"]}  # ps never starts
+    with ds.Server(spec, "worker", 0) as server:
+        graph = ds.Graph()
+        with graph.as_default():
+            value = ds.constant(1.0)
+        config = ds.ConfigProto(operation_timeout_in_ms=1500)
+        started = time.monotonic()
+        with (
+            pytest.raises(errors.UnavailableError) as info,
+            ds.Session(server.target, graph=graph, config=config) as session,
+        ):
+            session.run(value)
+        assert time.monotonic() - started < 10
+        assert "/job:ps/replica:0/task:0" in info.value.message
