@@ -642,6 +642,8 @@ def main() -> None:
     parser.add_argument("--max-seconds", type=float, default=900.0, help="bound on the whole command (900)")
     parser.add_argument("--json", type=Path, help="also write every figure (and raw step times) here")
     args = parser.parse_args()
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)  # now: not lose a run to it
     if min(args.repeat or 1, args.trivial_steps, args.memory_repeat, args.rounds, args.runs) < 1:
         parser.error("--repeat, --trivial-steps, --memory-repeat, --rounds and --runs must be >= 1")
     if args.warmup < 0 or args.settle_ms < 0:

@@ -357,6 +357,8 @@ def main() -> None:
     parser.add_argument("--max-seconds", type=float, default=600.0, help="bound on the whole command (600)")
     parser.add_argument("--json", type=Path, help="also write every figure (and raw step times) here")
     args = parser.parse_args()
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)  # now: not lose a run to it
     if min(args.repeat or 1, args.rounds) < 1 or min(args.warmup, args.settle_ms) < 0:
         parser.error("--repeat and --rounds must be >= 1, --warmup and --settle-ms >= 0")
 

@@ -55,6 +55,10 @@ _RESPONSE_HEAD = struct.Struct("<QBi")  # call id, kind, status code
 _EOF: Any = grpc.aio.EOF  # type: ignore[attr-defined]  # missing from the type stubs
 
 
+# How long to wait for an ended stream's status once a read or write saw it end.
+_FINAL_STATUS_WAIT = 1.0
+
+
 class StreamUnsupported(Exception):
     """The peer does not serve `METHOD`; the call was not run there."""
 
@@ -255,11 +259,10 @@ class CallStream:
         try:
             async with timer:
                 async with self._write_lock:
-                    # A write to a stream that has ended fails with a bare "Internal error";
-                    # the stream's status (UNAUTHENTICATED, say) tells why, and its reader,
-                    # which ends after `future` was registered, fails `future` with it.
-                    with contextlib.suppress(grpc.aio.AioRpcError):
+                    try:
                         await stream.write(frame)
+                    except grpc.aio.AioRpcError as exc:  # the stream has ended
+                        raise self._failure(await _final_status(stream, exc), method) from exc
                 return await future
         except TimeoutError:
             if not timer.expired():
@@ -311,7 +314,7 @@ class CallStream:
                     message = head[_RESPONSE_HEAD.size :].decode(errors="replace")
                     entry[0].set_exception(errors.from_status(code, message))
         except grpc.aio.AioRpcError as exc:
-            failure = exc
+            failure = await _final_status(stream, exc)
         except asyncio.CancelledError:
             closed = True
         finally:
@@ -348,3 +351,20 @@ class CallStream:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reader
+
+
+async def _final_status(stream: Any, exc: grpc.aio.AioRpcError) -> grpc.aio.AioRpcError:
+    """The stream's own status when `exc` is the bare INTERNAL that a read or write on an
+    ended stream may raise instead (the server's UNIMPLEMENTED or UNAUTHENTICATED says why)."""
+    if exc.code() != grpc.StatusCode.INTERNAL:
+        return exc
+    try:
+        async with asyncio.timeout(_FINAL_STATUS_WAIT):
+            code = await stream.code()
+            details = await stream.details()
+            trailing = await stream.trailing_metadata()
+    except (grpc.aio.AioRpcError, TimeoutError, asyncio.InvalidStateError):
+        return exc
+    if code in (grpc.StatusCode.OK, grpc.StatusCode.INTERNAL):
+        return exc
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing or grpc.aio.Metadata(), details, None)

@@ -80,8 +80,10 @@ _MESSAGE_LIMITS = [
 # keepalive: while calls are in flight a channel pings every KEEPALIVE_MS, and a ping
 # not answered within KEEPALIVE_TIMEOUT_MS fails those calls with UNAVAILABLE. So a
 # step waiting on a hung task fails within ~10 s instead of never. Our servers accept
-# pings that often; TensorFlow's servers allow fewer while no data flows and may end a
-# connection with a step that runs silently for over ~15 s ("too many pings").
+# pings that often. TensorFlow's servers do not (with gRPC's defaults they end the
+# connection, in-flight calls included, at the third ping of a call that runs silently:
+# "too many pings"), so a channel that finds a TensorFlow peer drops keepalive
+# (`GrpcChannel._to_foreign_peer`).
 KEEPALIVE_MS = 5000
 KEEPALIVE_TIMEOUT_MS = 4000
 SERVER_OPTIONS = [
@@ -90,9 +92,17 @@ SERVER_OPTIONS = [
     ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
     ("grpc.http2.max_ping_strikes", 0),
 ]
-CHANNEL_OPTIONS = [
+_QUIET_CHANNEL_OPTIONS = [
     *_MESSAGE_LIMITS,
     ("grpc.enable_http_proxy", 0),
+    # Reconnect quickly to a task that was down or restarted: a caller otherwise keeps
+    # getting "connection refused" for up to the backoff after the task is back.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 250),
+]
+CHANNEL_OPTIONS = [
+    *_QUIET_CHANNEL_OPTIONS,
     ("grpc.keepalive_time_ms", KEEPALIVE_MS),
     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
     # gRPC core also times out every ping after its own limit (60 s by default),
@@ -100,11 +110,6 @@ CHANNEL_OPTIONS = [
     ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
     ("grpc.keepalive_permit_without_calls", 0),
     ("grpc.http2.max_pings_without_data", 0),
-    # Reconnect quickly to a task that was down or restarted: a caller otherwise keeps
-    # getting "connection refused" for up to the backoff after the task is back.
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 250),
 ]
 
 # Trailing metadata that marks an error raised by a distserver handler, as opposed
@@ -365,18 +370,24 @@ class GrpcTensorPath(TensorPath):
         return assembler.result()
 
 
-def open_channel(address: str, security: Security | None = None) -> grpc.aio.Channel:
-    """A grpc.aio channel to `address` with our options, TLS and token as `security` says."""
+def open_channel(
+    address: str, security: Security | None = None, *, keepalive: bool = True
+) -> grpc.aio.Channel:
+    """A grpc.aio channel to `address` with our options, TLS and token as `security` says.
+
+    `keepalive=False` leaves out the keepalive pings (for TensorFlow peers, see KEEPALIVE_MS).
+    """
     interceptors = _token_interceptors(security.token_metadata) if security is not None else []
+    options = CHANNEL_OPTIONS if keepalive else _QUIET_CHANNEL_OPTIONS
     if security is None or not security.tls:
-        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=interceptors)
+        return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
     pem = security.credentials()
     credentials = grpc.ssl_channel_credentials(
         root_certificates=pem.root_certificates,
         private_key=pem.private_key,
         certificate_chain=pem.certificate_chain,
     )
-    return grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS, interceptors=interceptors)
+    return grpc.aio.secure_channel(address, credentials, options=options, interceptors=interceptors)
 
 
 def _token_interceptors(metadata: tuple[tuple[str, str], ...]) -> list[Any]:
@@ -424,9 +435,12 @@ class GrpcChannel(Channel):
         security: Security | None = None,
     ) -> None:
         self.target = address
+        self._security = security
         self._channel = open_channel(address, security)
         self._callables: dict[tuple[str, str], Any] = {}
+        self._tensor_path_factory = tensor_path
         self._tensors = tensor_path(self._channel, address)
+        self._retired: list[asyncio.Future[None]] = []  # closing: what `_to_foreign_peer` replaced
         self._calls: call_stream.CallStream | None = call_stream.CallStream(
             self._channel, address, lambda exc, method: error_from_rpc(exc, target=address, method=method)
         )
@@ -520,8 +534,29 @@ class GrpcChannel(Channel):
         try:
             return await self._calls.call(service, method, payload, timeout)
         except call_stream.StreamUnsupported:
-            self._calls = None  # not a distserver peer: unary calls from now on
+            if self._calls is not None:  # the first call to learn it (others may be in flight)
+                self._calls = None  # not a distserver peer: unary calls from now on
+                self._to_foreign_peer()
             return None
+
+    def _to_foreign_peer(self) -> None:
+        """Reopen without keepalive pings, which TensorFlow servers punish (see KEEPALIVE_MS).
+
+        Calls in flight finish on the old connection, closed in the background; the
+        tensor path is made again on the new one.
+        """
+        old_channel, old_path = self._channel, self._tensors
+        self._channel = open_channel(self.target, self._security, keepalive=False)
+        self._callables.clear()
+        self._tensors = self._tensor_path_factory(self._channel, self.target)
+
+        async def retire() -> None:
+            try:
+                await old_path.close()
+            finally:
+                await old_channel.close(grace=None)
+
+        self._retired.append(asyncio.ensure_future(retire()))
 
     async def recv_tensor(
         self, step_id: int, key: RendezvousKey, *, timeout: float | None = None
@@ -556,6 +591,8 @@ class GrpcChannel(Channel):
             if self._calls is not None:
                 await self._calls.close()
             await self._channel.close(grace=None)
+            if self._retired:
+                await asyncio.gather(*self._retired, return_exceptions=True)
 
     def statistics(self) -> ChannelStatistics:
         return ChannelStatistics(

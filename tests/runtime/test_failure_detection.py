@@ -53,40 +53,30 @@ def test_a_step_touching_a_hung_task_fails_unavailable_naming_it():
             assert session.run(total) == 12.0
 
 
-def test_a_hung_master_fails_the_client_soon_after_the_step_timeout():
+def _step_against_a_hung_master(config=None, options=None):
+    """A step whose master task is SIGSTOPped once the session works: (error, seconds)."""
     with LocalCluster({"worker": 1}) as cluster:
         graph = ds.Graph()
         with graph.as_default():
             value = ds.constant(3.0) * 2.0
-        with ds.Session(cluster.target("worker"), graph=graph) as session:
-            assert session.run(value) == 6.0
-            os.kill(cluster.process("worker").pid, signal.SIGSTOP)
-            try:
-                error, took = _run_timed(session, value, options=ds.RunOptions(timeout_in_ms=2000))
-            finally:
-                os.kill(cluster.process("worker").pid, signal.SIGCONT)
-            assert isinstance(error, errors.DeadlineExceededError), error
-            assert took < 10
-            assert session.run(value) == 6.0
-
-
-def test_a_session_operation_timeout_bounds_every_step_of_a_hung_master():
-    with LocalCluster({"worker": 1}) as cluster:
-        graph = ds.Graph()
-        with graph.as_default():
-            value = ds.constant(3.0) * 2.0
-        config = ds.ConfigProto(operation_timeout_in_ms=2000)
         with ds.Session(cluster.target("worker"), graph=graph, config=config) as session:
             assert session.run(value) == 6.0
-            options = ds.RunOptions(trace_level=ds.RunOptions.NO_TRACE)
             os.kill(cluster.process("worker").pid, signal.SIGSTOP)
             try:
-                error, took = _run_timed(session, value, options=options)
+                return _run_timed(session, value, options=options)
             finally:
                 os.kill(cluster.process("worker").pid, signal.SIGCONT)
-            assert isinstance(error, errors.DeadlineExceededError), error
-            assert took < 10
-            assert options.timeout_in_ms == 0  # the caller's options are left as they were
+                assert session.run(value) == 6.0  # it answers again
+
+
+@pytest.mark.parametrize("where", ["RunOptions", "ConfigProto"])
+def test_a_hung_master_fails_the_client_soon_after_the_step_timeout(where):
+    options = ds.RunOptions(timeout_in_ms=2000 if where == "RunOptions" else 0)
+    config = ds.ConfigProto(operation_timeout_in_ms=2000) if where == "ConfigProto" else None
+    error, took = _step_against_a_hung_master(config, options)
+    assert isinstance(error, errors.DeadlineExceededError), error
+    assert took < 10
+    assert options.timeout_in_ms == (2000 if where == "RunOptions" else 0)  # the caller's, unchanged
 
 
 def test_create_session_waits_for_an_absent_task_only_as_long_as_told():
