@@ -45,3 +45,20 @@ def _run(env_changes: dict[str, str | None], first: str = "") -> str:
 )
 def test_the_setting_is_applied_only_when_it_can_take_effect_and_is_wanted(env, first, expected):
     assert _run(env, first) == expected
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-5"])
+def test_a_bad_keepalive_setting_is_refused_naming_it(value):
+    env = {**os.environ, "DISTSERVER_KEEPALIVE_MS": value}
+    result = subprocess.run(
+        [sys.executable, "-c", "import distserver.transports.grpc"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert result.returncode != 0
+    assert (
+        f"DISTSERVER_KEEPALIVE_MS must be a whole number of milliseconds above 0, got '{value}'"
+        in result.stderr
+    )

@@ -38,6 +38,7 @@ import abc
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
@@ -84,8 +85,26 @@ _MESSAGE_LIMITS = [
 # connection, in-flight calls included, at the third ping of a call that runs silently:
 # "too many pings"), so a channel that finds a TensorFlow peer drops keepalive
 # (`GrpcChannel._to_foreign_peer`).
-KEEPALIVE_MS = 5000
-KEEPALIVE_TIMEOUT_MS = 4000
+# Both can be set through the environment of every process of the cluster.
+KEEPALIVE_ENV = "DISTSERVER_KEEPALIVE_MS"
+KEEPALIVE_TIMEOUT_ENV = "DISTSERVER_KEEPALIVE_TIMEOUT_MS"
+
+
+def _milliseconds_from_env(name: str, default: int) -> int:
+    text = os.environ.get(name, "")
+    if not text:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise ValueError(f"{name} must be a whole number of milliseconds above 0, got {text!r}")
+    return value
+
+
+KEEPALIVE_MS = _milliseconds_from_env(KEEPALIVE_ENV, 5000)
+KEEPALIVE_TIMEOUT_MS = _milliseconds_from_env(KEEPALIVE_TIMEOUT_ENV, 4000)
 SERVER_OPTIONS = [
     *_MESSAGE_LIMITS,
     ("grpc.so_reuseport", 0),
