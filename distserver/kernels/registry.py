@@ -69,6 +69,29 @@ class KernelContext(Protocol):
     def resources(self) -> ResourceManager: ...
 
 
+class _Dead:
+    """The value of a tensor on a branch that does not run (TensorFlow's dead tensors).
+
+    `Switch` outputs its input on one port and `DEAD` on the other; a node with a dead
+    input is not computed and its outputs are dead too (see `OpKernel.dead_inputs`);
+    `Merge` outputs its one live input. `_Send` carries deadness to other tasks as
+    RecvTensor's `is_dead`.
+    """
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<dead>"
+
+
+DEAD = _Dead()
+
+# `OpKernel.dead_inputs` values.
+SKIP_WHEN_DEAD = "skip"
+SEES_DEAD_DATA = "merge"
+CARRIES_DEADNESS = "transfer"
+
+
 class OpKernel:
     """Runs one node. Subclasses read attrs in `__init__` and implement `compute`.
 
@@ -89,9 +112,16 @@ class OpKernel:
           at the positions in `ref_inputs` (the op's `Ref(T)` inputs: `Assign`'s
           input 0, ...). Reading an uninitialized variable that way is TF's
           `FailedPreconditionError("Attempting to use uninitialized value <input>")`.
+        * Dead inputs (`DEAD`, from a Switch's untaken port), by `dead_inputs`:
+          `SKIP_WHEN_DEAD` (almost every kernel): a dead data or control input makes
+          the node dead without computing it (every output `DEAD`); `SEES_DEAD_DATA`
+          (Merge, ControlTrigger): computed with `DEAD` among the data inputs, control
+          inputs' deadness ignored; `CARRIES_DEADNESS` (`_Send`): computed, with every
+          data input `DEAD` when any input is dead.
     """
 
     is_async: ClassVar[bool] = False
+    dead_inputs: ClassVar[str] = SKIP_WHEN_DEAD
     is_stateful: ClassVar[bool] = False
     # Synchronous kernels the executor runs inline on the event loop even when their
     # inputs are large: those that touch loop-bound state (the rendezvous), and those
@@ -289,6 +319,7 @@ def _load_builtin_kernels() -> None:
     if not _loaded:
         _loaded = True
         import distserver.kernels.array
+        import distserver.kernels.control_flow
         import distserver.kernels.math
         import distserver.kernels.nn
         import distserver.kernels.queue

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from distserver.devices import RendezvousKey
-from distserver.kernels.registry import KernelContext, OpKernel, register_kernel
+from distserver.kernels.registry import CARRIES_DEADNESS, DEAD, KernelContext, OpKernel, register_kernel
 
 if TYPE_CHECKING:
     from distserver.protos.node_def_pb2 import NodeDef
@@ -19,6 +21,10 @@ if TYPE_CHECKING:
 # A `_Recv` marked with this attr waits for a value delivered to this task's
 # rendezvous instead of fetching it (see `distserver.runtime.push`).
 RECV_PUSHED_ATTR = "_recv_pushed"
+
+# What a dead value travels as (RecvTensor's `is_dead` says it is dead; TensorFlow
+# sends an empty tensor too).
+_DEAD_PAYLOAD = np.zeros(0, np.float32)
 
 
 class _SendRecvKernel(OpKernel):
@@ -41,8 +47,13 @@ class _SendRecvKernel(OpKernel):
 @register_kernel("_Send", "_HostSend")
 class SendKernel(_SendRecvKernel):
     # Synchronous (no task per send) but never sent to the thread pool.
+    dead_inputs = CARRIES_DEADNESS
+
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
-        ctx.rendezvous.send(self.key, inputs[0])
+        if inputs[0] is DEAD:
+            ctx.rendezvous.send(self.key, _DEAD_PAYLOAD, is_dead=True)
+        else:
+            ctx.rendezvous.send(self.key, inputs[0])
         return []
 
 
@@ -58,7 +69,7 @@ class RecvKernel(_SendRecvKernel):
 
     async def compute_async(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
         if self.pushed:
-            value, _is_dead = await ctx.rendezvous.recv_local(self.key)
+            value, is_dead = await ctx.rendezvous.recv_local(self.key)
         else:
-            value, _is_dead = await ctx.rendezvous.recv(self.key)
-        return [value]
+            value, is_dead = await ctx.rendezvous.recv(self.key)
+        return [DEAD if is_dead else value]

@@ -13,6 +13,10 @@ resolves inputs, and rejects cycles. `run(ctx)` then executes one step:
 * A node's outputs are dropped as soon as its last consumer has taken them (as
   TensorFlow frees a tensor when its last consumer has run), so a long chain over a
   large tensor holds a few of them at a time, not one per node.
+* Dead tensors (`kernels.registry.DEAD`, on the port a Switch did not take): a node
+  with a dead input is not computed, and everything downstream is dead until a
+  Merge picks the live branch (`OpKernel.dead_inputs` says how each kernel treats
+  them). A dead node's control edges make their targets dead too.
 * The first failing node stops the step: the other nodes in flight are cancelled
   and the error names the node.
 """
@@ -22,13 +26,20 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from distserver import errors
-from distserver.kernels.registry import KernelContext, OpKernel, create_kernel
+from distserver.kernels.registry import (
+    CARRIES_DEADNESS,
+    DEAD,
+    SKIP_WHEN_DEAD,
+    KernelContext,
+    OpKernel,
+    create_kernel,
+)
 from distserver.kernels.resources import ResourceManager
 from distserver.protos.graph_pb2 import GraphDef
 from distserver.runtime.concurrency import first_error
@@ -58,6 +69,7 @@ class _Node:
     inputs: list[tuple[int, int]]  # (producer index, output index)
     consumers: list[int]  # nodes that wait for this one (data or control), one entry per edge
     num_waits: int  # edges into this node
+    control_consumers: list[int] = field(default_factory=list)  # the control edges among `consumers`
     num_reads: int = 0  # data edges out of this node: how many times its outputs are taken
     sizes_its_output: bool = False  # the kernel estimates its output (`OpKernel.output_nbytes`)
 
@@ -87,7 +99,9 @@ class Executor:
                     raise errors.InvalidArgumentError(
                         f"Node '{node_def.name}': Unknown input node '{text}'", node_name=node_def.name
                     )
-                if not is_control:
+                if is_control:
+                    self._nodes[src].control_consumers.append(i)
+                else:
                     node.inputs.append((src, output))
                     self._nodes[src].num_reads += 1
                 self._nodes[src].consumers.append(i)
@@ -124,6 +138,7 @@ class Executor:
         # Outputs still to be taken by a consumer; a node's entry is dropped with its last read.
         unread = [n.num_reads for n in nodes]
         outputs: list[list[Any] | None] = [None] * len(nodes)
+        dead_control = [False] * len(nodes)  # a control input of the node is dead
         ready = deque(self._roots)
         wake = asyncio.Event()
         in_flight = 0
@@ -131,7 +146,12 @@ class Executor:
         def finish(i: int, values: list[Any]) -> None:
             if unread[i]:
                 outputs[i] = values
-            for c in nodes[i].consumers:
+            node = nodes[i]
+            dead = values is _DEAD_OUTPUTS or (values and all(v is DEAD for v in values))
+            if dead and node.control_consumers:
+                for c in node.control_consumers:
+                    dead_control[c] = True
+            for c in node.consumers:
                 waits[c] -= 1
                 if waits[c] == 0:
                     ready.append(c)
@@ -159,6 +179,13 @@ class Executor:
                             unread[src] -= 1
                             if not unread[src]:
                                 outputs[src] = None
+                        dead = dead_control[node.index] or any(v is DEAD for v in inputs)
+                        if dead and node.kernel.dead_inputs != SKIP_WHEN_DEAD:
+                            if node.kernel.dead_inputs == CARRIES_DEADNESS:
+                                inputs = [DEAD] * len(inputs)
+                        elif dead:
+                            finish(node.index, _DEAD_OUTPUTS)
+                            continue
                         if node.kernel.is_async:
                             in_flight += 1
                             group.create_task(run_task(node, inputs, offload=False))
@@ -176,9 +203,16 @@ class Executor:
             raise first_error(group_error) from None
 
 
+# The outputs of a node that was not computed because an input was dead: each is DEAD
+# (an identity, not a value: the node's output count is not needed).
+_DEAD_OUTPUTS: list[Any] = []
+
+
 def _output(nodes: list[_Node], outputs: list[list[Any] | None], src: int, k: int, consumer: _Node) -> Any:
     values = outputs[src]
     assert values is not None
+    if values is _DEAD_OUTPUTS:
+        return DEAD
     if k >= len(values):
         producer = nodes[src].kernel
         raise errors.InvalidArgumentError(

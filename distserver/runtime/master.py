@@ -404,7 +404,15 @@ class Master:
         for run in runs:
             by_key.update(run)
         for name in fetch_names:
-            results[name] = feed_values[name] if name in feed_values else by_key[plan.fetch_keys[name]]
+            if name in feed_values:
+                results[name] = feed_values[name]
+            elif plan.fetch_keys[name] in by_key:
+                results[name] = by_key[plan.fetch_keys[name]]
+            else:  # workers leave dead values out of their responses
+                raise errors.InvalidArgumentError(
+                    f"The tensor returned for {name} was not valid: it is dead (on the branch of a "
+                    "conditional that did not run)."
+                )
         return results
 
     async def _run_partition(
@@ -435,13 +443,15 @@ class Master:
             results = await part.worker.run_graph(request, sends)
             for key in part.pushed_keys:
                 value = results.pop(key.text, None)
+                is_dead = False
                 if key.text in early:
-                    value, _ = await early[key.text]
+                    value, is_dead = await early[key.text]
                 elif value is None:
-                    # Withheld (too large to ride in the response): fetch it as usual.
-                    part.large_keys.add(key.text)
-                    value, _ = await part.worker.recv_tensor(step_id, key)
-                self._local_worker.deliver(step_id, key, value)
+                    # Withheld (too large to ride in the response, or dead): fetch it as usual.
+                    value, is_dead = await part.worker.recv_tensor(step_id, key)
+                    if not is_dead:
+                        part.large_keys.add(key.text)
+                self._local_worker.deliver(step_id, key, value, is_dead)
             return results
         except errors.OpError as exc:
             if part.task == self.task_name:

@@ -173,10 +173,10 @@ _FUNCTION_CALL_OPS = frozenset(
      "StatefulPartitionedCall", "SymbolicGradient", "RemoteCall"}
 )  # fmt: skip
 # Ops of TF 1.x control flow (tf.cond / tf.while_loop without control flow v2).
-_CONTROL_FLOW_V1_OPS = frozenset(
-    {"Switch", "RefSwitch", "Merge", "RefMerge", "Enter", "RefEnter", "Exit", "RefExit", "NextIteration",
-     "RefNextIteration", "LoopCond", "ControlTrigger"}
-)  # fmt: skip
+# The loop ops of control flow v1 (conditionals, Switch/Merge, have kernels).
+_LOOP_OPS = frozenset(
+    {"Enter", "RefEnter", "Exit", "RefExit", "NextIteration", "RefNextIteration", "LoopCond"}
+)
 _MAX_LISTED_OPS = 10
 
 
@@ -213,8 +213,8 @@ def check_kernels(graph_def: GraphDef) -> None:
             " Graph functions (tf.function, control flow v2) are not supported: build the graph "
             "with tf.compat.v1.disable_v2_behavior() (or disable_control_flow_v2())."
         )
-    if not _CONTROL_FLOW_V1_OPS.isdisjoint(unsupported):
-        message += " Control flow (tf.cond, tf.while_loop) is not supported."
+    if not _LOOP_OPS.isdisjoint(unsupported):
+        message += " Loops of control flow v1 (tf.while_loop) are not supported; tf.cond is."
     first_node = next(iter(unsupported.values()))[0]
     raise errors.UnimplementedError(message, node_name=first_node)
 

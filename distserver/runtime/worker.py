@@ -231,9 +231,14 @@ class Worker:
                 results = {}
                 for text in request.recv_key:
                     key = parse_rendezvous_key(text)
-                    value, _ = await rendezvous.recv_local(key)
-                    if key.dst_task != self.task_name and not worker_returns(tensor_nbytes(value)):
-                        continue  # too large for the response: it waits for a RecvTensor (`push`)
+                    value, is_dead = await rendezvous.recv_local(key)
+                    if is_dead or (
+                        key.dst_task != self.task_name and not worker_returns(tensor_nbytes(value))
+                    ):
+                        # Dead (a response cannot say so), or too large for the response: it
+                        # waits for a RecvTensor (`push`); a fetch missing from the response is
+                        # a dead fetch to the master.
+                        continue
                     results[text] = value
             self._rendezvous.release_if_done(step_id, set(results))
         except TimeoutError as exc:
@@ -291,9 +296,9 @@ class Worker:
         self._rendezvous.served(step_id, key)
         return value
 
-    def deliver(self, step_id: int, key: RendezvousKey, value: Any) -> None:
+    def deliver(self, step_id: int, key: RendezvousKey, value: Any, is_dead: bool = False) -> None:
         """Put a value another task sent into this task's rendezvous (pushed values)."""
-        self._rendezvous.find_or_create(step_id).send(key, value)
+        self._rendezvous.find_or_create(step_id).send(key, value, is_dead)
 
     async def _fetch_remote(self, step_id: int, key: RendezvousKey) -> tuple[Any, bool]:
         assert self._worker_client is not None

@@ -11,6 +11,7 @@ import pytest
 
 import distserver as ds
 from distserver import errors
+from distserver.protos.attr_value_pb2 import AttrValue
 from distserver.testing import LocalCluster
 
 pytestmark = pytest.mark.slow
@@ -221,6 +222,34 @@ def test_placement_errors_name_the_node(cluster):
         assert "/job:ps/replica:0/task:0/device:CPU:0" in info.value.message
         with pytest.raises(errors.InvalidArgumentError, match="no_such_task"):
             session.run(bad_task)
+
+
+def test_dead_tensors_cross_tasks_and_merge_picks_the_live_branch(cluster):
+    """A Switch on ps 0; one branch pushed to the master's task, one fetched by ps 1."""
+    float32 = AttrValue(type=1)
+    with ds.Graph().as_default() as graph:
+        pred = ds.placeholder(ds.bool_, shape=[], name="pred")
+        with ds.device("/job:ps/task:0"):
+            x = ds.constant(np.arange(1 << 16, dtype=np.float32), name="big")
+            switch = graph.create_op("Switch", [x, pred], [ds.float32, ds.float32], attrs={"T": float32})
+        with ds.device("/job:worker/task:0"):  # the master's task: ps 0 pushes this one
+            when_false = ds.reduce_sum(switch.outputs[0]) * -1.0
+        with ds.device("/job:ps/task:1"):  # fetched with RecvTensor
+            when_true = ds.reduce_sum(switch.outputs[1]) + 0.5
+        with ds.device("/job:worker/task:0"):
+            merge = graph.create_op(
+                "Merge",
+                [when_false, when_true],
+                [ds.float32, ds.int32],
+                attrs={"T": float32, "N": AttrValue(i=2)},
+            )
+    total = float(np.arange(1 << 16, dtype=np.float32).sum())
+    with ds.Session(cluster.target("worker", 0), graph=graph) as session:
+        for _ in range(2):  # the second time with the pushes planned from the first
+            assert session.run(merge.outputs, {pred: True}) == [total + 0.5, 1]
+            assert session.run(merge.outputs, {pred: False}) == [-total, 0]
+        with pytest.raises(errors.InvalidArgumentError, match="was not valid"):
+            session.run(when_true, {pred: False})
 
 
 def test_error_on_a_remote_task_names_the_task_and_node(cluster):

@@ -60,7 +60,10 @@ def test_check_kernels_names_every_unsupported_op_and_a_node():
 
 @pytest.mark.parametrize(
     ("op", "hint"),
-    [("StatelessIf", "disable_v2_behavior"), ("Switch", "Control flow (tf.cond, tf.while_loop)")],
+    [
+        ("StatelessIf", "disable_v2_behavior"),
+        ("Enter", "Loops of control flow v1 (tf.while_loop) are not supported"),
+    ],
 )
 def test_check_kernels_explains_control_flow(op, hint):
     with pytest.raises(errors.UnimplementedError, match=re.escape(hint)):
