@@ -273,7 +273,9 @@ class AsyncSession:
                 of them. Operations fetch as None.
             feed_dict: Tensor (or tensor name) -> value (numpy array, scalar, list).
             options: `RunOptions` (e.g. `timeout_in_ms`).
-            run_metadata: Accepted for TF compatibility; left empty.
+            run_metadata: A `RunMetadata` (ours or TensorFlow's) to fill: per-node
+                timings of every task with `options.trace_level` SOFTWARE_TRACE or
+                FULL_TRACE, the partition graphs with `options.output_partition_graphs`.
 
         Raises:
             OpError: the step failed (the error names the failing node).
@@ -283,7 +285,11 @@ class AsyncSession:
         feeds = _feed_items(self._graph, feed_dict)
         master, handle = await self._ensure_session()
         options = self._run_options(options)
-        values = await master.run_step(handle, feeds, plan.tensors, plan.targets, options)
+        metadata = None if run_metadata is None else RunMetadata()
+        values = await master.run_step(handle, feeds, plan.tensors, plan.targets, options, metadata)
+        if run_metadata is not None:
+            assert metadata is not None
+            run_metadata.ParseFromString(metadata.SerializeToString())  # ours or TensorFlow's class
         return plan.rebuild(values)
 
     def _run_options(self, options: Any) -> RunOptions | None:

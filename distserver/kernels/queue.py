@@ -8,7 +8,6 @@ thread, and cancelling a step cancels its waits, leaving the queue consistent.
 
 from __future__ import annotations
 
-import itertools
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -34,8 +33,10 @@ if TYPE_CHECKING:
 # TensorFlow names resources by their C++ type in lookup errors; keep its text.
 _QUEUE_TYPE_NAME = "N10tensorflow14QueueInterfaceE"
 
-# Queues without a shared_name are private to their kernel, as in TF's ResourceOpKernel.
-_anonymous_ids = itertools.count()
+# A queue without a shared_name belongs to its node within the session: every graph the
+# session registers with that node (one per set of fetches) uses the same queue, as
+# TensorFlow's session keeps one kernel per stateful node.
+_UNSHARED_PREFIX = "_unshared_"
 
 
 class _QueueKernel(OpKernel):
@@ -109,7 +110,7 @@ class FIFOQueueV2Kernel(_QueueKernel):
             )
         self.capacity = self.attr_int("capacity", -1)
         self.container = self.attr_str("container", "") or DEFAULT_CONTAINER
-        self.queue_name = self.attr_str("shared_name", "") or f"_{next(_anonymous_ids)}_{self.name}"
+        self.queue_name = self.attr_str("shared_name", "") or _UNSHARED_PREFIX + self.name
 
     async def run(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
         queue = ctx.resources.lookup_or_create(

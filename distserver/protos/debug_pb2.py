@@ -24,17 +24,25 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x64istserver/protos/debug.proto\x12\ndistserver\"B\n\x0c\x44\x65\x62ugOptions\x12\x13\n\x0bglobal_step\x18\n \x01(\x03\x12\x1d\n\x15reset_disk_byte_usage\x18\x0b \x01(\x08\"\x0b\n\tStepStats\"\x0e\n\x0c\x43ostGraphDefb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x64istserver/protos/debug.proto\x12\ndistserver\"B\n\x0c\x44\x65\x62ugOptions\x12\x13\n\x0bglobal_step\x18\n \x01(\x03\x12\x1d\n\x15reset_disk_byte_usage\x18\x0b \x01(\x08\";\n\tStepStats\x12.\n\tdev_stats\x18\x01 \x03(\x0b\x32\x1b.distserver.DeviceStepStats\"\xc8\x01\n\x0f\x44\x65viceStepStats\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12-\n\nnode_stats\x18\x02 \x03(\x0b\x32\x19.distserver.NodeExecStats\x12\x42\n\x0cthread_names\x18\x03 \x03(\x0b\x32,.distserver.DeviceStepStats.ThreadNamesEntry\x1a\x32\n\x10ThreadNamesEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xd8\x02\n\rNodeExecStats\x12\x11\n\tnode_name\x18\x01 \x01(\t\x12\x18\n\x10\x61ll_start_micros\x18\x02 \x01(\x03\x12\x1b\n\x13op_start_rel_micros\x18\x03 \x01(\x03\x12\x19\n\x11op_end_rel_micros\x18\x04 \x01(\x03\x12\x1a\n\x12\x61ll_end_rel_micros\x18\x05 \x01(\x03\x12\x16\n\x0etimeline_label\x18\x08 \x01(\t\x12\x18\n\x10scheduled_micros\x18\t \x01(\x03\x12\x11\n\tthread_id\x18\n \x01(\r\x12\x17\n\x0f\x61ll_start_nanos\x18\r \x01(\x03\x12\x1a\n\x12op_start_rel_nanos\x18\x0e \x01(\x03\x12\x18\n\x10op_end_rel_nanos\x18\x0f \x01(\x03\x12\x19\n\x11\x61ll_end_rel_nanos\x18\x10 \x01(\x03\x12\x17\n\x0fscheduled_nanos\x18\x11 \x01(\x03\"\x0e\n\x0c\x43ostGraphDefb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'distserver.protos.debug_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_DEVICESTEPSTATS_THREADNAMESENTRY']._loaded_options = None
+  _globals['_DEVICESTEPSTATS_THREADNAMESENTRY']._serialized_options = b'8\001'
   _globals['_DEBUGOPTIONS']._serialized_start=45
   _globals['_DEBUGOPTIONS']._serialized_end=111
   _globals['_STEPSTATS']._serialized_start=113
-  _globals['_STEPSTATS']._serialized_end=124
-  _globals['_COSTGRAPHDEF']._serialized_start=126
-  _globals['_COSTGRAPHDEF']._serialized_end=140
+  _globals['_STEPSTATS']._serialized_end=172
+  _globals['_DEVICESTEPSTATS']._serialized_start=175
+  _globals['_DEVICESTEPSTATS']._serialized_end=375
+  _globals['_DEVICESTEPSTATS_THREADNAMESENTRY']._serialized_start=325
+  _globals['_DEVICESTEPSTATS_THREADNAMESENTRY']._serialized_end=375
+  _globals['_NODEEXECSTATS']._serialized_start=378
+  _globals['_NODEEXECSTATS']._serialized_end=722
+  _globals['_COSTGRAPHDEF']._serialized_start=724
+  _globals['_COSTGRAPHDEF']._serialized_end=738
 # @@protoc_insertion_point(module_scope)

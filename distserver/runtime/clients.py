@@ -18,7 +18,8 @@ from distserver import errors
 from distserver.devices import RendezvousKey
 from distserver.protos import master_pb2 as m
 from distserver.protos import worker_pb2 as w
-from distserver.protos.config_pb2 import RunOptions
+from distserver.protos.config_pb2 import RunMetadata, RunOptions
+from distserver.protos.debug_pb2 import StepStats
 from distserver.protos.services import MASTER_SERVICE, WORKER_SERVICE
 from distserver.runtime.names import canonical_tensor_name
 from distserver.tensors import from_tensor_proto, to_tensor_proto
@@ -65,6 +66,7 @@ class WorkerClient(Protocol):
         sends: Mapping[str, Any],
         *,
         timeout: float | None = None,
+        stats: StepStats | None = None,
     ) -> dict[str, Any]:
         """Run one step of a registered graph.
 
@@ -72,6 +74,7 @@ class WorkerClient(Protocol):
             request: RunGraphRequest with session/graph handles, step id and `recv_key`;
                 its `send` field is ignored in favour of `sends`.
             sends: Rendezvous key text -> numpy value to feed.
+            stats: When given, the worker's per-node timings are added to it.
 
         Returns:
             Rendezvous key text -> numpy value for every `recv_key`.
@@ -99,8 +102,13 @@ class MasterClient(Protocol):
         fetches: Sequence[str],
         targets: Sequence[str],
         options: RunOptions | None = None,
+        metadata: RunMetadata | None = None,
     ) -> dict[str, Any]:
-        """Run one step of session `handle`: canonical fetch name ("x:0") -> value."""
+        """Run one step of session `handle`: canonical fetch name ("x:0") -> value.
+
+        `metadata`, when given, receives what `options` asks for: per-node timings
+        (`trace_level`) and the partition graphs (`output_partition_graphs`).
+        """
         ...
 
     async def run_callable(self, handle: str, callable_handle: int, feeds: Sequence[Any]) -> list[Any]:
@@ -145,15 +153,19 @@ class RemoteWorker:
         sends: Mapping[str, Any],
         *,
         timeout: float | None = None,
+        stats: StepStats | None = None,
     ) -> dict[str, Any]:
         full = w.RunGraphRequest()
         full.CopyFrom(request)
         full.store_errors_in_response_body = True
+        full.exec_opts.record_timeline = stats is not None
         for key, value in sends.items():
             named = full.send.add(name=key)
             named.tensor.CopyFrom(to_tensor_proto(value))
         response: Any = await self.call("RunGraph", full, timeout=timeout)
         _raise_body_error(response.status_code, response.status_error_message)
+        if stats is not None:
+            stats.dev_stats.extend(response.step_stats.dev_stats)
         return {named.name: from_tensor_proto(named.tensor) for named in response.recv}
 
     async def recv_tensor(
@@ -178,6 +190,7 @@ class RemoteMaster:
         fetches: Sequence[str],
         targets: Sequence[str],
         options: RunOptions | None = None,
+        metadata: RunMetadata | None = None,
     ) -> dict[str, Any]:
         request = m.RunStepRequest(
             session_handle=handle,
@@ -192,6 +205,8 @@ class RemoteMaster:
             named.tensor.CopyFrom(to_tensor_proto(value))
         response: Any = await self.call("RunStep", request, timeout=rpc_deadline(options))
         _raise_body_error(response.status_code, response.status_error_message)
+        if metadata is not None:
+            metadata.CopyFrom(response.metadata)
         results = {}
         for named in response.tensor:
             results[canonical_tensor_name(named.name)] = from_tensor_proto(named.tensor)

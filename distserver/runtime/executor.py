@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +43,7 @@ from distserver.kernels.registry import (
     create_kernel,
 )
 from distserver.kernels.resources import ResourceManager
+from distserver.protos.debug_pb2 import DeviceStepStats
 from distserver.protos.graph_pb2 import GraphDef
 from distserver.runtime.concurrency import first_error
 from distserver.runtime.names import parse_input
@@ -131,8 +134,12 @@ class Executor:
     def num_nodes(self) -> int:
         return len(self._nodes)
 
-    async def run(self, ctx: StepContext) -> None:
-        """Execute every node once. Raises the first node error (naming the node)."""
+    async def run(self, ctx: StepContext, stats: DeviceStepStats | None = None) -> None:
+        """Execute every node once. Raises the first node error (naming the node).
+
+        With `stats`, each node that runs adds its timings (`NodeExecStats`: start,
+        end, a timeline label; what `RunOptions(trace_level=FULL_TRACE)` returns).
+        """
         nodes = self._nodes
         waits = [n.num_waits for n in nodes]
         # Outputs still to be taken by a consumer; a node's entry is dropped with its last read.
@@ -158,12 +165,15 @@ class Executor:
 
         async def run_task(node: _Node, inputs: list[Any], offload: bool) -> None:
             nonlocal in_flight
+            started = time.time_ns() if stats is not None else 0
             try:
                 if offload:
                     loop = asyncio.get_running_loop()
                     values = await loop.run_in_executor(ctx.pool, _compute, node.kernel, ctx, inputs)
                 else:
                     values = await _guard(node.kernel, node.kernel.compute_async(ctx, inputs))
+                if stats is not None:
+                    _record(stats, node.kernel, started, time.time_ns())
                 finish(node.index, values)
             finally:
                 in_flight -= 1
@@ -192,6 +202,11 @@ class Executor:
                         elif ctx.pool is not None and _belongs_in_a_thread(node, inputs):
                             in_flight += 1
                             group.create_task(run_task(node, inputs, offload=True))
+                        elif stats is not None:
+                            started = time.time_ns()
+                            values = _compute(node.kernel, ctx, inputs)
+                            _record(stats, node.kernel, started, time.time_ns())
+                            finish(node.index, values)
                         else:
                             finish(node.index, _compute(node.kernel, ctx, inputs))
                         del inputs  # the kernel holds its inputs only while it runs
@@ -221,6 +236,23 @@ def _output(nodes: list[_Node], outputs: list[list[Any] | None], src: int, k: in
             node_name=consumer.kernel.name,
         )
     return values[k]
+
+
+def _record(stats: DeviceStepStats, kernel: OpKernel, started_ns: int, ended_ns: int) -> None:
+    """Add one node's run to `stats`, as TensorFlow's step stats describe it."""
+    took = ended_ns - started_ns
+    inputs = ", ".join(kernel.node.input)
+    stats.node_stats.add(
+        node_name=kernel.name,
+        all_start_micros=started_ns // 1000,
+        op_end_rel_micros=took // 1000,
+        all_end_rel_micros=took // 1000,
+        all_start_nanos=started_ns,
+        op_end_rel_nanos=took,
+        all_end_rel_nanos=took,
+        timeline_label=f"{kernel.name} = {kernel.op}({inputs})",
+        thread_id=threading.get_ident() & 0xFFFFFFFF,
+    )
 
 
 def _belongs_in_a_thread(node: _Node, inputs: list[Any]) -> bool:

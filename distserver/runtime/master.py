@@ -29,7 +29,8 @@ from distserver import errors
 from distserver.devices import DeviceSpec, RendezvousKey, parse_rendezvous_key, task_of_device
 from distserver.protos import master_pb2 as m
 from distserver.protos import worker_pb2 as w
-from distserver.protos.config_pb2 import CallableOptions, ConfigProto, RunOptions
+from distserver.protos.config_pb2 import CallableOptions, ConfigProto, RunMetadata, RunOptions
+from distserver.protos.debug_pb2 import StepStats
 from distserver.protos.device_attributes_pb2 import DeviceAttributes
 from distserver.protos.graph_pb2 import GraphDef
 from distserver.protos.node_def_pb2 import NodeDef
@@ -65,6 +66,7 @@ class _Partition:
     task: str
     worker: WorkerClient
     graph_handle: str
+    graph: GraphDef  # as registered (RunOptions.output_partition_graphs)
     feed_keys: list[str]
     fetch_keys: list[str]
     # Values this (remote) partition pushes to the master's task (`push`).
@@ -348,8 +350,14 @@ class Master:
         fetches: Sequence[str],
         targets: Sequence[str],
         options: RunOptions | None = None,
+        metadata: RunMetadata | None = None,
     ) -> dict[str, Any]:
-        """Run one step. Returns fetch name (canonical "x:k") -> numpy value."""
+        """Run one step. Returns fetch name (canonical "x:k") -> numpy value.
+
+        With `metadata`: per-node timings of every partition when `options.trace_level`
+        asks (SOFTWARE_TRACE and up), the partition graphs with
+        `options.output_partition_graphs`.
+        """
         session = self._session(handle)
         options = options or RunOptions()
         timeout_ms = options.timeout_in_ms or session.config.operation_timeout_in_ms
@@ -359,7 +367,7 @@ class Master:
         session.steps.add(task)
         try:
             async with asyncio.timeout(timeout):
-                return await self._run_step(session, feeds, fetches, targets)
+                return await self._run_step(session, feeds, fetches, targets, options, metadata)
         except TimeoutError as exc:
             raise errors.DeadlineExceededError(
                 f"Timed out after {timeout_ms} ms waiting for the step to finish "
@@ -379,6 +387,8 @@ class Master:
         feeds: Mapping[str, Any],
         fetches: Sequence[str],
         targets: Sequence[str],
+        options: RunOptions,
+        metadata: RunMetadata | None,
     ) -> dict[str, Any]:
         feed_values: dict[str, np.ndarray] = {}
         for name, value in feeds.items():
@@ -390,12 +400,19 @@ class Master:
         # A fetched feed is answered with the fed value; the graph never computes it.
         computed = [name for name in fetch_names if name not in feed_values]
         plan = await self._plan(session, feed_values, computed, list(targets))
+        stats = None
+        if metadata is not None:
+            if options.trace_level >= RunOptions.SOFTWARE_TRACE:
+                stats = metadata.step_stats
+            if options.output_partition_graphs:
+                metadata.partition_graphs.extend(part.graph for part in plan.partitions)
         step_id = new_step_id()
         results: dict[str, Any] = {}
         failed = True
         try:
             runs = await gather_all(
-                self._run_partition(p, session.handle, step_id, plan, feed_values) for p in plan.partitions
+                self._run_partition(p, session.handle, step_id, plan, feed_values, stats)
+                for p in plan.partitions
             )
             failed = False
         finally:
@@ -422,6 +439,7 @@ class Master:
         step_id: int,
         plan: _RegisteredPlan,
         feeds: Mapping[str, Any],
+        stats: StepStats | None,
     ) -> dict[str, Any]:
         # The push protocol (`push`): pushed values come back in the response, except
         # those that were too large last time, which are fetched right away, alongside.
@@ -440,7 +458,7 @@ class Master:
             if key.text in part.large_keys
         }
         try:
-            results = await part.worker.run_graph(request, sends)
+            results = await part.worker.run_graph(request, sends, stats=stats)
             for key in part.pushed_keys:
                 value = results.pop(key.text, None)
                 is_dead = False
@@ -536,6 +554,7 @@ class Master:
                 task=task,
                 worker=worker,
                 graph_handle=response.graph_handle,
+                graph=graph,
                 feed_keys=sorted(keys & feed_keys),
                 fetch_keys=sorted(keys & fetch_keys),
                 pushed_keys=[parse_rendezvous_key(k) for k in sorted(plan.pushed_keys.get(task, ()))],
@@ -578,17 +597,21 @@ class Master:
             values = await decode_message_tensors(list(fed.values()), what="a RunStep request")
             feeds = dict(zip(fed, values, strict=True))
             results = await self.run_step(
-                request.session_handle, feeds, list(request.fetch), list(request.target), request.options
+                request.session_handle,
+                feeds,
+                list(request.fetch),
+                list(request.target),
+                request.options,
+                response.metadata,
             )
-            for name in request.fetch:
-                if any(t.name == name for t in response.tensor):
-                    continue
+            for name in dict.fromkeys(request.fetch):  # each name once, in order
                 named = response.tensor.add(name=name)
                 named.tensor.CopyFrom(to_tensor_proto(results[canonical_tensor_name(name)]))
         except errors.OpError as exc:
             if not request.store_errors_in_response_body:
                 raise
             del response.tensor[:]
+            response.ClearField("metadata")
             response.status_code, response.status_error_message = errors.to_status(exc)  # type: ignore[assignment]
         return response
 

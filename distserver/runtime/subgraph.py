@@ -27,6 +27,9 @@ class ClientGraph:
     fetch_keys: dict[str, str] = field(default_factory=dict)  # fetch tensor name -> key
 
 
+_PLACEHOLDER_OPS = frozenset({"Placeholder", "PlaceholderV2"})
+
+
 def _set_sendrecv_attrs(node: NodeDef, tensor_name: str, device: str, incarnation: int) -> None:
     node.attr["tensor_name"].s = tensor_name.encode()
     node.attr["send_device"].s = device.encode()
@@ -59,6 +62,9 @@ def rewrite_for_step(
     """
     nodes: dict[str, NodeDef] = {}
     replaced: dict[str, str] = {}  # "x:k" -> "_recv_x_k:0"
+    # A fed placeholder's control edges leave from its `_Recv` instead, as in TensorFlow
+    # (so `control_dependencies([placeholder])` does not run the placeholder itself).
+    replaced_control: dict[str, str] = {}  # "^x" -> "^_recv_x_0"
     result = ClientGraph(nodes=[])
 
     for name, dtype in feeds:
@@ -71,6 +77,8 @@ def rewrite_for_step(
         _set_sendrecv_attrs(recv, tensor, client_device, client_incarnation)
         nodes[recv.name] = recv
         replaced[tensor] = f"{recv.name}:0"
+        if graph[node_name].op in _PLACEHOLDER_OPS:
+            replaced_control["^" + node_name] = "^" + recv.name
         result.feed_keys[tensor] = rendezvous_key(client_device, client_incarnation, client_device, tensor)
 
     for name, original in graph.items():
@@ -79,10 +87,12 @@ def rewrite_for_step(
         copy = NodeDef()
         copy.CopyFrom(original)
         for i, text in enumerate(copy.input):
-            if not text.startswith("^"):
+            if text.startswith("^"):
+                new = replaced_control.get(text)
+            else:
                 new = replaced.get(canonical_tensor_name(text))
-                if new is not None:
-                    copy.input[i] = new
+            if new is not None:
+                copy.input[i] = new
         nodes[name] = copy
 
     roots: list[str] = []

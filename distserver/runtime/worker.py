@@ -29,6 +29,7 @@ from distserver import errors
 from distserver.devices import RendezvousKey, parse_rendezvous_key
 from distserver.kernels.resources import ResourceManager
 from distserver.protos import worker_pb2 as w
+from distserver.protos.debug_pb2 import StepStats
 from distserver.protos.device_attributes_pb2 import DeviceAttributes
 from distserver.runtime.clients import WorkerClient
 from distserver.runtime.concurrency import decode_message_tensors
@@ -205,6 +206,7 @@ class Worker:
         sends: Mapping[str, Any],
         *,
         timeout: float | None = None,
+        stats: StepStats | None = None,
     ) -> dict[str, Any]:
         session = self._session(request.session_handle, request.create_worker_session_called)
         executor = session.graphs.get(request.graph_handle)
@@ -227,7 +229,9 @@ class Worker:
             for text, value in sends.items():
                 rendezvous.send(parse_rendezvous_key(text), value)
             async with asyncio.timeout(timeout):
-                await executor.run(ctx)
+                await executor.run(
+                    ctx, None if stats is None else stats.dev_stats.add(device=self.device.name)
+                )
                 results = {}
                 for text in request.recv_key:
                     key = parse_rendezvous_key(text)
@@ -262,7 +266,8 @@ class Worker:
                 [named.tensor for named in request.send], what="a RunGraph request"
             )
             sends = dict(zip((named.name for named in request.send), values, strict=True))
-            results = await self.run_graph(request, sends)
+            stats = response.step_stats if request.exec_opts.record_timeline else None
+            results = await self.run_graph(request, sends, stats=stats)
             for key, value in results.items():
                 named = response.recv.add(name=key)
                 named.tensor.CopyFrom(to_tensor_proto(value))
@@ -270,6 +275,7 @@ class Worker:
             if not request.store_errors_in_response_body:
                 raise
             del response.recv[:]
+            response.ClearField("step_stats")
             response.status_code, response.status_error_message = errors.to_status(exc)  # type: ignore[assignment]
         return response
 

@@ -66,6 +66,10 @@ def test_seeded_random_initializers(results, check):
     assert stats["distinct"]
 
 
+def test_a_queue_without_shared_name_is_one_queue_across_runs(results, check):
+    assert check(results, "unshared_queue_across_runs") == [1.0, 2.0]
+
+
 def test_reset_drops_the_variables(results, check, check_error):
     assert check(results, "reset") is None
     raised, message = check_error(results, "after_reset")

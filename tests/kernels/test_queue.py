@@ -318,15 +318,19 @@ async def test_shared_queue_must_match(ops):
     assert same[()].name == "q"
 
 
-async def test_anonymous_queues_are_private_to_their_kernel(make_node, ctx):
+async def test_an_unshared_queue_belongs_to_its_node_within_the_session(make_node, ctx):
+    """Each graph a session registers builds its own kernels; the node's queue stays one."""
     node = make_node("FIFOQueueV2", name="fifo", component_types=[F32], shapes=[], capacity=-1)
     first, second = create_kernel(node), create_kernel(node)
     (a,) = await first.compute_async(ctx, [])
-    (a_again,) = await first.compute_async(ctx, [])
     (b,) = await second.compute_async(ctx, [])
-    assert a[()] == a_again[()]
-    assert a[()].name != b[()].name
-    assert a[()].name.endswith("_fifo")
+    assert a[()].name == b[()].name
+    other = make_node("FIFOQueueV2", name="other", component_types=[F32], shapes=[], capacity=-1)
+    (c,) = await create_kernel(other).compute_async(ctx, [])
+    assert c[()].name != a[()].name
+    ctx.resources = ResourceManager()  # another session
+    (d,) = await first.compute_async(ctx, [])
+    assert ctx.resources.lookup(d[()].container, d[()].name) is not None
 
 
 async def test_missing_queue_is_not_found(ops, ctx):

@@ -121,6 +121,41 @@ async def test_control_dependencies_and_group(make_session):
         assert await session.run(read) == 111.0
 
 
+async def test_a_control_dependency_on_a_fed_placeholder_waits_for_the_feed(make_session):
+    graph = ds.Graph()
+    with graph.as_default():
+        p = ds.placeholder(ds.float32, shape=[], name="p")
+        with ds.control_dependencies([p]):
+            after = ds.identity(ds.constant(5.0), name="after")
+        total = after + p
+    async with make_session(graph) as session:
+        assert await session.run(after, {p: 1.0}) == 5.0
+        assert await session.run(total, {p: 2.0}) == 7.0
+        with pytest.raises(errors.InvalidArgumentError, match="You must feed a value for placeholder"):
+            await session.run(after)
+
+
+async def test_full_trace_fills_step_stats_and_partition_graphs(make_session):
+    graph = ds.Graph()
+    with graph.as_default():
+        x = ds.placeholder(ds.float32, shape=[2], name="x")
+        total = ds.reduce_sum(x * 3.0, name="total")
+    async with make_session(graph) as session:
+        options = RunOptions(trace_level=RunOptions.FULL_TRACE, output_partition_graphs=True)
+        metadata = ds.RunMetadata()
+        assert await session.run(total, {x: [1, 2]}, options=options, run_metadata=metadata) == 9.0
+        (device,) = metadata.step_stats.dev_stats
+        assert device.device.endswith("/device:CPU:0")
+        timed = {n.node_name: n for n in device.node_stats}
+        assert "total" in timed
+        assert timed["total"].all_start_micros > 0
+        assert timed["total"].timeline_label.startswith("total = Sum(")
+        assert any(n.name == "total" for g in metadata.partition_graphs for n in g.node)
+        quiet = ds.RunMetadata()
+        await session.run(total, {x: [1, 2]}, run_metadata=quiet)
+        assert quiet == ds.RunMetadata()
+
+
 async def test_variables_persist_across_runs_sessions_and_reset_clears_them(server, mode):
     graph = ds.Graph()
     with graph.as_default():

@@ -102,6 +102,21 @@ with graph.as_default():
         },
     )
 
+# A queue without shared_name: each run below registers a different graph (other
+# fetches), and TensorFlow's session still uses one queue for the node.
+graph = tf.Graph()
+with graph.as_default(), tf1.device("/job:ps/task:1"):
+    unshared = tf1.FIFOQueue(capacity=4, dtypes=[tf.float32], shapes=[[]], name="unshared")
+    put = unshared.enqueue_many([tf.constant([1.0, 2.0, 3.0])])
+    take = unshared.dequeue()
+    size = unshared.size()
+with tf1.Session(worker0, graph=graph) as sess:
+    sess.run(put)
+    bounded = tf1.RunOptions(timeout_in_ms=10000)  # an empty (other) queue would block
+    checks.run(
+        "unshared_queue_across_runs", lambda: [float(sess.run(take, options=bounded)), int(sess.run(size))]
+    )
+
 checks.run("reset", lambda: tf1.Session.reset(worker0))
 graph = tf.Graph()
 with graph.as_default():
