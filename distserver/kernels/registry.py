@@ -326,7 +326,8 @@ def _load_builtin_kernels() -> None:
         import distserver.kernels.random
         import distserver.kernels.ref_variables
         import distserver.kernels.sendrecv
-        import distserver.kernels.state  # noqa: F401
+        import distserver.kernels.state
+        import distserver.kernels.summary  # noqa: F401
 
 
 def check_dtype(kernel: OpKernel, value: np.ndarray, expected: np.dtype[Any], what: str = "input") -> None:
