@@ -433,6 +433,79 @@ class UnpackKernel(_TypedKernel):
         return [moved[i, ...] for i in range(self.num)]  # `[i, ...]` keeps 0-d results arrays
 
 
+@register_kernel("Split")
+class SplitKernel(_TypedKernel):
+    """`(axis, value)` -> `num_split` equal pieces along `axis`."""
+
+    runs_on_loop = True  # views
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        self.num_split = self.attr_int("num_split")
+        if self.num_split < 1:
+            raise kernel_error(self, f"num_split must be at least 1, got {self.num_split}")
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        axis_value, value = inputs
+        axis = normalize_axis(self, int_scalar(self, axis_value, "split_dim"), value.ndim, "split_dim")
+        if value.shape[axis] % self.num_split:
+            raise kernel_error(
+                self,
+                f"Number of ways to split should evenly divide the split dimension, but got split_dim {axis} "
+                f"(size = {value.shape[axis]}) and num_split {self.num_split}",
+            )
+        return list(np.split(value, self.num_split, axis=axis))
+
+
+@register_kernel("SplitV")
+class SplitVKernel(_TypedKernel):
+    """`(value, size_splits, axis)` -> pieces of the given sizes along `axis`; one size may be -1."""
+
+    runs_on_loop = True  # views
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        self.num_split = self.attr_int("num_split")
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        value, sizes_value, axis_value = inputs
+        axis = normalize_axis(self, int_scalar(self, axis_value, "split_dim"), value.ndim, "split_dim")
+        sizes = int_list(self, sizes_value, "size_splits")
+        total = value.shape[axis]
+        if len(sizes) != self.num_split:
+            raise kernel_error(
+                self, f"Number of split sizes {len(sizes)} does not match num_split {self.num_split}"
+            )
+        unknown = [i for i, size in enumerate(sizes) if size == -1]
+        if len(unknown) > 1:
+            raise kernel_error(self, "There can only be one -1 in the input.")
+        known = sum(size for size in sizes if size != -1)
+        if unknown:
+            sizes[unknown[0]] = total - known
+        if any(size < 0 for size in sizes) or sum(sizes) != total:
+            raise kernel_error(
+                self,
+                f"Determined shape must either match input shape along split_dim exactly if fully "
+                f"specified, or be less than the size of the input along split_dim if not fully "
+                f"specified.  Got: {known}",
+            )
+        return list(np.split(value, np.cumsum(sizes)[:-1], axis=axis))
+
+
+@register_kernel("ReverseV2")
+class ReverseV2Kernel(_TypedKernel):
+    """`(tensor, axis)` -> the tensor with the listed axes reversed."""
+
+    runs_on_loop = True  # a view
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        value, axis_value = inputs
+        axes = [normalize_axis(self, a, value.ndim) for a in int_list(self, axis_value, "axis")]
+        if len(set(axes)) != len(axes):
+            raise kernel_error(self, f"axis {axes} specified more than once.")
+        return [np.flip(value, axis=tuple(axes)) if axes else value]
+
+
 # --------------------------------------------------------------------------- ranges and slices
 
 

@@ -46,7 +46,9 @@ from distserver.kernels._common import (
     check_input_dtype,
     compute_dtype,
     int_list,
+    int_scalar,
     kernel_error,
+    normalize_axis,
     shape_str,
     type_name,
 )
@@ -581,3 +583,33 @@ __all__ = [
     "SumKernel",
     "UnaryOpKernel",
 ]
+
+
+# --------------------------------------------------------------------------- scans
+
+
+@register_kernel("Cumsum", "Cumprod")
+class CumulativeKernel(OpKernel):
+    """`(x, axis)` -> running sums (products) along `axis`; `exclusive` starts from the
+    identity, `reverse` runs from the end."""
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        self.dtype = attr_type_in(self, "T", NUMBER)
+        self.exclusive = self.attr_bool("exclusive", False)
+        self.reverse = self.attr_bool("reverse", False)
+        self.ufunc = np.add if self.op == "Cumsum" else np.multiply
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        x, axis_value = inputs
+        check_input_dtype(self, 0, x, self.dtype)
+        if x.ndim == 0:
+            raise kernel_error(self, "ScanOp: input must be at least 1-D, got a scalar")
+        axis = normalize_axis(self, int_scalar(self, axis_value, "axis"), x.ndim)
+        values = np.flip(x, axis) if self.reverse else x
+        result = self.ufunc.accumulate(values, axis=axis, dtype=x.dtype)
+        if self.exclusive:
+            identity = np.zeros_like if self.op == "Cumsum" else np.ones_like
+            first = identity(np.take(result, [0], axis=axis))
+            result = np.concatenate([first, np.delete(result, -1, axis=axis)], axis=axis)
+        return [np.flip(result, axis) if self.reverse else result]

@@ -339,3 +339,67 @@ __all__ = [
     "SoftmaxCrossEntropyWithLogitsKernel",
     "SparseSoftmaxCrossEntropyWithLogitsKernel",
 ]
+
+
+# --------------------------------------------------------------------------- top k
+
+
+@register_kernel("TopKV2")
+class TopKV2Kernel(OpKernel):
+    """`(input, k)` -> the k largest values along the last axis and their indices
+    (largest first; equal values in index order, as TensorFlow's)."""
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        self.dtype = attr_type_in(self, "T", REAL)
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        x, k_value = inputs
+        check_input_dtype(self, 0, x, self.dtype)
+        if k_value.ndim != 0:
+            raise kernel_error(self, f"k must be 0-D, got shape {shape_str(k_value.shape)}")
+        k = int(k_value)
+        if k < 0:
+            raise kernel_error(self, f"Need k >= 0, got {k}")
+        if x.ndim < 1:
+            raise kernel_error(self, f"input must be >= 1-D, got shape {shape_str(x.shape)}")
+        if x.shape[-1] < k:
+            raise kernel_error(self, f"input must have at least k columns. Had {x.shape[-1]}, needed {k}")
+        # A stable sort of the negated values keeps equal values in index order.
+        order = np.argsort(-x.astype(np.float64) if x.dtype.kind != "f" else -x, axis=-1, kind="stable")[
+            ..., :k
+        ]
+        return [np.take_along_axis(x, order, axis=-1), order.astype(np.int32)]
+
+
+@register_kernel("InTopKV2", "InTopK")
+class InTopKKernel(OpKernel):
+    """`(predictions [batch, classes], targets [batch], k)` -> whether each target's
+    prediction is among the k largest (ties at the boundary count as in; a
+    non-finite prediction or an out-of-range target is never in)."""
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        self.k_attr = self.attr_int("k") if self.op == "InTopK" else None
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        predictions, targets = inputs[0], inputs[1]
+        k = self.k_attr if self.k_attr is not None else int(inputs[2])
+        if predictions.ndim != 2:
+            raise kernel_error(
+                self, f"predictions must be 2-dimensional, got shape {shape_str(predictions.shape)}"
+            )
+        if targets.ndim != 1 or targets.shape[0] != predictions.shape[0]:
+            raise kernel_error(
+                self,
+                f"First dimension of predictions {predictions.shape[0]} must match length of targets "
+                f"{targets.shape[0] if targets.ndim else 0}",
+            )
+        batch, classes = predictions.shape
+        values = predictions.astype(np.float64)
+        valid = (targets >= 0) & (targets < classes)
+        safe = np.where(valid, targets, 0).astype(np.int64)
+        target_values = values[np.arange(batch), safe]
+        finite = np.isfinite(values).all(axis=1) & np.isfinite(target_values)
+        larger = (values > target_values[:, None]).sum(axis=1)
+        return [valid & finite & (larger < k)]

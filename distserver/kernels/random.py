@@ -158,3 +158,23 @@ __all__ = [
     "RandomUniformKernel",
     "TruncatedNormalKernel",
 ]
+
+
+@register_kernel("RandomShuffle")
+class RandomShuffleKernel(_RandomKernel):
+    """`value` with its first dimension randomly permuted (scalars as they are)."""
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        self.dtype = self.attr_type("T")
+
+    def output_nbytes(self, inputs: list[Any]) -> int:
+        return 0  # as large as its input: the executor sees that already
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        (value,) = inputs
+        if value.ndim == 0 or value.shape[0] <= 1:
+            return [value]
+        with self.lock:
+            order = self.generator.permutation(value.shape[0])
+        return [value[order]]

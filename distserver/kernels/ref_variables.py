@@ -238,3 +238,33 @@ __all__ = [
     "ref_input",
     "requested_input",
 ]
+
+
+@register_kernel("CountUpTo")
+class CountUpToKernel(OpKernel):
+    """Increments an integer variable and outputs its value before the increment;
+    `OutOfRangeError` once it has reached `limit` (what input producers stop on)."""
+
+    is_stateful = True
+    ref_inputs = frozenset({0})
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        self.dtype = attr_type_in(self, "T", INDEX_TYPES)
+        self.limit = self.attr_int("limit")
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        variable = ref_input(self, inputs[0], 0).variable
+        with variable.lock:
+            return [count_up_to(self, _initialized_value(self, variable.value), self.limit, variable.replace)]
+
+
+def count_up_to(kernel: OpKernel, current: np.ndarray, limit: int, store: Any) -> np.ndarray:
+    """CountUpTo's step, for both kinds of variables: `store(current + 1)`, return `current`."""
+    if current.shape != ():
+        raise kernel_error(kernel, f"input is not a scalar: {shape_str(current.shape)}")
+    if int(current) >= limit:
+        raise kernel_error(kernel, f"Reached limit of {limit}", errors.OutOfRangeError)
+    before = current.copy()
+    store(array(current + 1, current.dtype))
+    return before

@@ -44,7 +44,7 @@ from distserver.kernels._common import (
     type_name,
 )
 from distserver.kernels.array import GatherKernel
-from distserver.kernels.ref_variables import ref_input, requested_input
+from distserver.kernels.ref_variables import count_up_to, ref_input, requested_input
 from distserver.kernels.registry import KernelContext, OpKernel, register_kernel
 from distserver.kernels.resources import DEFAULT_CONTAINER, VariableResource
 from distserver.tensors import ResourceHandle
@@ -228,6 +228,23 @@ class AssignUpdateVariableOpKernel(_VariableKernel):
             with np.errstate(all="ignore"):
                 variable.replace(array(self.fn(current, value), self.dtype))
         return []
+
+
+@register_kernel("ResourceCountUpTo")
+class ResourceCountUpToKernel(_VariableKernel):
+    """CountUpTo on a resource variable (see `ref_variables.count_up_to`)."""
+
+    is_stateful = True
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        self.limit = self.attr_int("limit")
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        handle = self._handle(ctx, inputs[0])
+        variable = self._lookup(ctx, handle)
+        with variable.lock:
+            return [count_up_to(self, self._current(variable, handle), self.limit, variable.replace)]
 
 
 @register_kernel("VarIsInitializedOp")
