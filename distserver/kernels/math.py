@@ -613,3 +613,41 @@ class CumulativeKernel(OpKernel):
             first = identity(np.take(result, [0], axis=axis))
             result = np.concatenate([first, np.delete(result, -1, axis=axis)], axis=axis)
         return [np.flip(result, axis) if self.reverse else result]
+
+
+@register_kernel("DenseBincount")
+class DenseBincountKernel(OpKernel):
+    """`(input, size, weights)` -> per value in [0, size): its count, or the sum of its
+    weights (`binary_output`: 1 where present); a 2-D input counts row by row."""
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        self.dtype = attr_type_in(self, "T", REAL)
+        self.binary = self.attr_bool("binary_output", False)
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        values, size_value, weights = inputs
+        size = int_scalar(self, size_value, "size")
+        if size < 0:
+            raise kernel_error(self, f"size ({size}) must be non-negative")
+        if values.ndim not in (1, 2):
+            raise kernel_error(self, f"input must be 1-D or 2-D, got shape {shape_str(values.shape)}")
+        if values.size and (values.min() < 0):
+            raise kernel_error(self, "Input arr must be non-negative!")
+        weighted = weights.size > 0
+        if weighted and weights.shape != values.shape:
+            raise kernel_error(
+                self,
+                f"Input and weights must have the same shape: {shape_str(values.shape)} vs "
+                f"{shape_str(weights.shape)}",
+            )
+        rows = values.reshape(-1, values.shape[-1]) if values.ndim == 2 else values.reshape(1, -1)
+        row_weights = weights.reshape(rows.shape) if weighted else None
+        out = np.zeros((rows.shape[0], size), dtype=self.dtype)
+        for i, row in enumerate(rows):
+            keep = row < size  # values at or above size are dropped, as in TensorFlow
+            counts = np.bincount(
+                row[keep].astype(np.int64), None if row_weights is None else row_weights[i][keep], size
+            )
+            out[i] = (counts > 0) if self.binary else counts
+        return [out if values.ndim == 2 else out[0]]

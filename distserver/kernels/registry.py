@@ -320,6 +320,7 @@ def _load_builtin_kernels() -> None:
         _loaded = True
         import distserver.kernels.array
         import distserver.kernels.control_flow
+        import distserver.kernels.lookup
         import distserver.kernels.math
         import distserver.kernels.nn
         import distserver.kernels.queue
@@ -327,6 +328,7 @@ def _load_builtin_kernels() -> None:
         import distserver.kernels.ref_variables
         import distserver.kernels.sendrecv
         import distserver.kernels.state
+        import distserver.kernels.strings
         import distserver.kernels.summary  # noqa: F401
 
 

@@ -38,8 +38,30 @@ def build(device: str | None) -> tuple[tf.Graph, dict]:
             "count_up_to": [tf1.count_up_to(counter, 2)],
             "resource_count_up_to": [resource_counter.count_up_to(5)],
         }
+        words = tf1.lookup.StaticHashTable(
+            tf1.lookup.KeyValueTensorInitializer(
+                tf.constant(["a", "b", "c"]), tf.constant([0, 1, 2], tf.int64)
+            ),
+            -1,
+        )
+        weights = tf1.lookup.StaticHashTable(
+            tf1.lookup.KeyValueTensorInitializer(tf.constant([4, 9], tf.int64), tf.constant([0.5, 2.0])), -1.0
+        )
+        text = tf.constant(["b a  z", "", "héllo c"])
+        split = tf.strings.split(text)
+        ops.update(
+            words=words.lookup(split.values),
+            weights=weights.lookup(tf.constant([[9, 1], [4, 4]], tf.int64)),
+            table_size=weights.size(),
+            bytes_length=tf.strings.length(text),
+            char_length=tf.strings.length(text, unit="UTF8_CHAR"),
+            numbers=tf.strings.to_number(tf.constant(["1.5", "-2", " 3e2"])),
+            integers=tf.strings.to_number(tf.constant(["7", "-12"]), out_type=tf.int64),
+            split_rows=split.row_lengths(),
+            split_on_comma=tf.strings.split(tf.constant(["a,,b", "c"]), sep=",").values,
+        )
         shuffle = tf.random.shuffle(tf.range(10), seed=1)
-        init = tf1.global_variables_initializer()
+        init = tf.group(tf1.global_variables_initializer(), tf1.tables_initializer())
     return graph, {"ops": ops, "init": init, "shuffle": shuffle}
 
 
