@@ -295,6 +295,7 @@ def _load_builtin_kernels() -> None:
         import distserver.kernels.random
         import distserver.kernels.ref_variables
         import distserver.kernels.sendrecv
+        import distserver.kernels.sparse
         import distserver.kernels.state  # noqa: F401
 
 
