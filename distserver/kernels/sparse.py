@@ -155,7 +155,7 @@ def _identity(op: str, dtype: np.dtype[Any]) -> Any:
     if op == "UnsortedSegmentProd":
         return 1
     lowest = op == "UnsortedSegmentMax"  # the lowest / highest finite value, as TF
-    info = ml_dtypes.finfo(dtype) if dtype in FLOATS else np.iinfo(dtype)
+    info: Any = np.iinfo(dtype) if dtype not in FLOATS else ml_dtypes.finfo(dtype)  # type: ignore[no-untyped-call]
     return info.min if lowest else info.max
 
 
