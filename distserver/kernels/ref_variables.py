@@ -51,7 +51,10 @@ if TYPE_CHECKING:
 REF_OUTPUT_OPS = frozenset(
     {"VariableV2", "Variable", "Assign", "AssignAdd", "AssignSub", "ScatterAdd", "ScatterSub",
      "ScatterUpdate", "ApplyGradientDescent", "ApplyMomentum", "ApplyAdam", "ApplyAdagrad",
-     "ApplyAdagradV2", "ApplyRMSProp"}
+     "ApplyAdagradV2", "ApplyRMSProp", "ApplyCenteredRMSProp", "ApplyProximalAdagrad", "ApplyFtrl",
+     "ApplyFtrlV2", "SparseApplyAdagrad", "SparseApplyAdagradV2", "SparseApplyProximalAdagrad",
+     "SparseApplyMomentum", "SparseApplyRMSProp", "SparseApplyCenteredRMSProp", "SparseApplyFtrl",
+     "SparseApplyFtrlV2"}
 )  # fmt: skip
 
 

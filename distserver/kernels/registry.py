@@ -327,6 +327,7 @@ def _load_builtin_kernels() -> None:
         import distserver.kernels.random
         import distserver.kernels.ref_variables
         import distserver.kernels.sendrecv
+        import distserver.kernels.sparse
         import distserver.kernels.state
         import distserver.kernels.strings
         import distserver.kernels.summary  # noqa: F401

@@ -12,7 +12,8 @@ it, so a value handed to a reader stays unchanged while later steps update the
 variable (TF's copy-on-write, without the reference counting).
 
 The optimizer kernels (`ResourceApplyGradientDescent`, `...Momentum`, `...Adam`,
-`...Adagrad`, `...AdagradV2`, `...RMSProp`) also run their TF 1.x twins without the
+`...Adagrad`, `...AdagradV2`, `...RMSProp`, `...CenteredRMSProp`, `...ProximalAdagrad`,
+`...Ftrl`, `...FtrlV2`) also run their TF 1.x twins without the
 `Resource` prefix (`ApplyAdam`, ...), which update reference variables (see
 `kernels.ref_variables`).
 """
@@ -352,10 +353,11 @@ class _ApplyKernel(_VariableKernel):
 
     is_stateful = True
     signature: ClassVar[tuple[tuple[str, str], ...]]
+    types: ClassVar[frozenset[np.dtype[Any]]] = FLOATS | COMPLEX  # the `T` TF has kernels for
 
     def __init__(self, node: NodeDef) -> None:
         super().__init__(node)
-        self.dtype = attr_type_in(self, "T", FLOATS | COMPLEX)
+        self.dtype = attr_type_in(self, "T", self.types)
         self.use_locking = self.attr_bool("use_locking", False)
         self.use_nesterov = self.attr_bool("use_nesterov", False)
         self.on_refs = not self.op.startswith("Resource")
@@ -544,12 +546,148 @@ class ApplyRMSPropKernel(_ApplyKernel):
         return {"var": x["var"] - mom, "ms": ms, "mom": mom}
 
 
+@register_kernel("ResourceApplyCenteredRMSProp", "ApplyCenteredRMSProp")
+class ApplyCenteredRMSPropKernel(_ApplyKernel):
+    """RMSProp normalised by the centred second moment (TF's ApplyCenteredRMSProp):
+
+    ms += (grad^2 - ms) * (1 - rho); mg += (grad - mg) * (1 - rho)
+    mom = mom * momentum + lr * grad / sqrt(ms - mg^2 + epsilon); var -= mom
+    """
+
+    signature = (
+        ("var", "var"),
+        ("mg", "var"),
+        ("ms", "var"),
+        ("mom", "var"),
+        ("lr", "scalar"),
+        ("rho", "scalar"),
+        ("momentum", "scalar"),
+        ("epsilon", "scalar"),
+        ("grad", "tensor"),
+    )
+
+    def update(self, **x: np.ndarray) -> dict[str, Any]:
+        one = np.ones((), dtype=self.dtype)
+        grad = x["grad"]
+        ms = x["ms"] + (grad * grad - x["ms"]) * (one - x["rho"])
+        mg = x["mg"] + (grad - x["mg"]) * (one - x["rho"])
+        denom = (ms - mg * mg) + x["epsilon"]
+        mom = x["mom"] * x["momentum"] + grad * x["lr"] / np.sqrt(denom)
+        return {"var": x["var"] - mom, "mg": mg, "ms": ms, "mom": mom}
+
+
+@register_kernel("ResourceApplyProximalAdagrad", "ApplyProximalAdagrad")
+class ApplyProximalAdagradKernel(_ApplyKernel):
+    """FOBOS with Adagrad's rate: accum += grad^2; rate = lr / sqrt(accum); v = var - rate * grad;
+    var = sign(v) * max(|v| - rate * l1, 0) / (1 + rate * l2) (just v / (1 + rate * l2) when l1 = 0)."""
+
+    types = frozenset({np.dtype(np.float32), np.dtype(np.float64)})
+    signature = (
+        ("var", "var"),
+        ("accum", "var"),
+        ("lr", "scalar"),
+        ("l1", "scalar"),
+        ("l2", "scalar"),
+        ("grad", "tensor"),
+    )
+
+    def update(self, **x: np.ndarray) -> dict[str, Any]:
+        one = np.ones((), dtype=self.dtype)
+        grad = x["grad"]
+        accum = x["accum"] + grad * grad
+        rate = x["lr"] * (one / np.sqrt(accum))
+        prox = x["var"] - grad * rate
+        if x["l1"] > 0:
+            var = np.sign(prox) * np.maximum(np.abs(prox) - rate * x["l1"], 0) / (one + x["l2"] * rate)
+        else:
+            var = prox / (one + x["l2"] * rate)
+        return {"var": var, "accum": accum}
+
+
+def ftrl_update(
+    x: dict[str, np.ndarray], dtype: np.dtype[Any], multiply_linear_by_lr: bool
+) -> dict[str, Any]:
+    """TF's FTRL-proximal step, shared by the dense and the sparse kernels.
+
+    new_accum = accum + grad^2
+    linear += g - (new_accum^-lr_power - accum^-lr_power) / lr * var
+              (g = grad + 2 * l2_shrinkage * var when `x` has l2_shrinkage, else grad)
+    var = (clip(linear, -l1, l1) - linear) / (new_accum^-lr_power / lr + 2 * l2)
+    With `multiply_linear_by_lr` the linear term is kept multiplied by lr (g * lr, l1 * lr,
+    and the quadratic term new_accum^-lr_power + 2 * l2 * lr). lr_power = -0.5 uses sqrt.
+    """
+    two = np.asarray(2, dtype=dtype)
+    grad, var, accum, lr = x["grad"], x["var"], x["accum"], x["lr"]
+    l1, l2, lr_power = x["l1"], x["l2"], x["lr_power"]
+    shrunk = grad + two * x["l2_shrinkage"] * var if "l2_shrinkage" in x else grad
+    new_accum = accum + grad * grad
+    if lr_power == -0.5:
+        new_power, old_power = np.sqrt(new_accum), np.sqrt(accum)
+    else:
+        new_power, old_power = new_accum ** (-lr_power), accum ** (-lr_power)
+    if multiply_linear_by_lr:
+        linear = x["linear"] + (shrunk * lr - (new_power - old_power) * var)
+        limit = l1 * lr
+        quadratic = new_power + two * l2 * lr
+    else:
+        linear = x["linear"] + (shrunk - (new_power - old_power) / lr * var)
+        limit = l1
+        quadratic = new_power / lr + two * l2
+    new_var = (np.clip(linear, -limit, limit) - linear) / quadratic
+    return {"var": new_var, "accum": new_accum, "linear": linear}
+
+
+@register_kernel("ResourceApplyFtrl", "ApplyFtrl")
+class ApplyFtrlKernel(_ApplyKernel):
+    """FTRL-proximal (see `ftrl_update`)."""
+
+    types = FLOATS
+    signature: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("var", "var"),
+        ("accum", "var"),
+        ("linear", "var"),
+        ("grad", "tensor"),
+        ("lr", "scalar"),
+        ("l1", "scalar"),
+        ("l2", "scalar"),
+        ("lr_power", "scalar"),
+    )
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        self.multiply_linear_by_lr = self.attr_bool("multiply_linear_by_lr", False)
+
+    def update(self, **x: np.ndarray) -> dict[str, Any]:
+        return ftrl_update(x, self.dtype, self.multiply_linear_by_lr)
+
+
+@register_kernel("ResourceApplyFtrlV2", "ApplyFtrlV2")
+class ApplyFtrlV2Kernel(ApplyFtrlKernel):
+    """FTRL with L2 shrinkage: the linear term sees grad + 2 * l2_shrinkage * var."""
+
+    signature = (
+        ("var", "var"),
+        ("accum", "var"),
+        ("linear", "var"),
+        ("grad", "tensor"),
+        ("lr", "scalar"),
+        ("l1", "scalar"),
+        ("l2", "scalar"),
+        ("l2_shrinkage", "scalar"),
+        ("lr_power", "scalar"),
+    )
+
+
 __all__ = [
     "ApplyAdagradKernel",
     "ApplyAdagradV2Kernel",
     "ApplyAdamKernel",
+    "ApplyCenteredRMSPropKernel",
+    "ApplyFtrlKernel",
+    "ApplyFtrlV2Kernel",
     "ApplyGradientDescentKernel",
     "ApplyMomentumKernel",
+    "ApplyProximalAdagradKernel",
     "ApplyRMSPropKernel",
     "AssignUpdateVariableOpKernel",
     "AssignVariableOpKernel",
@@ -559,4 +697,5 @@ __all__ = [
     "ResourceScatterKernel",
     "VarHandleOpKernel",
     "VarIsInitializedOpKernel",
+    "ftrl_update",
 ]

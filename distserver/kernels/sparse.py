@@ -1,0 +1,657 @@
+"""Kernels for embeddings and sparse training: what `tf.nn.embedding_lookup` over a
+partitioned variable and the optimizers' sparse updates build.
+
+* `Unique`, `UniqueV2`, `UniqueWithCounts(V2)`: the distinct values of a tensor in
+  order of first appearance, and where each element went.
+* `UnsortedSegmentSum/Max/Min/Prod`: `data` reduced by segment id; ids < 0 are
+  dropped, empty segments hold the reduction's identity (0, 1, lowest, highest).
+* `DynamicPartition`: `data` split by a partition number per row (`DynamicStitch`,
+  its inverse, lives in `kernels.array`).
+* `ConcatOffset`: where each input of a concat starts (ConcatV2's gradient).
+* The sparse optimizer updates `SparseApply{Adagrad,AdagradV2,ProximalAdagrad,
+  Momentum,RMSProp,CenteredRMSProp,Ftrl,FtrlV2}` (TF 1.x reference variables, output
+  the reference to `var`) and their `ResourceSparseApply*` twins (variable handles,
+  no output). They apply TF's per-row formulas to the rows `indices` names.
+
+Duplicate indices: TensorFlow's kernels walk `indices` in order and update the row
+once per occurrence, so a row named twice takes two consecutive updates (Adagrad's
+accumulator grows by both squared gradients, the variable moves twice). Here the
+occurrences are applied in passes, the k-th occurrence of every row in pass k, which
+gives the same result as that walk. (The optimizers' Python code sums duplicate
+gradients with `Unique` + `UnsortedSegmentSum` before calling these kernels, so
+training graphs rarely pass duplicates.)
+
+Out-of-range indices are TF's InvalidArgumentError ("Index 7 at offset 1 in indices
+is out of range"); distserver checks every index before changing anything, where some
+TF kernels have updated the rows before the bad one.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import ml_dtypes
+import numpy as np
+
+from distserver import errors
+from distserver.kernels._common import (
+    ALL_TYPES,
+    BOOL,
+    FLOATS,
+    INDEX_TYPES,
+    INT32,
+    NUMBER,
+    OBJECT,
+    REAL,
+    array,
+    attr_type_in,
+    check_input_dtype,
+    int_list,
+    int_scalar,
+    kernel_error,
+    shape_str,
+)
+from distserver.kernels.registry import KernelContext, OpKernel, register_kernel
+from distserver.kernels.state import _ApplyKernel, _locked, ftrl_update
+
+if TYPE_CHECKING:
+    from distserver.protos.node_def_pb2 import NodeDef
+
+
+# --------------------------------------------------------------------------- Unique
+
+
+def _first_occurrence_unique(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For `rows` (shape [n, ...]): (positions of the first occurrence of each distinct row,
+    in order of appearance; the index of each row's distinct value; the count of each)."""
+    n = rows.shape[0]
+    if n == 0:
+        empty = np.zeros(0, np.int64)
+        return empty, empty, empty
+    if rows.dtype in (OBJECT, BOOL):
+        keys: dict[Any, int] = {}
+        first: list[int] = []
+        inverse = np.empty(n, np.int64)
+        flat = rows.reshape(n, -1)
+        for i in range(n):
+            key = tuple(flat[i].tolist())
+            slot = keys.get(key)
+            if slot is None:
+                slot = keys[key] = len(first)
+                first.append(i)
+            inverse[i] = slot
+        return np.asarray(first, np.int64), inverse, np.bincount(inverse, minlength=len(first))
+    flat = rows.reshape(n, -1)
+    if flat.shape[1] == 1:
+        _, first_sorted, inverse_sorted, counts_sorted = np.unique(
+            flat[:, 0], return_index=True, return_inverse=True, return_counts=True
+        )
+    else:
+        _, first_sorted, inverse_sorted, counts_sorted = np.unique(
+            flat, axis=0, return_index=True, return_inverse=True, return_counts=True
+        )
+    # np.unique sorts; TF keeps the order of first appearance.
+    order = np.argsort(first_sorted, kind="stable")
+    rank = np.empty_like(order)
+    rank[order] = np.arange(order.size)
+    return first_sorted[order], rank[inverse_sorted.reshape(-1)], counts_sorted[order]
+
+
+@register_kernel("Unique", "UniqueV2", "UniqueWithCounts", "UniqueWithCountsV2")
+class UniqueKernel(OpKernel):
+    """y: the distinct values (or slices along `axis`, V2) in order of first appearance;
+    idx: for each element (slice), the position of its value in y; count (WithCounts)."""
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        self.dtype = attr_type_in(self, "T", ALL_TYPES)
+        self.index_type = attr_type_in(self, "out_idx", INDEX_TYPES, default=INT32)
+        self.has_axis = self.op.endswith("V2")
+        self.with_counts = self.op.startswith("UniqueWithCounts")
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        x = inputs[0]
+        check_input_dtype(self, 0, x, self.dtype)
+        axis: int | None = None
+        if self.has_axis:
+            axes = int_list(self, inputs[1], "axis", allow_scalar=True)
+            if len(axes) > 1:
+                raise kernel_error(
+                    self,
+                    f"Axis tensor should be a scalar or a vector of 1 element, got {len(axes)} elements",
+                )
+            if axes:
+                axis = axes[0]
+                if not -x.ndim <= axis < max(x.ndim, 1):
+                    raise kernel_error(self, f"axis has to be between [{-x.ndim}, {x.ndim}), got {axis}")
+                axis %= max(x.ndim, 1)
+        if axis is None:
+            if x.ndim != 1:
+                raise kernel_error(self, "unique expects a 1D vector.")
+            axis = 0
+        rows = np.moveaxis(x, axis, 0)
+        first, inverse, counts = _first_occurrence_unique(rows)
+        y = np.moveaxis(rows[first], 0, axis)
+        outputs = [np.ascontiguousarray(y), inverse.astype(self.index_type)]
+        if self.with_counts:
+            outputs.append(counts.astype(self.index_type))
+        return outputs
+
+
+# --------------------------------------------------------------------------- segment reductions
+
+_SEGMENT_REDUCTIONS = {
+    "UnsortedSegmentSum": np.add,
+    "UnsortedSegmentProd": np.multiply,
+    "UnsortedSegmentMax": np.maximum,
+    "UnsortedSegmentMin": np.minimum,
+}
+
+
+def _identity(op: str, dtype: np.dtype[Any]) -> Any:
+    """The value of an empty segment: TF's reduction identity for `dtype`."""
+    if op == "UnsortedSegmentSum":
+        return 0
+    if op == "UnsortedSegmentProd":
+        return 1
+    lowest = op == "UnsortedSegmentMax"  # the lowest / highest finite value, as TF
+    info: Any = np.iinfo(dtype) if dtype not in FLOATS else ml_dtypes.finfo(dtype)  # type: ignore[no-untyped-call]
+    return info.min if lowest else info.max
+
+
+@register_kernel(*_SEGMENT_REDUCTIONS)
+class UnsortedSegmentReductionKernel(OpKernel):
+    """output[j, ...] = reduce(data[i..., ...] for every i with segment_ids[i...] == j)."""
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        allowed = NUMBER if self.op in ("UnsortedSegmentSum", "UnsortedSegmentProd") else REAL
+        self.dtype = attr_type_in(self, "T", allowed)
+        self.index_type = attr_type_in(self, "Tindices", INDEX_TYPES)
+        self.ufunc = _SEGMENT_REDUCTIONS[self.op]
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        data, segment_ids, num_segments_value = inputs
+        check_input_dtype(self, 0, data, self.dtype)
+        check_input_dtype(self, 1, segment_ids, self.index_type)
+        if num_segments_value.ndim != 0:
+            raise kernel_error(
+                self,
+                f"num_segments should be a scalar, not shape {shape_str(num_segments_value.shape)}",
+            )
+        num_segments = int_scalar(self, num_segments_value, "num_segments")
+        if num_segments < 0:
+            raise kernel_error(self, f"Input num_segments == {num_segments} must be non-negative.")
+        if data.shape[: segment_ids.ndim] != segment_ids.shape:
+            raise kernel_error(
+                self,
+                f"data.shape = {shape_str(data.shape)} does not start with segment_ids.shape = "
+                f"{shape_str(segment_ids.shape)}",
+            )
+        ids = segment_ids.reshape(-1)
+        bad = np.flatnonzero(ids >= num_segments)
+        if bad.size:
+            position = np.unravel_index(int(bad[0]), segment_ids.shape)
+            raise kernel_error(
+                self,
+                f"segment_ids[{','.join(map(str, position))}] = {int(ids[bad[0]])} is out of range "
+                f"[0, {num_segments})",
+            )
+        inner = data.shape[segment_ids.ndim :]
+        rows = data.reshape((ids.size, *inner))
+        keep = ids >= 0  # negative ids are dropped, as in TF
+        output = np.full((num_segments, *inner), _identity(self.op, self.dtype), dtype=self.dtype)
+        with np.errstate(all="ignore"):
+            self.ufunc.at(output, ids[keep], rows[keep])
+        return [output]
+
+
+# --------------------------------------------------------------------------- DynamicPartition
+
+
+@register_kernel("DynamicPartition")
+class DynamicPartitionKernel(OpKernel):
+    """outputs[i] = data[partitions == i], rows kept in order (`num_partitions` outputs)."""
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        self.dtype = attr_type_in(self, "T", ALL_TYPES)
+        self.count = self.attr_int("num_partitions")
+        if self.count < 1:
+            raise kernel_error(self, f"num_partitions must be at least 1, got {self.count}")
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        data, partitions = inputs
+        check_input_dtype(self, 0, data, self.dtype)
+        check_input_dtype(self, 1, partitions, INT32)
+        if data.shape[: partitions.ndim] != partitions.shape:
+            raise kernel_error(
+                self,
+                f"data.shape must start with partitions.shape, got data.shape = {shape_str(data.shape)}"
+                f", partitions.shape = {shape_str(partitions.shape)}",
+            )
+        flat = partitions.reshape(-1)
+        bad = np.flatnonzero((flat < 0) | (flat >= self.count))
+        if bad.size:
+            position = np.unravel_index(int(bad[0]), partitions.shape)
+            where = f"[{','.join(map(str, position))}]" if partitions.ndim else ""
+            raise kernel_error(self, f"partitions{where} = {int(flat[bad[0]])} is not in [0, {self.count})")
+        rows = data.reshape((flat.size, *data.shape[partitions.ndim :]))
+        return [rows[flat == i] for i in range(self.count)]
+
+
+# --------------------------------------------------------------------------- ConcatOffset
+
+
+@register_kernel("ConcatOffset")
+class ConcatOffsetKernel(OpKernel):
+    """offset[i]: zeros except at the concat axis, where it is the sum of the earlier inputs' sizes."""
+
+    runs_on_loop = True  # a few shape vectors
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        self.count = self.attr_int("N")
+        self.shape_type = attr_type_in(self, "shape_type", INDEX_TYPES, default=INT32)
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        concat_dim, *shapes = inputs
+        if concat_dim.ndim != 0:
+            raise kernel_error(
+                self, f"Concat dim tensor should be a scalar, but got shape {shape_str(concat_dim.shape)}"
+            )
+        cdim = int_scalar(self, concat_dim, "concat_dim")
+        first = shapes[0]
+        if first.ndim != 1:
+            raise kernel_error(self, f"input 0 should be a vector, but got shape {shape_str(first.shape)}")
+        dims = first.size
+        axis = cdim + dims if cdim < 0 else cdim
+        if not 0 <= axis < dims:
+            raise kernel_error(self, f"Concat dim is out of range: {cdim} vs. {dims}")
+        offsets = []
+        offset = 0
+        for i, shape in enumerate(shapes):
+            check_input_dtype(self, 1 + i, shape, self.shape_type)
+            if shape.size != dims:
+                raise kernel_error(self, f"input {i} should contain {dims} elements, but got {shape.size}")
+            values = shape.reshape(-1)
+            mismatch = [j for j in range(dims) if j != axis and values[j] != first[j]]
+            if mismatch:
+                raise kernel_error(
+                    self,
+                    f"All dimensions except {axis} must match. Input {i} has shape "
+                    f"[{' '.join(map(str, values.tolist()))}] and doesn't match input 0 with shape "
+                    f"[{' '.join(map(str, first.tolist()))}].",
+                )
+            out = np.zeros(dims, self.shape_type)
+            out[axis] = offset
+            offset += int(values[axis])
+            offsets.append(out)
+        return offsets
+
+
+# --------------------------------------------------------------------------- sparse optimizers
+
+
+def sparse_rows_passes(rows: np.ndarray) -> list[np.ndarray]:
+    """Positions into `rows` grouped so that no pass names a row twice: pass k holds the
+    k-th occurrence of every row named at least k + 1 times, in order.
+
+    Applying a per-row update pass after pass equals walking `rows` in order, which is
+    what TensorFlow's sparse kernels do with duplicate indices. As many passes as the
+    most repeated row has occurrences.
+    """
+    n = rows.size
+    if n == 0:
+        return []
+    order = np.argsort(rows, kind="stable")
+    ordered = rows[order]
+    starts = np.ones(n, dtype=bool)
+    starts[1:] = ordered[1:] != ordered[:-1]
+    group_start = np.maximum.accumulate(np.where(starts, np.arange(n), 0))
+    occurrence = np.arange(n) - group_start
+    return [order[occurrence == k] for k in range(int(occurrence.max()) + 1)]
+
+
+class _SparseApplyKernel(_ApplyKernel):
+    """A sparse optimizer update: TF's per-row formula for the rows `indices` names.
+
+    `signature` kinds, beyond `_ApplyKernel`'s "var" and "scalar": "grad" (shape
+    [N] + var.shape[1:]) and "indices" (a vector of N row numbers, dtype `Tindices`).
+    `update` gets the rows of every "var" input, the rows of `grad` and the scalars,
+    and returns the new rows of the variables it changes.
+    """
+
+    # TF's texts for the scalar inputs it checks beyond "is a scalar".
+    scalar_rules: ClassVar[dict[str, tuple[str, str]]] = {}
+    # The scalar-shape message of TF's kernel ("lr is not a scalar: [2]").
+    scalar_text: ClassVar[str] = "{name} is not a scalar: {shape}"
+    # SparseApplyMomentum/RMSProp do not refuse an empty inner dimension.
+    check_inner_dim: ClassVar[bool] = True
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        self.index_type = attr_type_in(self, "Tindices", INDEX_TYPES)
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        variables: dict[str, tuple[Any, str]] = {}
+        values: dict[str, np.ndarray] = {}
+        grad = indices = None
+        for i, ((name, kind), value) in enumerate(zip(self.signature, inputs, strict=True)):
+            if kind == "var":
+                variables[name] = self._variable(ctx, i, value)
+            elif kind == "indices":
+                check_input_dtype(self, i, value, self.index_type)
+                indices = value
+            else:
+                check_input_dtype(self, i, value, self.dtype)
+                if kind == "grad":
+                    grad = value
+                else:
+                    self._check_scalar(name, value)
+                    values[name] = value
+        assert grad is not None
+        assert indices is not None
+        with _locked([variable for variable, _ in variables.values()]):
+            current = self._current_values(variables)
+            self._check_shapes(current, grad, indices)
+            rows = indices.astype(np.int64, copy=False)
+            updated = {name: np.array(value, copy=True) for name, value in current.items()}
+            with np.errstate(all="ignore"):
+                for positions in sparse_rows_passes(rows):
+                    picked = rows[positions]
+                    x = {name: updated[name][picked] for name in updated}
+                    x.update(values)
+                    x["grad"] = grad[positions]
+                    for name, new_rows in self.update(**x).items():
+                        updated[name][picked] = new_rows
+            for name, new_value in updated.items():
+                variables[name][0].replace(array(new_value, self.dtype))
+        return [inputs[0]] if self.on_refs else []
+
+    def _check_scalar(self, name: str, value: np.ndarray) -> None:
+        rule = self.scalar_rules.get(name)
+        ok = value.ndim == 0
+        if ok and rule is not None:
+            scalar = value[()]
+            ok = bool({"positive": scalar > 0, "non-negative": scalar >= 0}.get(rule[0], scalar <= 0))
+        if not ok:
+            if rule is not None:
+                raise kernel_error(self, f"{rule[1]} is not a {rule[0]} scalar: {shape_str(value.shape)}")
+            raise kernel_error(self, self.scalar_text.format(name=name, shape=shape_str(value.shape)))
+
+    def _current_values(self, variables: dict[str, tuple[Any, str]]) -> dict[str, np.ndarray]:
+        current: dict[str, np.ndarray] = {}
+        for name, (variable, missing) in variables.items():
+            value = variable.value
+            if value is None:
+                if self.on_refs:
+                    raise kernel_error(
+                        self,
+                        f"Attempting to use uninitialized variables: {missing}",
+                        errors.FailedPreconditionError,
+                    )
+                raise kernel_error(self, missing, errors.NotFoundError)
+            check_input_dtype(self, 0, value, self.dtype)
+            current[name] = value
+        return current
+
+    def _check_shapes(self, current: dict[str, np.ndarray], grad: np.ndarray, indices: np.ndarray) -> None:
+        var = current["var"]
+        for name, value in current.items():
+            if value.shape != var.shape:
+                raise kernel_error(
+                    self,
+                    f"var and {name} do not have the same shape"
+                    f"{shape_str(var.shape)} {shape_str(value.shape)}",
+                )
+        if var.ndim < 1:
+            raise kernel_error(self, "var must be at least 1 dimensional")
+        if indices.ndim != 1:
+            raise kernel_error(self, "indices must be one-dimensional")
+        for d in range(1, var.ndim):
+            if grad.ndim <= d or grad.shape[d] != var.shape[d]:
+                raise kernel_error(self, f"var and grad must match in dimension {d}")
+        if grad.ndim != var.ndim:
+            raise kernel_error(self, f"var and grad must match in dimension {min(var.ndim, grad.ndim)}")
+        n = indices.shape[0]
+        if grad.shape[0] != n:
+            raise kernel_error(self, "grad must be the same size as indices in the first dimension.")
+        if self.check_inner_dim and int(np.prod(var.shape[1:], dtype=np.int64)) <= 0:
+            raise kernel_error(self, "Inner dimension should be greater than zero.")
+        bad = np.flatnonzero((indices < 0) | (indices >= var.shape[0]))
+        if bad.size:
+            i = int(bad[0])
+            raise kernel_error(self, f"Index {int(indices[i])} at offset {i} in indices is out of range")
+
+    def update(self, **x: np.ndarray) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+def _rsqrt(value: np.ndarray) -> np.ndarray:
+    one = np.ones((), dtype=value.dtype)
+    return np.asarray(one / np.sqrt(value))
+
+
+@register_kernel("SparseApplyAdagrad", "ResourceSparseApplyAdagrad")
+class SparseApplyAdagradKernel(_SparseApplyKernel):
+    """accum[i] += grad^2 (unless `update_slots` is false); var[i] -= lr * grad / sqrt(accum[i])."""
+
+    signature: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("var", "var"),
+        ("accum", "var"),
+        ("lr", "scalar"),
+        ("grad", "grad"),
+        ("indices", "indices"),
+    )
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        self.update_slots = self.attr_bool("update_slots", True)
+
+    def update(self, **x: np.ndarray) -> dict[str, Any]:
+        grad = x["grad"]
+        accum = x["accum"] + grad * grad if self.update_slots else x["accum"]
+        return {"var": x["var"] - x["lr"] * grad * _rsqrt(accum), "accum": accum}
+
+
+@register_kernel("SparseApplyAdagradV2", "ResourceSparseApplyAdagradV2")
+class SparseApplyAdagradV2Kernel(SparseApplyAdagradKernel):
+    """Adagrad with epsilon: var[i] -= lr * grad / (sqrt(accum[i]) + epsilon)."""
+
+    signature = (
+        ("var", "var"),
+        ("accum", "var"),
+        ("lr", "scalar"),
+        ("epsilon", "scalar"),
+        ("grad", "grad"),
+        ("indices", "indices"),
+    )
+
+    def update(self, **x: np.ndarray) -> dict[str, Any]:
+        grad = x["grad"]
+        accum = x["accum"] + grad * grad if self.update_slots else x["accum"]
+        return {"var": x["var"] - x["lr"] * grad / (np.sqrt(accum) + x["epsilon"]), "accum": accum}
+
+
+@register_kernel("SparseApplyProximalAdagrad", "ResourceSparseApplyProximalAdagrad")
+class SparseApplyProximalAdagradKernel(_SparseApplyKernel):
+    """FOBOS with Adagrad's rate: accum[i] += grad^2; rate = lr / sqrt(accum[i]);
+    v = var[i] - rate * grad; var[i] = sign(v) * max(|v| - rate * l1, 0) / (1 + rate * l2)."""
+
+    types = frozenset({np.dtype(np.float32), np.dtype(np.float64)})
+    signature = (
+        ("var", "var"),
+        ("accum", "var"),
+        ("lr", "scalar"),
+        ("l1", "scalar"),
+        ("l2", "scalar"),
+        ("grad", "grad"),
+        ("indices", "indices"),
+    )
+    scalar_rules = {
+        "lr": ("positive", "lr"),
+        "l1": ("non-negative", "l1 regularization strength"),
+        "l2": ("non-negative", "l2 regularization strength"),
+    }
+
+    def update(self, **x: np.ndarray) -> dict[str, Any]:
+        grad = x["grad"]
+        accum = x["accum"] + grad * grad
+        rate = x["lr"] * _rsqrt(accum)
+        prox = x["var"] - grad * rate
+        one = np.ones((), dtype=self.dtype)
+        if x["l1"] > 0:
+            shrunk = np.maximum(np.abs(prox) - rate * x["l1"], 0)
+            var = np.sign(prox) * shrunk / (one + x["l2"] * rate)
+        else:
+            var = prox / (one + x["l2"] * rate)
+        return {"var": var, "accum": accum}
+
+
+@register_kernel("SparseApplyMomentum", "ResourceSparseApplyMomentum")
+class SparseApplyMomentumKernel(_SparseApplyKernel):
+    """accum[i] = accum[i] * momentum + grad; var[i] -= lr * accum[i]
+    (Nesterov: var[i] -= lr * grad + lr * momentum * accum[i])."""
+
+    signature = (
+        ("var", "var"),
+        ("accum", "var"),
+        ("lr", "scalar"),
+        ("grad", "grad"),
+        ("indices", "indices"),
+        ("momentum", "scalar"),
+    )
+    check_inner_dim = False
+
+    def _check_scalar(self, name: str, value: np.ndarray) -> None:
+        if name == "lr" and value.ndim != 0:  # this kernel's own text
+            raise kernel_error(self, f"lr is not a scalar : {shape_str(value.shape)}")
+        super()._check_scalar(name, value)
+
+    def update(self, **x: np.ndarray) -> dict[str, Any]:
+        grad, lr, momentum = x["grad"], x["lr"], x["momentum"]
+        accum = x["accum"] * momentum + grad
+        step = lr * grad + lr * momentum * accum if self.use_nesterov else lr * accum
+        return {"var": x["var"] - step, "accum": accum}
+
+
+@register_kernel("SparseApplyRMSProp", "ResourceSparseApplyRMSProp")
+class SparseApplyRMSPropKernel(_SparseApplyKernel):
+    """ms[i] = ms[i] * rho + grad^2 * (1 - rho);
+    mom[i] = mom[i] * momentum + lr * grad / sqrt(ms[i] + epsilon); var[i] -= mom[i]."""
+
+    signature = (
+        ("var", "var"),
+        ("ms", "var"),
+        ("mom", "var"),
+        ("lr", "scalar"),
+        ("rho", "scalar"),
+        ("momentum", "scalar"),
+        ("epsilon", "scalar"),
+        ("grad", "grad"),
+        ("indices", "indices"),
+    )
+    check_inner_dim = False
+
+    def update(self, **x: np.ndarray) -> dict[str, Any]:
+        one = np.ones((), dtype=self.dtype)
+        grad, rho = x["grad"], x["rho"]
+        ms = x["ms"] * rho + grad * grad * (one - rho)
+        mom = x["mom"] * x["momentum"] + _rsqrt(ms + x["epsilon"]) * x["lr"] * grad
+        return {"var": x["var"] - mom, "ms": ms, "mom": mom}
+
+
+@register_kernel("SparseApplyCenteredRMSProp", "ResourceSparseApplyCenteredRMSProp")
+class SparseApplyCenteredRMSPropKernel(_SparseApplyKernel):
+    """RMSProp normalised by the centred second moment: mg[i] = mg[i] * rho + grad * (1 - rho);
+    mom[i] = mom[i] * momentum + lr * grad / sqrt(ms[i] + epsilon - mg[i]^2)."""
+
+    signature = (
+        ("var", "var"),
+        ("mg", "var"),
+        ("ms", "var"),
+        ("mom", "var"),
+        ("lr", "scalar"),
+        ("rho", "scalar"),
+        ("momentum", "scalar"),
+        ("epsilon", "scalar"),
+        ("grad", "grad"),
+        ("indices", "indices"),
+    )
+    check_inner_dim = False
+
+    def update(self, **x: np.ndarray) -> dict[str, Any]:
+        one = np.ones((), dtype=self.dtype)
+        grad, rho = x["grad"], x["rho"]
+        ms = x["ms"] * rho + grad * grad * (one - rho)
+        mg = x["mg"] * rho + grad * (one - rho)
+        denom = ms + x["epsilon"] - mg * mg
+        mom = x["mom"] * x["momentum"] + _rsqrt(denom) * x["lr"] * grad
+        return {"var": x["var"] - mom, "mg": mg, "ms": ms, "mom": mom}
+
+
+@register_kernel("SparseApplyFtrl", "ResourceSparseApplyFtrl")
+class SparseApplyFtrlKernel(_SparseApplyKernel):
+    """FTRL-proximal on the rows `indices` names (see `kernels.state.ftrl_update`)."""
+
+    types = FLOATS
+    signature: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("var", "var"),
+        ("accum", "var"),
+        ("linear", "var"),
+        ("grad", "grad"),
+        ("indices", "indices"),
+        ("lr", "scalar"),
+        ("l1", "scalar"),
+        ("l2", "scalar"),
+        ("lr_power", "scalar"),
+    )
+    scalar_rules = {
+        "lr": ("positive", "lr"),
+        "l1": ("non-negative", "l1 regularization strength"),
+        "l2": ("non-negative", "l2 regularization strength"),
+        "l2_shrinkage": ("non-negative", "l2 shrinkage regularization strength"),
+        "lr_power": ("non-positive", "lr_power"),
+    }
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        self.multiply_linear_by_lr = self.attr_bool("multiply_linear_by_lr", False)
+
+    def update(self, **x: np.ndarray) -> dict[str, Any]:
+        return ftrl_update(x, self.dtype, self.multiply_linear_by_lr)
+
+
+@register_kernel("SparseApplyFtrlV2", "ResourceSparseApplyFtrlV2")
+class SparseApplyFtrlV2Kernel(SparseApplyFtrlKernel):
+    """FTRL with L2 shrinkage: the linear term sees grad + 2 * l2_shrinkage * var."""
+
+    signature = (
+        ("var", "var"),
+        ("accum", "var"),
+        ("linear", "var"),
+        ("grad", "grad"),
+        ("indices", "indices"),
+        ("lr", "scalar"),
+        ("l1", "scalar"),
+        ("l2", "scalar"),
+        ("l2_shrinkage", "scalar"),
+        ("lr_power", "scalar"),
+    )
+
+
+__all__ = [
+    "ConcatOffsetKernel",
+    "DynamicPartitionKernel",
+    "SparseApplyAdagradKernel",
+    "SparseApplyAdagradV2Kernel",
+    "SparseApplyCenteredRMSPropKernel",
+    "SparseApplyFtrlKernel",
+    "SparseApplyFtrlV2Kernel",
+    "SparseApplyMomentumKernel",
+    "SparseApplyProximalAdagradKernel",
+    "SparseApplyRMSPropKernel",
+    "UniqueKernel",
+    "UnsortedSegmentReductionKernel",
+]
