@@ -1,13 +1,14 @@
 """Hash tables: HashTableV2 and the ops that fill, query and size it.
 
 What `tf.compat.v1.lookup.StaticHashTable` with a `KeyValueTensorInitializer` (and the
-vocabulary tables of feature columns) build. A table is a resource of the session on
-the task that holds it; a table without a shared name belongs to its node within the
-session, like a queue (see `queue.py`).
+vocabulary tables of feature columns) build. A table is a resource of the task that
+holds it; a table without a shared name is private to its kernel, like a queue (see
+`queue.py`).
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +23,7 @@ from distserver.tensors import ResourceHandle
 if TYPE_CHECKING:
     from distserver.protos.node_def_pb2 import NodeDef
 
-_UNSHARED_PREFIX = "_unshared_"
+_anonymous_ids = itertools.count()
 
 
 class HashTable:
@@ -52,7 +53,7 @@ class HashTableV2Kernel(OpKernel):
         shared = self.attr_str("shared_name", "")
         if not shared and self.attr_bool("use_node_name_sharing", False):
             shared = self.name
-        self.table_name = shared or _UNSHARED_PREFIX + self.name
+        self.table_name = shared or f"_{next(_anonymous_ids)}_{self.name}"
         self.key_dtype = self.attr_type("key_dtype")
         self.value_dtype = self.attr_type("value_dtype")
 

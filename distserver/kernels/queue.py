@@ -8,6 +8,7 @@ thread, and cancelling a step cancels its waits, leaving the queue consistent.
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -24,7 +25,7 @@ from distserver.kernels._common import (
     type_name,
 )
 from distserver.kernels.registry import KernelContext, OpKernel, register_kernel
-from distserver.kernels.resources import DEFAULT_CONTAINER, FIFOQueue
+from distserver.kernels.resources import DEFAULT_CONTAINER, FIFOQueue, RandomShuffleQueue
 from distserver.tensors import ResourceHandle, shape_from_proto
 
 if TYPE_CHECKING:
@@ -33,10 +34,10 @@ if TYPE_CHECKING:
 # TensorFlow names resources by their C++ type in lookup errors; keep its text.
 _QUEUE_TYPE_NAME = "N10tensorflow14QueueInterfaceE"
 
-# A queue without a shared_name belongs to its node within the session: every graph the
-# session registers with that node (one per set of fetches) uses the same queue, as
-# TensorFlow's session keeps one kernel per stateful node.
-_UNSHARED_PREFIX = "_unshared_"
+# A queue without a shared_name is private to its kernel, as in TF's ResourceOpKernel;
+# the executor shares a stateful kernel among the graphs of a session, so the queue
+# lives as long as the session.
+_anonymous_ids = itertools.count()
 
 
 class _QueueKernel(OpKernel):
@@ -110,20 +111,50 @@ class FIFOQueueV2Kernel(_QueueKernel):
             )
         self.capacity = self.attr_int("capacity", -1)
         self.container = self.attr_str("container", "") or DEFAULT_CONTAINER
-        self.queue_name = self.attr_str("shared_name", "") or _UNSHARED_PREFIX + self.name
+        self.queue_name = self.attr_str("shared_name", "") or f"_{next(_anonymous_ids)}_{self.name}"
+
+    queue_class: type[FIFOQueue] = FIFOQueue
+
+    def new_queue(self) -> FIFOQueue:
+        return FIFOQueue(self.queue_name, self.component_types, self.shapes, self.capacity)
 
     async def run(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
-        queue = ctx.resources.lookup_or_create(
-            self.container,
-            self.queue_name,
-            lambda: FIFOQueue(self.queue_name, self.component_types, self.shapes, self.capacity),
-        )
-        if not isinstance(queue, FIFOQueue):
+        queue = ctx.resources.lookup_or_create(self.container, self.queue_name, self.new_queue)
+        if type(queue) is not self.queue_class:
             raise errors.InvalidArgumentError(
-                f"Resource {self.container}/{self.queue_name} exists and is not a queue"
+                f"Resource {self.container}/{self.queue_name} exists and is not a {self.op[:-2]}"
             )
         queue.matches(self.component_types, self.shapes, self.capacity)
         return [handle_output(ResourceHandle(ctx.device, self.container, self.queue_name))]
+
+
+@register_kernel("RandomShuffleQueueV2")
+class RandomShuffleQueueV2Kernel(FIFOQueueV2Kernel):
+    """A queue dequeued in random order, keeping `min_after_dequeue` elements while open."""
+
+    queue_class = RandomShuffleQueue
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        self.min_after_dequeue = self.attr_int("min_after_dequeue", 0)
+        self.seeds = (self.attr_int("seed", 0), self.attr_int("seed2", 0))
+        if self.capacity >= 0 and self.min_after_dequeue >= self.capacity:
+            raise kernel_error(
+                self,
+                f"min_after_dequeue {self.min_after_dequeue} must be < capacity {self.capacity}",
+            )
+
+    def new_queue(self) -> FIFOQueue:
+        seed, seed2 = self.seeds
+        return RandomShuffleQueue(
+            self.queue_name,
+            self.component_types,
+            self.shapes,
+            self.capacity,
+            min_after_dequeue=self.min_after_dequeue,
+            seed=seed,
+            seed2=seed2,
+        )
 
 
 @register_kernel("QueueEnqueueV2")
@@ -160,9 +191,12 @@ class QueueDequeueV2Kernel(_QueueKernel):
         return list(element)
 
 
-@register_kernel("QueueDequeueManyV2")
+@register_kernel("QueueDequeueManyV2", "QueueDequeueUpToV2")
 class QueueDequeueManyV2Kernel(_QueueKernel):
-    """Removes `n` elements at once and stacks each component along a new dimension 0."""
+    """Removes `n` elements at once and stacks each component along a new dimension 0.
+
+    DequeueUpTo: once the queue is closed, fewer (at least one) will do.
+    """
 
     async def run(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
         queue = self._queue(ctx, inputs[0])
@@ -174,7 +208,7 @@ class QueueDequeueManyV2Kernel(_QueueKernel):
             raise errors.InvalidArgumentError(
                 "FIFOQueue's DequeueMany and DequeueUpTo require the components to have specified shapes."
             )
-        elements = await queue.dequeue(count, self._timeout())
+        elements = await queue.dequeue(count, self._timeout(), allow_fewer=self.op == "QueueDequeueUpToV2")
         return [
             np.stack([element[i] for element in elements])
             if elements

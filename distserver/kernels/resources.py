@@ -30,6 +30,7 @@ from distserver import errors
 from distserver.kernels._common import shape_str, type_name
 
 DEFAULT_CONTAINER = "localhost"
+_UINT64 = (1 << 64) - 1
 
 
 def _container_name(container: str) -> str:
@@ -206,6 +207,7 @@ class _Attempt:
     future: asyncio.Future[None]
     pending: collections.deque[Element] = dataclasses.field(default_factory=collections.deque)
     requested: int = 0
+    allow_fewer: bool = False  # DequeueUpTo: a closed queue may give fewer (at least one)
     taken: list[Element] = dataclasses.field(default_factory=list)
     error: errors.OpError | None = None
     done: bool = False
@@ -226,6 +228,8 @@ class FIFOQueue:
     coroutine (or its timeout expiring) withdraws its attempt: a partly collected
     batch goes back to the front of the queue, so no element is ever lost.
     """
+
+    kind = "FIFOQueue"  # in error texts, as TensorFlow names the queue class
 
     def __init__(
         self,
@@ -351,17 +355,24 @@ class FIFOQueue:
         attempt.pending.extend(elements)
         await self._run(attempt, timeout)
 
-    async def dequeue(self, count: int = 1, timeout: float | None = None) -> list[Element]:
+    async def dequeue(
+        self, count: int = 1, timeout: float | None = None, *, allow_fewer: bool = False
+    ) -> list[Element]:
         """Remove and return `count` elements, waiting until that many are available.
 
+        With `allow_fewer` (DequeueUpTo), a closed queue gives what it still holds, if
+        anything.
+
         Raises:
-            OutOfRangeError: the queue is closed and holds fewer than `count` elements.
+            OutOfRangeError: the queue is closed and holds fewer than `count` elements
+                (with `allow_fewer`: none).
             DeadlineExceededError: `timeout` seconds passed first (nothing is removed).
         """
         if count == 0:
             return []
         attempt = self._new_attempt("dequeue")
         attempt.requested = count
+        attempt.allow_fewer = allow_fewer
         await self._run(attempt, timeout)
         return attempt.taken
 
@@ -412,7 +423,7 @@ class FIFOQueue:
                 if isinstance(exc, TimeoutError):
                     what = "Dequeue" if attempt.kind == "dequeue" else "Enqueue"
                     raise errors.DeadlineExceededError(
-                        f"{what} operation on FIFOQueue '{self.name}' timed out after {timeout:g} s"
+                        f"{what} operation on {self.kind} '{self.name}' timed out after {timeout:g} s"
                     ) from None
                 raise
         if attempt.error is not None:
@@ -468,7 +479,7 @@ class FIFOQueue:
 
     def _try_enqueue_locked(self, attempt: _Attempt) -> _Outcome:
         if self._closed:
-            attempt.error = errors.CancelledError(f"FIFOQueue '{self.name}' is closed.")
+            attempt.error = errors.CancelledError(f"{self.kind} '{self.name}' is closed.")
             return _Outcome.COMPLETE
         moved = False
         while attempt.pending and len(self._items) < self.capacity:
@@ -481,22 +492,73 @@ class FIFOQueue:
     def _try_dequeue_locked(self, attempt: _Attempt) -> _Outcome:
         missing = attempt.requested - len(attempt.taken)
         if self._closed and len(self._items) < missing:
+            if attempt.allow_fewer and (attempt.taken or self._items):
+                while self._items:
+                    attempt.taken.append(self._pop_locked())
+                return _Outcome.COMPLETE
             # Not enough will ever arrive: put back what was collected, report the shortfall.
             self._items.extendleft(reversed(attempt.taken))
             attempt.taken = []
             attempt.error = errors.OutOfRangeError(
-                f"FIFOQueue '{self.name}' is closed and has insufficient elements "
+                f"{self.kind} '{self.name}' is closed and has insufficient elements "
                 f"(requested {attempt.requested}, current size {len(self._items)})"
             )
             return _Outcome.COMPLETE
-        moved = min(missing, len(self._items))
-        attempt.taken.extend(self._items.popleft() for _ in range(moved))
+        moved = min(missing, self._available_locked())
+        attempt.taken.extend(self._pop_locked() for _ in range(moved))
         if len(attempt.taken) == attempt.requested:
             return _Outcome.COMPLETE
         return _Outcome.PROGRESS if moved else _Outcome.NO_PROGRESS
 
+    def _available_locked(self) -> int:
+        """How many elements a dequeue may take now."""
+        return len(self._items)
+
+    def _pop_locked(self) -> Element:
+        """The next element a dequeue takes."""
+        return self._items.popleft()
+
     def __repr__(self) -> str:
-        return f"<FIFOQueue {self.name!r} size={self.size()} capacity={self.capacity} closed={self.closed}>"
+        return f"<{self.kind} {self.name!r} size={self.size()} capacity={self.capacity} closed={self.closed}>"
+
+
+class RandomShuffleQueue(FIFOQueue):
+    """A queue whose dequeues take elements in random order (TensorFlow's RandomShuffleQueue).
+
+    While it is open, a dequeue leaves at least `min_after_dequeue` elements in it (so
+    every element taken was drawn from a well-mixed pool); once it is closed, the rest
+    can be taken. `seed`/`seed2` make the order reproducible (not TensorFlow's order).
+    """
+
+    kind = "RandomShuffleQueue"
+
+    def __init__(
+        self,
+        name: str,
+        component_types: Sequence[np.dtype[Any]],
+        shapes: Sequence[tuple[int, ...]] = (),
+        capacity: int = -1,
+        *,
+        min_after_dequeue: int = 0,
+        seed: int = 0,
+        seed2: int = 0,
+    ) -> None:
+        super().__init__(name, component_types, shapes, capacity)
+        self.min_after_dequeue = min_after_dequeue
+        key = [seed & _UINT64, seed2 & _UINT64] if seed or seed2 else None
+        self._generator = np.random.Generator(np.random.Philox(key=key))
+
+    def _available_locked(self) -> int:
+        if self._closed:
+            return len(self._items)
+        return max(0, len(self._items) - self.min_after_dequeue)
+
+    def _pop_locked(self) -> Element:
+        index = int(self._generator.integers(len(self._items)))
+        self._items.rotate(-index)
+        element = self._items.popleft()
+        self._items.rotate(index)
+        return element
 
 
 def _wake(attempts: list[_Attempt]) -> None:

@@ -45,6 +45,7 @@ from distserver.kernels.registry import (
 from distserver.kernels.resources import ResourceManager
 from distserver.protos.debug_pb2 import DeviceStepStats
 from distserver.protos.graph_pb2 import GraphDef
+from distserver.protos.node_def_pb2 import NodeDef
 from distserver.runtime.concurrency import first_error
 from distserver.runtime.names import parse_input
 from distserver.runtime.rendezvous import StepRendezvous
@@ -80,7 +81,15 @@ class _Node:
 class Executor:
     """A partition ready to run; one instance serves many concurrent steps."""
 
-    def __init__(self, graph_def: GraphDef) -> None:
+    def __init__(self, graph_def: GraphDef, stateful_kernels: dict[str, OpKernel] | None = None) -> None:
+        """Build the kernels of `graph_def`.
+
+        `stateful_kernels` (node name -> kernel), when given, is shared by the graphs of
+        one session: a stateful node (a queue, a table, a random op) already built for
+        another graph of the session is reused when its NodeDef is the same, so its state
+        (a queue without shared_name, a random sequence) lives as long as the session,
+        as TensorFlow's sessions share stateful kernels across the graphs they run.
+        """
         index_of: dict[str, int] = {}
         for i, node_def in enumerate(graph_def.node):
             if node_def.name in index_of:
@@ -90,7 +99,7 @@ class Executor:
             index_of[node_def.name] = i
         self._nodes: list[_Node] = []
         for i, node_def in enumerate(graph_def.node):
-            kernel = create_kernel(node_def)
+            kernel = _shared_or_new_kernel(node_def, stateful_kernels)
             sizes_output = type(kernel).output_nbytes is not OpKernel.output_nbytes
             self._nodes.append(_Node(i, kernel, [], [], 0, sizes_its_output=sizes_output))
         for i, node_def in enumerate(graph_def.node):
@@ -221,6 +230,18 @@ class Executor:
 # The outputs of a node that was not computed because an input was dead: each is DEAD
 # (an identity, not a value: the node's output count is not needed).
 _DEAD_OUTPUTS: list[Any] = []
+
+
+def _shared_or_new_kernel(node_def: NodeDef, stateful_kernels: dict[str, OpKernel] | None) -> OpKernel:
+    if stateful_kernels is None:
+        return create_kernel(node_def)
+    kernel = stateful_kernels.get(node_def.name)
+    if kernel is not None and kernel.node == node_def:
+        return kernel
+    kernel = create_kernel(node_def)
+    if kernel.is_stateful:
+        stateful_kernels[node_def.name] = kernel
+    return kernel
 
 
 def _output(nodes: list[_Node], outputs: list[list[Any] | None], src: int, k: int, consumer: _Node) -> Any:

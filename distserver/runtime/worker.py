@@ -27,6 +27,7 @@ from google.protobuf.message import Message
 
 from distserver import errors
 from distserver.devices import RendezvousKey, parse_rendezvous_key
+from distserver.kernels.registry import OpKernel
 from distserver.kernels.resources import ResourceManager
 from distserver.protos import worker_pb2 as w
 from distserver.protos.debug_pb2 import StepStats
@@ -46,6 +47,9 @@ class WorkerSession:
     handle: str
     resources: ResourceManager
     graphs: dict[str, Executor] = field(default_factory=dict)
+    # Stateful kernels by node name, shared by every graph the session registers (see
+    # `Executor`), as TensorFlow's sessions share them.
+    stateful_kernels: dict[str, OpKernel] = field(default_factory=dict)
     # The master that made it ("" and 0 for masters that do not say, like TF before 2.2).
     master_task: str = ""
     master_incarnation: int = 0
@@ -177,7 +181,7 @@ class Worker:
                     f"this task ({self.task_name})",
                     node_name=node.name,
                 )
-        executor = Executor(request.graph_def)
+        executor = Executor(request.graph_def, session.stateful_kernels)
         handle = f"{next(self._graph_ids):016x}"
         session.graphs[handle] = executor
         return w.RegisterGraphResponse(graph_handle=handle)

@@ -9,7 +9,7 @@ import pytest
 
 from distserver import errors
 from distserver.kernels import create_kernel
-from distserver.kernels.resources import FIFOQueue, ResourceManager
+from distserver.kernels.resources import FIFOQueue, RandomShuffleQueue, ResourceManager
 
 F32 = np.float32
 
@@ -318,19 +318,15 @@ async def test_shared_queue_must_match(ops):
     assert same[()].name == "q"
 
 
-async def test_an_unshared_queue_belongs_to_its_node_within_the_session(make_node, ctx):
-    """Each graph a session registers builds its own kernels; the node's queue stays one."""
+async def test_anonymous_queues_are_private_to_their_kernel(make_node, ctx):
     node = make_node("FIFOQueueV2", name="fifo", component_types=[F32], shapes=[], capacity=-1)
     first, second = create_kernel(node), create_kernel(node)
     (a,) = await first.compute_async(ctx, [])
+    (a_again,) = await first.compute_async(ctx, [])
     (b,) = await second.compute_async(ctx, [])
-    assert a[()].name == b[()].name
-    other = make_node("FIFOQueueV2", name="other", component_types=[F32], shapes=[], capacity=-1)
-    (c,) = await create_kernel(other).compute_async(ctx, [])
-    assert c[()].name != a[()].name
-    ctx.resources = ResourceManager()  # another session
-    (d,) = await first.compute_async(ctx, [])
-    assert ctx.resources.lookup(d[()].container, d[()].name) is not None
+    assert a[()] == a_again[()]
+    assert a[()].name != b[()].name
+    assert a[()].name.endswith("_fifo")
 
 
 async def test_missing_queue_is_not_found(ops, ctx):
@@ -347,3 +343,24 @@ async def test_dequeue_type_signature_must_match(ops):
     q = await ops.create()
     with pytest.raises(errors.InvalidArgumentError, match="holds components of types"):
         await ops.dequeue(q, types=(np.int32,))
+
+
+async def test_a_shuffle_queue_keeps_min_after_dequeue_until_closed():
+    queue = RandomShuffleQueue("shuffled", [F32], [()], 10, min_after_dequeue=3, seed=1)
+    await queue.enqueue([(np.float32(i),) for i in range(5)])
+    taken = await queue.dequeue(2, timeout=5)  # 5 - 3 may go
+    with pytest.raises(errors.DeadlineExceededError, match="RandomShuffleQueue 'shuffled'"):
+        await queue.dequeue(1, timeout=0.05)
+    await queue.close()
+    rest = await queue.dequeue(3, timeout=5)
+    assert sorted(float(e[0]) for e in taken + rest) == [0, 1, 2, 3, 4]
+
+
+async def test_dequeue_up_to_takes_what_a_closed_queue_has_left():
+    queue = FIFOQueue("up_to", [F32], [()], 10)
+    await queue.enqueue([(np.float32(i),) for i in range(3)])
+    assert len(await queue.dequeue(2, timeout=5, allow_fewer=True)) == 2
+    await queue.close()
+    assert [float(e[0]) for e in await queue.dequeue(5, timeout=5, allow_fewer=True)] == [2.0]
+    with pytest.raises(errors.OutOfRangeError, match="is closed and has insufficient elements"):
+        await queue.dequeue(5, timeout=5, allow_fewer=True)

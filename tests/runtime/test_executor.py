@@ -96,3 +96,18 @@ async def test_kernels_with_small_inputs_and_a_large_output_leave_the_event_loop
     with _CountingPool() as pool:
         await executor.run(_step_context(pool))
     assert ("out" in pool.kernels) is large, pool.kernels
+
+
+async def test_the_graphs_of_a_session_share_its_stateful_kernels():
+    """Two graphs with the same unshared queue node (two fetch sets of one session) use one queue."""
+    queue = AttrValue()
+    queue.list.type.append(types_pb2.DT_FLOAT)
+    with ds.Graph().as_default() as graph:
+        attrs = {"component_types": queue}
+        graph.create_op("FIFOQueueV2", [], [types_pb2.DT_RESOURCE], name="q", attrs=attrs)
+    session_kernels: dict = {}
+    first = Executor(graph.as_graph_def(), session_kernels)
+    second = Executor(graph.as_graph_def(), session_kernels)
+    other_session = Executor(graph.as_graph_def(), {})
+    assert first._nodes[0].kernel is second._nodes[0].kernel
+    assert other_session._nodes[0].kernel is not first._nodes[0].kernel
