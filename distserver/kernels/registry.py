@@ -68,6 +68,11 @@ class KernelContext(Protocol):
     @property
     def resources(self) -> ResourceManager: ...
 
+    @property
+    def checkpoint_root(self) -> str | None:
+        """The resolved directory checkpoint kernels may read and write under; None: none may."""
+        ...
+
 
 class OpKernel:
     """Runs one node. Subclasses read attrs in `__init__` and implement `compute`.
@@ -98,6 +103,9 @@ class OpKernel:
     # whose cost does not grow with their inputs (a view, a shape), for which a
     # thread hop would cost more than the work.
     runs_on_loop: ClassVar[bool] = False
+    # Kernels that read or write files: the executor always runs them in the thread
+    # pool (when it has one), whatever the size of their inputs.
+    does_io: ClassVar[bool] = False
     ref_inputs: frozenset[int] = frozenset()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -289,6 +297,7 @@ def _load_builtin_kernels() -> None:
     if not _loaded:
         _loaded = True
         import distserver.kernels.array
+        import distserver.kernels.checkpoint
         import distserver.kernels.math
         import distserver.kernels.nn
         import distserver.kernels.queue
