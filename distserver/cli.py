@@ -87,6 +87,7 @@ async def _serve(args: argparse.Namespace) -> int:
         listen_on_all_interfaces=args.all_interfaces,
         session_gc_seconds=args.session_gc_seconds,
         security=_security(args),
+        checkpoint_root=args.checkpoint_root,
     )
     await server.start()
     loop = asyncio.get_running_loop()
@@ -186,6 +187,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=DEFAULT_SESSION_GC_SECONDS,
         help="close master sessions that ran nothing for this long (0: never; default: %(default)g)",
+    )
+    serve.add_argument(
+        "--checkpoint-root",
+        metavar="DIR",
+        help="directory under which checkpoint ops (tf.compat.v1.train.Saver) may read and write; "
+        "without it they are refused (docs/checkpoints.md)",
     )
     _add_security_options(serve, serving=True)
 

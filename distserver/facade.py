@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import os
 import threading
 import weakref
 from collections.abc import Callable, Coroutine, Mapping, Sequence
@@ -143,6 +144,9 @@ class Server:
             by default.
         security: TLS, mutual TLS and/or token (`distserver.Security`) for this server
             and its channels to its peers.
+        checkpoint_root: The directory under which this task's checkpoint ops
+            (`Saver`) may read and write; None (default) refuses them
+            (docs/checkpoints.md).
 
     Unlike TensorFlow's, this server can be stopped (`stop(grace)`, also from another
     thread), releases its port when stopped, and `join(timeout)` can time out.
@@ -160,6 +164,7 @@ class Server:
         listen_on_all_interfaces: bool = False,
         session_gc_seconds: float = DEFAULT_SESSION_GC_SECONDS,
         security: Security | None = None,
+        checkpoint_root: str | os.PathLike[str] | None = None,
     ) -> None:
         self._async = AsyncServer(
             server_or_cluster_def,
@@ -170,6 +175,7 @@ class Server:
             listen_on_all_interfaces=listen_on_all_interfaces,
             session_gc_seconds=session_gc_seconds,
             security=security,
+            checkpoint_root=checkpoint_root,
         )
         _LOOP.run(self._async.bind())
         _LOOP.track(self._async)

@@ -96,12 +96,17 @@ class AsyncServer:
         security: TLS, mutual TLS and/or a token (`distserver.Security`) for this
             server's port and for its channels to the other tasks. None: plaintext,
             and a token only when `DISTSERVER_AUTH_TOKEN` is set.
+        checkpoint_root: An existing directory under which checkpoint ops (`SaveV2`,
+            `RestoreV2`, `MergeV2Checkpoints`) may read and write; paths outside it
+            (after resolving symlinks) are refused. None (default): every checkpoint
+            op is refused (docs/checkpoints.md).
 
     Raises:
         TypeError, ValueError: the cluster or task is not given right (TF's messages).
         InternalError, InvalidArgumentError: this task is not in the cluster, or an
             address is malformed.
         NotFoundError: no transport serves `protocol`.
+        ValueError: `checkpoint_root` is not an existing directory.
     """
 
     def __init__(
@@ -116,10 +121,12 @@ class AsyncServer:
         serve: bool = True,
         session_gc_seconds: float = DEFAULT_SESSION_GC_SECONDS,
         security: Security | None = None,
+        checkpoint_root: str | os.PathLike[str] | None = None,
     ) -> None:
         if session_gc_seconds < 0:
             raise ValueError(f"session_gc_seconds must be >= 0 (0: never), got {session_gc_seconds}")
         self._session_gc_seconds = session_gc_seconds
+        self._checkpoint_root = _checkpoint_root(checkpoint_root)
         self._security = from_environment(security)
         if self._security is not None and self._security.ca_file and not self._security.cert_file:
             raise ValueError(
@@ -171,6 +178,11 @@ class AsyncServer:
     def task(self) -> str:
         """This task's name, `/job:<job>/replica:0/task:<index>`."""
         return self._task
+
+    @property
+    def checkpoint_root(self) -> str | None:
+        """The resolved directory checkpoint ops may use; None when they are refused."""
+        return self._checkpoint_root
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop | None:
@@ -241,6 +253,7 @@ class AsyncServer:
             resources=ResourceManager(),
             pool=self._pool,
             worker_client=self._worker_client,
+            checkpoint_root=self._checkpoint_root,
         )
         tasks = [
             task_name(job, index) for job in self._cluster.jobs for index in self._cluster.task_indices(job)
@@ -350,6 +363,19 @@ class AsyncServer:
     def __repr__(self) -> str:
         where = self.target if self._port is not None else f"{self._host}:{self._requested_port}"
         return f"<AsyncServer {self._task} {where} {self._state.value}>"
+
+
+def _checkpoint_root(root: str | os.PathLike[str] | None) -> str | None:
+    """`root` resolved (symlinks included); ValueError unless it is a directory."""
+    if root is None:
+        return None
+    text = os.fspath(root)
+    if not text:
+        raise ValueError("checkpoint_root is empty: give a directory, or None to refuse checkpoint ops")
+    resolved = os.path.realpath(text)
+    if not os.path.isdir(resolved):
+        raise ValueError(f"checkpoint_root {text!r} is not an existing directory")
+    return resolved
 
 
 def _split_task(task: str) -> tuple[str, int]:

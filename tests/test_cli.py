@@ -101,6 +101,15 @@ def test_serve_with_a_bad_cluster_says_what_is_wrong(python_env):
     assert 'InternalError: Job "ps" was not defined in cluster' in result.stderr
 
 
+def test_serve_with_a_missing_checkpoint_root_says_so(python_env, tmp_path):
+    missing = tmp_path / "missing"
+    result = run_cli(
+        ["serve", "--cluster", '{"worker": ["localhost:0"]}', "--checkpoint-root", str(missing)], python_env
+    )
+    assert result.returncode == 2
+    assert f"checkpoint_root '{missing}' is not an existing directory" in result.stderr
+
+
 def test_local_cluster_command(python_env):
     result = run_cli(["local-cluster", "--ps", "1", "--workers", "2"], python_env, timeout=120)
     assert result.returncode == 0, result.stderr

@@ -68,6 +68,11 @@ class KernelContext(Protocol):
     @property
     def resources(self) -> ResourceManager: ...
 
+    @property
+    def checkpoint_root(self) -> str | None:
+        """The resolved directory checkpoint kernels may read and write under; None: none may."""
+        ...
+
 
 class _Dead:
     """The value of a tensor on a branch that does not run (TensorFlow's dead tensors).
@@ -128,6 +133,9 @@ class OpKernel:
     # whose cost does not grow with their inputs (a view, a shape), for which a
     # thread hop would cost more than the work.
     runs_on_loop: ClassVar[bool] = False
+    # Kernels that read or write files: the executor always runs them in the thread
+    # pool (when it has one), whatever the size of their inputs.
+    does_io: ClassVar[bool] = False
     ref_inputs: frozenset[int] = frozenset()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -319,6 +327,7 @@ def _load_builtin_kernels() -> None:
     if not _loaded:
         _loaded = True
         import distserver.kernels.array
+        import distserver.kernels.checkpoint
         import distserver.kernels.control_flow
         import distserver.kernels.lookup
         import distserver.kernels.math

@@ -64,6 +64,8 @@ class StepContext:
     rendezvous: StepRendezvous
     resources: ResourceManager
     pool: concurrent.futures.Executor | None = None
+    # Where checkpoint kernels may touch files (resolved); None refuses them.
+    checkpoint_root: str | None = None
 
 
 @dataclass
@@ -280,6 +282,8 @@ def _belongs_in_a_thread(node: _Node, inputs: list[Any]) -> bool:
     """Whether the kernel's work is large enough for a thread: large inputs, or a large output."""
     if node.kernel.runs_on_loop:
         return False
+    if node.kernel.does_io:
+        return True
     nbytes = sum(v.nbytes for v in inputs if isinstance(v, np.ndarray))
     if node.sizes_its_output:
         nbytes += node.kernel.output_nbytes(inputs)

@@ -74,8 +74,11 @@ class Worker:
         pool: concurrent.futures.Executor,
         worker_client: Callable[[str], WorkerClient] | None = None,
         recv_timeout: float | None = None,
+        checkpoint_root: str | None = None,
     ) -> None:
         self.task_name = task_name
+        # The resolved directory checkpoint kernels may use (None: they refuse).
+        self.checkpoint_root = checkpoint_root
         self.device = device
         self.resources = resources
         self._pool = pool
@@ -228,6 +231,7 @@ class Worker:
             rendezvous=rendezvous,
             resources=session.resources,
             pool=self._pool,
+            checkpoint_root=self.checkpoint_root,
         )
         try:
             for text, value in sends.items():

@@ -41,6 +41,7 @@ class Context:
     device_incarnation: int = 1
     resources: ResourceManager = dataclasses.field(default_factory=ResourceManager)
     rendezvous: Any = None
+    checkpoint_root: str | None = None
 
 
 def _is_dtype(value: Any) -> bool:
