@@ -253,3 +253,28 @@ def read_refs_late(nodes: list[NodeDef]) -> None:
             nodes[position].input[i] = read.name
             added.append(read)
     nodes.extend(added)
+    _fetch_refs_after_their_users(nodes, by_name)
+
+
+def _fetch_refs_after_their_users(nodes: list[NodeDef], by_name: Mapping[str, NodeDef]) -> None:
+    """A fetched reference variable is read after the step's other uses of it.
+
+    TensorFlow fetches a reference as the variable's live buffer and copies it into the
+    response when the step is over, so `run([train_op, global_step])` returns the step
+    after the update. Here the fetch's `_Send` reads when it runs: it gets a control
+    input from every other node of the step that takes the variable (its updates among
+    them), which gives the same value. The `_Send` has no consumers: no cycle can form.
+    """
+    users: dict[str, list[str]] = {}
+    for node in nodes:
+        for text in node.input:
+            if not text.startswith("^"):
+                users.setdefault(parse_input(text)[0], []).append(node.name)
+    for node in nodes:
+        if node.op != "_Send" or not node.attr["client_terminated"].b or not node.input:
+            continue
+        source = by_name.get(parse_input(node.input[0])[0])
+        if source is None or source.op not in REF_OUTPUT_OPS:
+            continue
+        others = sorted({name for name in users.get(source.name, ()) if name != node.name})
+        node.input.extend(f"^{name}" for name in others)
