@@ -47,3 +47,7 @@ def test_fetching_the_untaken_branch_is_an_invalid_argument(results, check_error
     ours = check_error(results, "distserver/fetch_dead")
     assert ours[0] == check_error(results, "tensorflow/fetch_dead")[0] == "InvalidArgumentError"
     assert "not valid" in ours[1]
+
+
+def test_stop_at_step_hook_stops_where_tensorflows_does(results, check):
+    assert check(results, "distserver/monitored_session") == check(results, "tensorflow/monitored_session")

@@ -99,6 +99,8 @@ def run_all(prefix: str, target: str, remote: bool) -> None:
 
 
 def monitored(prefix: str, target: str, remote: bool) -> list[int]:
+    if remote:
+        tf1.Session.reset(target)  # the checks above left variables (w, global_step) on the ps
     graph = tf.Graph()
     setter = tf1.train.replica_device_setter(cluster=cluster) if remote else None
     with graph.as_default(), tf1.device(setter):
