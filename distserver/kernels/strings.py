@@ -1,4 +1,5 @@
-"""String ops users feed features with: StringLength, StringToNumber, StringSplitV2.
+"""String ops users feed features with: StringLength, StringToNumber, StringSplitV2,
+StringToHashBucketFast.
 
 DT_STRING values are object arrays of `bytes` (see `registry`).
 """
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from distserver.kernels._common import INT32, INT64, OBJECT, kernel_error, shape_str
+from distserver.kernels._farmhash import fingerprint64
 from distserver.kernels.registry import KernelContext, OpKernel, register_kernel
 
 if TYPE_CHECKING:
@@ -106,3 +108,19 @@ class StringSplitV2Kernel(OpKernel):
             out_values,
             np.array([values.shape[0], widest], dtype=INT64),
         ]
+
+
+@register_kernel("StringToHashBucketFast")
+class StringToHashBucketFastKernel(OpKernel):
+    """Each string's bucket: its farmhash Fingerprint64 modulo `num_buckets` (TensorFlow's exactly)."""
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        self.num_buckets = self.attr_int("num_buckets")
+        if self.num_buckets < 1:
+            raise kernel_error(self, f"num_buckets must be at least 1, got {self.num_buckets}")
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        values = _strings(self, inputs[0])
+        buckets = [fingerprint64(text) % self.num_buckets for text in values.reshape(-1).tolist()]
+        return [np.array(buckets, dtype=INT64).reshape(values.shape)]

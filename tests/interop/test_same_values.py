@@ -14,7 +14,7 @@ NAMES = [
     "split", "split_v", "reverse", "cumsum", "cumsum_exclusive_reverse", "cumprod", "top_k", "in_top_k",
     "count_up_to", "resource_count_up_to", "count_up_to_again", "count_up_to_limit", "shuffle",
     "words", "weights", "table_size", "bytes_length", "char_length", "numbers", "integers", "split_rows",
-    "split_on_comma",
+    "split_on_comma", "hash_buckets",
 ]  # fmt: skip
 
 

@@ -71,3 +71,13 @@ def test_dense_bincount_counts_weights_and_drops_values_past_size():
     with pytest.raises(errors.InvalidArgumentError, match="non-negative"):
         run_op("DenseBincount", np.array([-1], np.int32), np.int32(2), np.zeros(0, np.float32), Tidx=np.int32,
                T=np.float32)  # fmt: skip
+
+
+def test_string_to_hash_bucket_fast_is_tensorflows():
+    """Buckets TensorFlow 2.21 gave for these strings (num_buckets 1000003), lengths 0 to 200
+    (each branch of farmhash; tests/interop/test_same_values.py compares more, live)."""
+    texts = [b"", b"a", b"hello", b"x" * 17, b"y" * 40, b"z" * 65, bytes(range(200))]
+    values = np.empty(len(texts), dtype=object)
+    values[:] = texts
+    (buckets,) = run_op("StringToHashBucketFast", values, num_buckets=1000003)
+    assert buckets.tolist() == [377723, 291400, 497363, 200771, 641401, 666247, 568369]

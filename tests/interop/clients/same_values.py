@@ -58,6 +58,9 @@ def build(device: str | None) -> tuple[tf.Graph, dict]:
             numbers=tf.strings.to_number(tf.constant(["1.5", "-2", " 3e2"])),
             integers=tf.strings.to_number(tf.constant(["7", "-12"]), out_type=tf.int64),
             split_rows=split.row_lengths(),
+            hash_buckets=tf.strings.to_hash_bucket_fast(
+                tf.constant([bytes(range(n % 256)) * (1 + n // 256) for n in range(0, 300, 7)]), 2**40
+            ),
             split_on_comma=tf.strings.split(tf.constant(["a,,b", "c"]), sep=",").values,
         )
         shuffle = tf.random.shuffle(tf.range(10), seed=1)
