@@ -25,6 +25,7 @@ class SwitchKernel(OpKernel):
     """`(data, pred) -> (output_false, output_true)`: `data` on the port `pred` names, DEAD on the other."""
 
     runs_on_loop = True  # passes a reference on: no work to offload
+    may_output_dead = True
 
     def __init__(self, node: NodeDef) -> None:
         super().__init__(node)

@@ -127,6 +127,9 @@ class OpKernel:
 
     is_async: ClassVar[bool] = False
     dead_inputs: ClassVar[str] = SKIP_WHEN_DEAD
+    # Kernels that may output `DEAD` from live inputs (Switch, a `_Recv` of a dead
+    # value): the executor looks for dead values only once one of them has run.
+    may_output_dead: ClassVar[bool] = False
     is_stateful: ClassVar[bool] = False
     # Synchronous kernels the executor runs inline on the event loop even when their
     # inputs are large: those that touch loop-bound state (the rendezvous), and those

@@ -60,6 +60,7 @@ class SendKernel(_SendRecvKernel):
 @register_kernel("_Recv", "_HostRecv")
 class RecvKernel(_SendRecvKernel):
     is_async = True
+    may_output_dead = True  # the sender's value may be dead
 
     def __init__(self, node: NodeDef) -> None:
         super().__init__(node)

@@ -160,15 +160,22 @@ class Executor:
         ready = deque(self._roots)
         wake = asyncio.Event()
         in_flight = 0
+        # Whether a dead value exists in this step yet: until one does (most steps have no
+        # conditional), no node pays for looking for them.
+        saw_dead = False
 
         def finish(i: int, values: list[Any]) -> None:
+            nonlocal saw_dead
             if unread[i]:
                 outputs[i] = values
             node = nodes[i]
-            dead = values is _DEAD_OUTPUTS or (values and all(v is DEAD for v in values))
-            if dead and node.control_consumers:
-                for c in node.control_consumers:
-                    dead_control[c] = True
+            if saw_dead or node.kernel.may_output_dead:
+                if values is _DEAD_OUTPUTS or any(v is DEAD for v in values):
+                    saw_dead = True
+                dead = values is _DEAD_OUTPUTS or (values and all(v is DEAD for v in values))
+                if dead:
+                    for c in node.control_consumers:
+                        dead_control[c] = True
             for c in node.consumers:
                 waits[c] -= 1
                 if waits[c] == 0:
@@ -200,7 +207,7 @@ class Executor:
                             unread[src] -= 1
                             if not unread[src]:
                                 outputs[src] = None
-                        dead = dead_control[node.index] or any(v is DEAD for v in inputs)
+                        dead = saw_dead and (dead_control[node.index] or any(v is DEAD for v in inputs))
                         if dead and node.kernel.dead_inputs != SKIP_WHEN_DEAD:
                             if node.kernel.dead_inputs == CARRIES_DEADNESS:
                                 inputs = [DEAD] * len(inputs)
