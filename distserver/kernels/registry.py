@@ -320,6 +320,7 @@ def _load_builtin_kernels() -> None:
         _loaded = True
         import distserver.kernels.array
         import distserver.kernels.control_flow
+        import distserver.kernels.conv
         import distserver.kernels.math
         import distserver.kernels.nn
         import distserver.kernels.queue
