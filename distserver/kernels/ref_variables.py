@@ -51,7 +51,8 @@ if TYPE_CHECKING:
 REF_OUTPUT_OPS = frozenset(
     {"VariableV2", "Variable", "Assign", "AssignAdd", "AssignSub", "ScatterAdd", "ScatterSub",
      "ScatterUpdate", "ApplyGradientDescent", "ApplyMomentum", "ApplyAdam", "ApplyAdagrad",
-     "ApplyAdagradV2", "ApplyRMSProp"}
+     "ApplyAdagradV2", "ApplyRMSProp", "ApplyAdadelta", "ApplyFtrl", "ApplyFtrlV2", "ApplyCenteredRMSProp",
+     "ApplyProximalAdagrad", "ApplyProximalGradientDescent"}
 )  # fmt: skip
 
 

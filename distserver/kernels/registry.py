@@ -323,6 +323,7 @@ def _load_builtin_kernels() -> None:
         import distserver.kernels.conv
         import distserver.kernels.math
         import distserver.kernels.nn
+        import distserver.kernels.optimizers_extra
         import distserver.kernels.queue
         import distserver.kernels.random
         import distserver.kernels.ref_variables
