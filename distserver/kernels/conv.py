@@ -446,19 +446,22 @@ class Conv2DBackpropInputKernel(_ConvKernel):
             return [_zeros(input_shape, self.dtype)]
         batch, _, _, in_depth = input_shape
         kh, kw, _, out_depth = f.shape
-        grads = dy.astype(self.work, copy=False).reshape(-1, groups, out_depth // groups).transpose(1, 0, 2)
-        # filter[i, j] per group, transposed: [KH*KW, G, O/G, Cg]
-        weights = (
-            f.astype(self.work, copy=False)
-            .reshape(kh * kw, in_depth // groups, groups, out_depth // groups)
-            .transpose(0, 2, 3, 1)
+        og, cg = out_depth // groups, in_depth // groups
+        # [G, M, O/G], contiguous: matmul takes BLAS's fast path only for contiguous stacks
+        grads = np.ascontiguousarray(
+            dy.astype(self.work, copy=False).reshape(-1, groups, og).transpose(1, 0, 2)
         )
+        # filter[i, j] per group, transposed: [KH*KW, G, O/G, Cg]
+        weights = f.astype(self.work, copy=False).reshape(kh * kw, cg, groups, og).transpose(0, 2, 3, 1)
         padded = np.zeros(
             (batch, h.before + h.size + h.after, w.before + w.size + w.after, in_depth), self.work
         )
         for tap, rows, columns in _taps(h, w):
-            product = np.matmul(grads, weights[tap])  # G, M, Cg
-            padded[:, rows, columns, :] += product.transpose(1, 0, 2).reshape(batch, h.out, w.out, in_depth)
+            if groups == 1:
+                product = grads[0] @ weights[tap, 0]  # M, C
+            else:
+                product = np.matmul(grads, np.ascontiguousarray(weights[tap])).transpose(1, 0, 2)  # M, G, Cg
+            padded[:, rows, columns, :] += product.reshape(batch, h.out, w.out, in_depth)
         return [padded[:, h.crop(), w.crop(), :].astype(self.dtype)]
 
 
@@ -659,14 +662,15 @@ class MaxPoolGradKernel(_PoolKernel):
         which = np.full(shape, -1, np.int32)
         for tap, rows, columns in _taps(h, w):
             window = padded[:, rows, columns, :]
-            greater = window > best
+            greater = np.greater(window, best)
             np.copyto(best, window, where=greater)
-            which[greater] = tap
+            np.copyto(which, tap, where=greater)
         grads = dy.astype(self.work, copy=False)
-        zero = np.zeros((), self.work)
         result = np.zeros(padded.shape, self.work)
+        share = np.empty(shape, self.work)
         for tap, rows, columns in _taps(h, w):
-            result[:, rows, columns, :] += np.where(which == tap, grads, zero)
+            np.multiply(grads, which == tap, out=share)
+            result[:, rows, columns, :] += share
         return [result[:, h.crop(), w.crop(), :].astype(self.dtype)]
 
 
