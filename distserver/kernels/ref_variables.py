@@ -52,9 +52,9 @@ REF_OUTPUT_OPS = frozenset(
     {"VariableV2", "Variable", "Assign", "AssignAdd", "AssignSub", "ScatterAdd", "ScatterSub",
      "ScatterUpdate", "ApplyGradientDescent", "ApplyMomentum", "ApplyAdam", "ApplyAdagrad",
      "ApplyAdagradV2", "ApplyRMSProp", "ApplyCenteredRMSProp", "ApplyProximalAdagrad", "ApplyFtrl",
-     "ApplyFtrlV2", "SparseApplyAdagrad", "SparseApplyAdagradV2", "SparseApplyProximalAdagrad",
-     "SparseApplyMomentum", "SparseApplyRMSProp", "SparseApplyCenteredRMSProp", "SparseApplyFtrl",
-     "SparseApplyFtrlV2"}
+     "ApplyFtrlV2", "ApplyAdadelta", "ApplyProximalGradientDescent", "SparseApplyAdagrad",
+     "SparseApplyAdagradV2", "SparseApplyProximalAdagrad", "SparseApplyMomentum", "SparseApplyRMSProp",
+     "SparseApplyCenteredRMSProp", "SparseApplyFtrl", "SparseApplyFtrlV2"}
 )  # fmt: skip
 
 

@@ -332,9 +332,11 @@ def _load_builtin_kernels() -> None:
         import distserver.kernels.array
         import distserver.kernels.checkpoint
         import distserver.kernels.control_flow
+        import distserver.kernels.conv
         import distserver.kernels.lookup
         import distserver.kernels.math
         import distserver.kernels.nn
+        import distserver.kernels.optimizers_extra
         import distserver.kernels.queue
         import distserver.kernels.random
         import distserver.kernels.ref_variables

@@ -592,16 +592,27 @@ class ApplyProximalAdagradKernel(_ApplyKernel):
     )
 
     def update(self, **x: np.ndarray) -> dict[str, Any]:
+        lr, l1, l2 = x["lr"], x["l1"], x["l2"]
+        for value, valid, what in (
+            (lr, lr > 0, "lr is not a positive scalar"),
+            (l1, l1 >= 0, "l1 regularization strength is not a non-negative scalar"),
+            (l2, l2 >= 0, "l2 regularization strength is not a non-negative scalar"),
+        ):
+            if not valid:
+                raise kernel_error(self, f"{what}: {shape_str(value.shape)}")
         one = np.ones((), dtype=self.dtype)
         grad = x["grad"]
         accum = x["accum"] + grad * grad
-        rate = x["lr"] * (one / np.sqrt(accum))
-        prox = x["var"] - grad * rate
-        if x["l1"] > 0:
-            var = np.sign(prox) * np.maximum(np.abs(prox) - rate * x["l1"], 0) / (one + x["l2"] * rate)
-        else:
-            var = prox / (one + x["l2"] * rate)
-        return {"var": var, "accum": accum}
+        rate = lr * (one / np.sqrt(accum))
+        return {"var": proximal_step(x["var"] - grad * rate, rate, l1, l2, self.dtype), "accum": accum}
+
+
+def proximal_step(prox: Any, rate: Any, l1: np.ndarray, l2: np.ndarray, dtype: np.dtype[Any]) -> Any:
+    """FOBOS's proximal step: sign(prox) * max(|prox| - rate * l1, 0) / (1 + rate * l2)."""
+    one = np.ones((), dtype)
+    if float(l1) > 0:
+        return np.sign(prox) * np.maximum(np.abs(prox) - rate * l1, 0) / (one + l2 * rate)
+    return prox / (one + l2 * rate)
 
 
 def ftrl_update(
