@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
@@ -323,12 +324,19 @@ def create_kernel(node: NodeDef) -> OpKernel:
 
 
 _loaded = False
+# Graphs are checked in threads (the master imports them off the event loop): the first
+# callers must all wait until every kernel module has registered, not see a half-filled
+# registry.
+_loading = threading.RLock()
 
 
 def _load_builtin_kernels() -> None:
     global _loaded
-    if not _loaded:
-        _loaded = True
+    if _loaded:
+        return
+    with _loading:
+        if _loaded:
+            return
         import distserver.kernels.array
         import distserver.kernels.checkpoint
         import distserver.kernels.control_flow
@@ -345,6 +353,8 @@ def _load_builtin_kernels() -> None:
         import distserver.kernels.state
         import distserver.kernels.strings
         import distserver.kernels.summary  # noqa: F401
+
+        _loaded = True
 
 
 def check_dtype(kernel: OpKernel, value: np.ndarray, expected: np.dtype[Any], what: str = "input") -> None:

@@ -52,7 +52,7 @@ from distserver.kernels._common import (
     shape_str,
 )
 from distserver.kernels.registry import KernelContext, OpKernel, register_kernel
-from distserver.kernels.state import _ApplyKernel, _locked, ftrl_update
+from distserver.kernels.state import _ApplyKernel, _locked, ftrl_update, proximal_step
 
 if TYPE_CHECKING:
     from distserver.protos.node_def_pb2 import NodeDef
@@ -499,14 +499,10 @@ class SparseApplyProximalAdagradKernel(_SparseApplyKernel):
         grad = x["grad"]
         accum = x["accum"] + grad * grad
         rate = x["lr"] * _rsqrt(accum)
-        prox = x["var"] - grad * rate
-        one = np.ones((), dtype=self.dtype)
-        if x["l1"] > 0:
-            shrunk = np.maximum(np.abs(prox) - rate * x["l1"], 0)
-            var = np.sign(prox) * shrunk / (one + x["l2"] * rate)
-        else:
-            var = prox / (one + x["l2"] * rate)
-        return {"var": var, "accum": accum}
+        return {
+            "var": proximal_step(x["var"] - grad * rate, rate, x["l1"], x["l2"], self.dtype),
+            "accum": accum,
+        }
 
 
 @register_kernel("SparseApplyMomentum", "ResourceSparseApplyMomentum")
