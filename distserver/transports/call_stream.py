@@ -63,6 +63,14 @@ class StreamUnsupported(Exception):
     """The peer does not serve `METHOD`; the call was not run there."""
 
 
+class StreamUnproven(Exception):
+    """The stream broke with a bare INTERNAL before the peer ever answered on it.
+
+    That is how a peer without `METHOD` (TensorFlow) can look when its refusal races the
+    first write; the call did not run there. The channel makes it as a unary call.
+    """
+
+
 def _raw(data: bytes) -> bytes:
     return data
 
@@ -238,6 +246,8 @@ class CallStream:
         self._pending: dict[int, tuple[asyncio.Future[bytes | memoryview], str]] = {}
         self._write_lock = asyncio.Lock()
         self._cancels: set[asyncio.Task[None]] = set()
+        # The peer has answered on a stream: it serves METHOD (see `StreamUnproven`).
+        self.answered = False
 
     def _ensure_open(self) -> Any:
         if self._stream is None:
@@ -305,6 +315,7 @@ class CallStream:
                     body = await stream.read()
                     if body is _EOF:
                         break
+                self.answered = True
                 entry = self._pending.get(call_id)
                 if entry is None or entry[0].done():
                     continue  # answered after the caller gave up
@@ -339,6 +350,8 @@ class CallStream:
     def _failure(self, exc: grpc.aio.AioRpcError, method: str) -> BaseException:
         if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
             return StreamUnsupported(exc.details())
+        if exc.code() == grpc.StatusCode.INTERNAL and not self.answered:
+            return StreamUnproven(exc.details())
         return self._map_error(exc, method)
 
     async def close(self) -> None:

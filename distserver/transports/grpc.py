@@ -460,6 +460,7 @@ class GrpcChannel(Channel):
         self._tensor_path_factory = tensor_path
         self._tensors = tensor_path(self._channel, address)
         self._retired: list[asyncio.Future[None]] = []  # closing: what `_to_foreign_peer` replaced
+        self._unproven_streams = 0  # call streams that broke before the peer ever answered
         self._calls: call_stream.CallStream | None = call_stream.CallStream(
             self._channel, address, lambda exc, method: error_from_rpc(exc, target=address, method=method)
         )
@@ -553,10 +554,20 @@ class GrpcChannel(Channel):
         try:
             return await self._calls.call(service, method, payload, timeout)
         except call_stream.StreamUnsupported:
-            if self._calls is not None:  # the first call to learn it (others may be in flight)
-                self._calls = None  # not a distserver peer: unary calls from now on
-                self._to_foreign_peer()
+            self._stream_is_unsupported()
             return None
+        except call_stream.StreamUnproven:
+            # Perhaps a refusal that raced the first write: this call goes unary; a second
+            # such failure before any answer settles it.
+            self._unproven_streams += 1
+            if self._unproven_streams >= 2:
+                self._stream_is_unsupported()
+            return None
+
+    def _stream_is_unsupported(self) -> None:
+        if self._calls is not None:  # the first call to learn it (others may be in flight)
+            self._calls = None  # not a distserver peer: unary calls from now on
+            self._to_foreign_peer()
 
     def _to_foreign_peer(self) -> None:
         """Reopen without keepalive pings, which TensorFlow servers punish (see KEEPALIVE_MS).

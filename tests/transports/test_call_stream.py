@@ -12,7 +12,7 @@ from distserver import errors
 from distserver.protos.master_pb2 import ListDevicesRequest, ListDevicesResponse
 from distserver.protos.services import MASTER_SERVICE
 from distserver.testing import free_ports
-from distserver.transports import get_transport
+from distserver.transports import call_stream, get_transport
 
 
 async def serve(handler):
@@ -182,3 +182,22 @@ async def test_a_large_response_arrives_whole():
     finally:
         await channel.close()
         await listener.stop(None)
+
+
+async def test_a_bare_internal_before_any_answer_is_not_taken_for_the_peers_error():
+    """A refusal that races the first write surfaces as INTERNAL: the call must go unary,
+    not fail; once the peer has answered on a stream, INTERNAL is an ordinary failure."""
+    async with grpc.aio.insecure_channel("localhost:1") as channel:
+        stream = call_stream.CallStream(
+            channel, "localhost:1", lambda exc, method: errors.UnavailableError(method)
+        )
+        internal = grpc.aio.AioRpcError(
+            grpc.StatusCode.INTERNAL,
+            grpc.aio.Metadata(),
+            grpc.aio.Metadata(),
+            "Internal error from Core",
+            None,
+        )
+        assert isinstance(stream._failure(internal, "RunStep"), call_stream.StreamUnproven)
+        stream.answered = True
+        assert isinstance(stream._failure(internal, "RunStep"), errors.UnavailableError)
