@@ -52,7 +52,7 @@ from distserver.kernels._common import (
     shape_str,
     type_name,
 )
-from distserver.kernels.registry import KernelContext, OpKernel, register_kernel
+from distserver.kernels.registry import KernelContext, OpKernel, product_of, register_kernel
 
 if TYPE_CHECKING:
     from distserver.protos.node_def_pb2 import NodeDef
@@ -624,6 +624,11 @@ class DenseBincountKernel(OpKernel):
         super().__init__(node)
         self.dtype = attr_type_in(self, "T", REAL)
         self.binary = self.attr_bool("binary_output", False)
+
+    def output_nbytes(self, inputs: list[Any]) -> int:
+        # `size` comes from the graph (or a feed) and may dwarf the input.
+        rows = inputs[0].shape[0] if inputs[0].ndim == 2 else 1
+        return rows * max(product_of(inputs[1]), 0) * self.dtype.itemsize
 
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
         values, size_value, weights = inputs

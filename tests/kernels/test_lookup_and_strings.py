@@ -81,3 +81,9 @@ def test_string_to_hash_bucket_fast_is_tensorflows():
     values[:] = texts
     (buckets,) = run_op("StringToHashBucketFast", values, num_buckets=1000003)
     assert buckets.tolist() == [377723, 291400, 497363, 200771, 641401, 666247, 568369]
+
+
+def test_dense_bincount_sizes_its_output_so_a_large_one_leaves_the_event_loop(make_node):
+    kernel = create_kernel(make_node("DenseBincount", name="count", Tidx=np.int32, T=np.float32))
+    values = np.zeros((3, 2), np.int32)
+    assert kernel.output_nbytes([values, np.int32(1 << 20), np.zeros(0, np.float32)]) == 3 * (1 << 20) * 4
