@@ -92,6 +92,21 @@ def _dump(signum, frame):
         json.dump({"dumps": _dumps[0], "counts": dict(_counts)}, f)
     os.replace(path + ".tmp", path)
 signal.signal(signal.SIGUSR1, _dump)
+if os.environ.get("DISTSERVER_BENCH_PROFILE"):
+    import cProfile
+    _profile = [None]
+    def _toggle_profile(signum, frame):
+        # First SIGUSR2: profile the event loop thread from now; second: write the stats.
+        if _profile[0] is None:
+            _profile[0] = cProfile.Profile()
+            _profile[0].enable()
+        else:
+            _profile[0].disable()
+            path = os.path.join(os.environ["DISTSERVER_BENCH_PROFILE"], f"{os.getpid()}.prof")
+            _profile[0].dump_stats(path + ".tmp")
+            os.replace(path + ".tmp", path)
+            _profile[0] = None
+    signal.signal(signal.SIGUSR2, _toggle_profile)
 """
 
 
@@ -135,14 +150,23 @@ class Runtime:
 
 class OursRuntime(Runtime):
     def __init__(
-        self, name: str, protocol: str, jobs: dict[str, int], tree: Path | None, counts_dir: Path
+        self,
+        name: str,
+        protocol: str,
+        jobs: dict[str, int],
+        tree: Path | None,
+        counts_dir: Path,
+        profile_dir: Path | None = None,
     ) -> None:
         self.name = name
+        self.profile_dir = profile_dir
         self.counts_dir = counts_dir
         site = counts_dir / "site"
         paths = [str(site)] + ([str(tree)] if tree is not None else [])
         paths += [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and tree is None]
         env = {"PYTHONPATH": os.pathsep.join(paths), "DISTSERVER_BENCH_COUNTS": str(counts_dir)}
+        if profile_dir is not None:
+            env["DISTSERVER_BENCH_PROFILE"] = str(profile_dir)
         if protocol == "grpc+verbs":
             env["DISTSERVER_VERBS_STRICT"] = "1"
         self.cluster = LocalCluster(jobs, protocol=protocol, env=env).start()
@@ -166,6 +190,23 @@ class OursRuntime(Runtime):
             for method, n in now["counts"].items():
                 total[method] = total.get(method, 0) + n
         return total
+
+    def toggle_profile(self, save_as: str | None = None) -> None:
+        """Start profiling the tasks' event loop threads; with `save_as`, stop and keep the
+        stats as `<profile_dir>/<save_as>-<task>.prof`."""
+        if self.profile_dir is None:
+            return
+        for role, pid in self.pids.items():
+            os.kill(pid, signal.SIGUSR2)
+            if save_as is None:
+                continue
+            written = self.profile_dir / f"{pid}.prof"
+            deadline = time.monotonic() + 30
+            while not written.exists():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{self.name}: task {role} did not write its profile")
+                time.sleep(0.01)
+            written.rename(self.profile_dir / f"{save_as}-{role}.prof")
 
     def lost(self) -> str | None:
         for task, proc in self.cluster.processes.items():
@@ -366,7 +407,8 @@ def _measure_layout(
             (counts_dir / "site").mkdir(parents=True)
             (counts_dir / "site" / "sitecustomize.py").write_text(_COUNTER)
             log(f"[{layout}] starting {name}")
-            runtimes.append(OursRuntime(name, protocol, jobs, tree, counts_dir))
+            profile_dir = Path(options["profile"]) if options.get("profile") else None
+            runtimes.append(OursRuntime(name, protocol, jobs, tree, counts_dir, profile_dir))
         if TF in runtimes_wanted:
             log(f"[{layout}] starting {TF}")
             runtimes.append(TFRuntime(options["tf_python"], jobs))
@@ -405,6 +447,9 @@ def _measure_workload(
             "loopback": {"bytes": 0, "packets": 0},
             "calls": {},
         }
+    ours = [r for r in runtimes if isinstance(r, OursRuntime)]
+    for runtime in ours:
+        runtime.toggle_profile()
     try:
         for block in range(options["blocks"]):
             shift = block % len(runtimes)
@@ -414,6 +459,8 @@ def _measure_workload(
                     raise RuntimeError(lost)
                 _time_block(options, client, runtime, per[runtime.name])
             log(f"[{layout}] {workload}: block {block + 1}/{options['blocks']}")
+        for runtime in ours:
+            runtime.toggle_profile(save_as=f"{layout}-{workload}-{runtime.name}")
     finally:
         for runtime in runtimes:
             with contextlib.suppress(Exception):
@@ -475,6 +522,7 @@ def run_training_benchmark(
     settle: int = 3,
     trees: dict[str, str] | None = None,
     tf_python: str | None = None,
+    profile: str | None = None,
     max_seconds: float = 900.0,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
@@ -492,6 +540,9 @@ def run_training_benchmark(
         trees: name -> another source tree of distserver, run as more runtimes
             ("grpc[name]", ...).
         tf_python: TensorFlow's interpreter (default: `_tfenv.find_or_create`).
+        profile: a directory: profile the event loop thread of every distserver task
+            over the timed blocks (cProfile), one `<layout>-<workload>-<runtime>-<task>.prof`
+            each.
         max_seconds: the whole run is stopped after this long.
 
     Returns: {"results": {layout: {workload: {runtime: summary}}}, "tensorflow",
@@ -519,6 +570,7 @@ def run_training_benchmark(
         "settle": settle,
         "trees": {k: str(Path(v).resolve()) for k, v in (trees or {}).items()},
         "tf_python": tf_python,
+        "profile": str(Path(profile).resolve()) if profile else None,
     }
     prefix = _netns_prefix()
     if prefix is None:
@@ -623,6 +675,7 @@ def main() -> None:
     parser.add_argument(
         "--tree", action="append", default=[], metavar="NAME=PATH", help="another distserver tree"
     )
+    parser.add_argument("--profile", metavar="DIR", help="cProfile our tasks' loop threads into DIR")
     parser.add_argument("--max-seconds", type=float, default=900.0)
     parser.add_argument("--json", help="also write the report here")
     args = parser.parse_args()
@@ -642,6 +695,7 @@ def main() -> None:
             warmup=args.warmup,
             settle=args.settle,
             trees=trees,
+            profile=args.profile,
             max_seconds=args.max_seconds,
         )
     except (ValueError, RuntimeError, _tfenv.TFUnavailable) as exc:
