@@ -68,6 +68,13 @@ class StepContext:
     checkpoint_root: str | None = None
 
 
+# How the executor runs a node's kernel (`_Node.mode`), decided once per graph.
+_INLINE = 0  # synchronously on the loop, whatever its inputs
+_BY_SIZE = 1  # in the thread pool when its inputs (or its estimated output) are large
+_THREAD = 2  # always in the thread pool (`OpKernel.does_io`)
+_TASK = 3  # as a task (`OpKernel.is_async`)
+
+
 @dataclass
 class _Node:
     index: int
@@ -78,6 +85,9 @@ class _Node:
     control_consumers: list[int] = field(default_factory=list)  # the control edges among `consumers`
     num_reads: int = 0  # data edges out of this node: how many times its outputs are taken
     sizes_its_output: bool = False  # the kernel estimates its output (`OpKernel.output_nbytes`)
+    mode: int = _INLINE
+    # The producers of `inputs`, one entry per data edge (`unread` bookkeeping).
+    sources: tuple[int, ...] = ()
 
 
 class Executor:
@@ -120,6 +130,9 @@ class Executor:
                     self._nodes[src].num_reads += 1
                 self._nodes[src].consumers.append(i)
                 node.num_waits += 1
+        for node in self._nodes:
+            node.mode = _mode_of(node)
+            node.sources = tuple(src for src, _ in node.inputs)
         self._roots = [n.index for n in self._nodes if n.num_waits == 0]
         self._check_acyclic()
 
@@ -158,6 +171,7 @@ class Executor:
         outputs: list[list[Any] | None] = [None] * len(nodes)
         dead_control = [False] * len(nodes)  # a control input of the node is dead
         ready = deque(self._roots)
+        pool = ctx.pool
         wake = asyncio.Event()
         in_flight = 0
         # Whether a dead value exists in this step yet: until one does (most steps have no
@@ -202,22 +216,33 @@ class Executor:
                 while True:
                     while ready:
                         node = nodes[ready.popleft()]
-                        inputs = [_output(nodes, outputs, src, k, node) for src, k in node.inputs]
-                        for src, _ in node.inputs:
-                            unread[src] -= 1
-                            if not unread[src]:
+                        if saw_dead:
+                            inputs = [_output(nodes, outputs, src, k, node) for src, k in node.inputs]
+                        else:
+                            # No dead value yet, so no `_DEAD_OUTPUTS`: plain indexing (an
+                            # output index out of range takes the checked path for its error).
+                            try:
+                                inputs = [outputs[src][k] for src, k in node.inputs]  # type: ignore[index]
+                            except IndexError:
+                                inputs = [_output(nodes, outputs, src, k, node) for src, k in node.inputs]
+                        for src in node.sources:
+                            left = unread[src] - 1
+                            unread[src] = left
+                            if not left:
                                 outputs[src] = None
-                        dead = saw_dead and (dead_control[node.index] or any(v is DEAD for v in inputs))
-                        if dead and node.kernel.dead_inputs != SKIP_WHEN_DEAD:
+                        if saw_dead and (dead_control[node.index] or any(v is DEAD for v in inputs)):
+                            if node.kernel.dead_inputs == SKIP_WHEN_DEAD:
+                                finish(node.index, _DEAD_OUTPUTS)
+                                continue
                             if node.kernel.dead_inputs == CARRIES_DEADNESS:
                                 inputs = [DEAD] * len(inputs)
-                        elif dead:
-                            finish(node.index, _DEAD_OUTPUTS)
-                            continue
-                        if node.kernel.is_async:
+                        mode = node.mode
+                        if mode == _TASK:
                             in_flight += 1
                             group.create_task(run_task(node, inputs, offload=False))
-                        elif ctx.pool is not None and _belongs_in_a_thread(node, inputs):
+                        elif pool is not None and (
+                            mode == _THREAD or (mode == _BY_SIZE and _large(node, inputs))
+                        ):
                             in_flight += 1
                             group.create_task(run_task(node, inputs, offload=True))
                         elif stats is not None:
@@ -285,13 +310,26 @@ def _record(stats: DeviceStepStats, kernel: OpKernel, started_ns: int, ended_ns:
     )
 
 
-def _belongs_in_a_thread(node: _Node, inputs: list[Any]) -> bool:
+def _mode_of(node: _Node) -> int:
+    """How `node` runs (see `_INLINE`...): fixed by its kernel and its graph."""
+    kernel = node.kernel
+    if kernel.is_async:
+        return _TASK
+    if kernel.runs_on_loop:
+        return _INLINE
+    if kernel.does_io:
+        return _THREAD
+    if node.inputs or node.sizes_its_output:
+        return _BY_SIZE
+    return _INLINE  # no inputs and no output estimate: nothing can make it large
+
+
+def _large(node: _Node, inputs: list[Any]) -> bool:
     """Whether the kernel's work is large enough for a thread: large inputs, or a large output."""
-    if node.kernel.runs_on_loop:
-        return False
-    if node.kernel.does_io:
-        return True
-    nbytes = sum(v.nbytes for v in inputs if isinstance(v, np.ndarray))
+    nbytes = 0
+    for value in inputs:
+        if isinstance(value, np.ndarray):
+            nbytes += value.nbytes
     if node.sizes_its_output:
         nbytes += node.kernel.output_nbytes(inputs)
     return nbytes >= OFFLOAD_BYTES

@@ -111,3 +111,18 @@ async def test_the_graphs_of_a_session_share_its_stateful_kernels():
     other_session = Executor(graph.as_graph_def(), {})
     assert first._nodes[0].kernel is second._nodes[0].kernel
     assert other_session._nodes[0].kernel is not first._nodes[0].kernel
+
+
+@pytest.mark.parametrize(("elements", "offloaded"), [(16, set()), (MiB, {"filled", "negated"})])
+async def test_the_way_each_node_runs_is_decided_once_and_still_follows_input_sizes(elements, offloaded):
+    # The executor fixes at registration which nodes may leave the loop (`_Node.mode`: a
+    # node without inputs or an output estimate never does); whether one of the others
+    # does is still decided per step, from the size of its inputs.
+    with ds.Graph().as_default() as graph:
+        big = ds.fill([elements], np.float32(1.0), name="filled")
+        ds.negative(big, name="negated")
+        ds.constant(np.ones(elements, np.float32), name="const")
+    executor = Executor(graph.as_graph_def())
+    with _CountingPool() as pool:
+        await executor.run(_step_context(pool))
+    assert set(pool.kernels) == offloaded, pool.kernels
