@@ -234,7 +234,7 @@ def _dereference(kernel: OpKernel, inputs: list[Any]) -> list[Any]:
     values = list(inputs)
     for i, value in enumerate(values):
         if type(value) is VariableRef and i not in kernel.ref_inputs:
-            current = value.variable.value
+            current = value.variable.read()
             if current is None:
                 data_inputs = [t for t in kernel.node.input if not t.startswith("^")]
                 requested = data_inputs[i] if i < len(data_inputs) else value.name

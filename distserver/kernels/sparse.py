@@ -352,21 +352,38 @@ class _SparseApplyKernel(_ApplyKernel):
                     values[name] = value
         assert grad is not None
         assert indices is not None
-        with _locked([variable for variable, _ in variables.values()]):
+        targets = [variable for variable, _ in variables.values()]
+        with _locked(targets):
+            # Unshared variables get their rows written in place (see `_ApplyKernel`);
+            # decided before this kernel takes references to the arrays itself.
+            in_place = len({id(v) for v in targets}) == len(targets) and all(v.unshared() for v in targets)
             current = self._current_values(variables)
             self._check_shapes(current, grad, indices)
             rows = indices.astype(np.int64, copy=False)
-            updated = {name: np.array(value, copy=True) for name, value in current.items()}
-            with np.errstate(all="ignore"):
-                for positions in sparse_rows_passes(rows):
-                    picked = rows[positions]
-                    x = {name: updated[name][picked] for name in updated}
-                    x.update(values)
-                    x["grad"] = grad[positions]
-                    for name, new_rows in self.update(**x).items():
-                        updated[name][picked] = new_rows
-            for name, new_value in updated.items():
-                variables[name][0].replace(array(new_value, self.dtype))
+            if in_place:
+                updated = current
+                for value in updated.values():
+                    value.flags.writeable = True
+            else:
+                updated = {name: np.array(value, copy=True) for name, value in current.items()}
+            try:
+                with np.errstate(all="ignore"):
+                    for positions in sparse_rows_passes(rows):
+                        picked = rows[positions]
+                        x = {name: updated[name][picked] for name in updated}
+                        x.update(values)
+                        x["grad"] = grad[positions]
+                        for name, new_rows in self.update(**x).items():
+                            updated[name][picked] = new_rows
+            finally:
+                if in_place:
+                    for value in updated.values():
+                        value.flags.writeable = False
+            if in_place:
+                type(self).in_place_updates += 1
+            else:
+                for name, new_value in updated.items():
+                    variables[name][0].replace(array(new_value, self.dtype))
         return [inputs[0]] if self.on_refs else []
 
     def _check_scalar(self, name: str, value: np.ndarray) -> None:
