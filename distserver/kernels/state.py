@@ -407,11 +407,12 @@ class _ApplyKernel(_VariableKernel):
             values[name] = value.reshape(()) if kind == "scalar" else value
         targets = [variable for variable, _ in variables.values()]
         with _locked(targets):
-            # Decided before this kernel takes references to the arrays itself.
+            # Decided before this kernel takes references to the arrays itself. Scalars
+            # are not worth it (numpy's temporaries of 0-d arrays are not arrays).
             in_place = (
                 self.may_update_in_place
                 and len({id(v) for v in targets}) == len(targets)
-                and all(v.unshared() for v in targets)
+                and all(v.unshared() and v.value is not None and v.value.ndim for v in targets)
             )
             for name, (variable, missing) in variables.items():
                 current = variable.value

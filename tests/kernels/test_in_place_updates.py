@@ -111,6 +111,19 @@ def test_in_place_updates_give_the_same_bits_and_never_touch_a_held_value(make_n
             assert not held.flags.writeable
 
 
+@pytest.mark.parametrize("op", sorted(set(SLOTS) - {"ResourceSparseApplyAdagrad"}))
+def test_scalar_variables_are_updated_out_of_place(make_node, op):
+    ctx = Context()
+    slots = [_variable(make_node, ctx, f"v{i}", np.array(0.5 + i, np.float32)) for i in range(SLOTS[op])]
+    kernel = create_kernel(make_node(op, T=np.float32))
+    before = weakref.ref(slots[0][1].value)
+    kernel.compute(
+        ctx, _optimizer_inputs(op, [h for h, _ in slots], np.array(0.25, np.float32), np.float32, [])
+    )
+    assert slots[0][1].value is not before()
+    assert slots[0][1].value.shape == ()
+
+
 def test_a_view_of_the_value_counts_as_a_reader(make_node):
     ctx = Context()
     handle, resource = _variable(make_node, ctx, "v", np.zeros(8, np.float32))
