@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from distserver import errors
+from distserver._blas import set_blas_threads, user_chose_threads
 from distserver._process import die_with_parent, run
 from distserver.cluster import TFConfigClusterResolver
 from distserver.facade import Session
@@ -194,6 +195,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="directory under which checkpoint ops (tf.compat.v1.train.Saver) may read and write; "
         "without it they are refused (docs/checkpoints.md)",
     )
+    serve.add_argument(
+        "--blas-threads",
+        type=int,
+        metavar="N",
+        help="threads numpy's BLAS may use per matrix product (default: 1, unless "
+        "OPENBLAS_NUM_THREADS or OMP_NUM_THREADS is set; kernels already run in parallel)",
+    )
     _add_security_options(serve, serving=True)
 
     status = commands.add_parser("status", help="list the devices of a running cluster")
@@ -214,6 +222,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "serve":
             die_with_parent()
             _keep_freed_memory()
+            if args.blas_threads is not None or not user_chose_threads():
+                set_blas_threads(args.blas_threads or 1)
             return run(_serve(args))
         if args.command == "status":
             return run(_status(args))
