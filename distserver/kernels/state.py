@@ -105,6 +105,7 @@ class VarHandleOpKernel(OpKernel):
     """Outputs the handle of variable `shared_name` (or the node's name) on this device."""
 
     is_stateful = True
+    outputs_fixed = True
 
     def __init__(self, node: NodeDef) -> None:
         super().__init__(node)

@@ -5,6 +5,10 @@ kernel (so unknown ops and bad attrs fail at registration, naming the node),
 resolves inputs, and rejects cycles. `run(ctx)` then executes one step:
 
 * Ready-queue scheduling: a node runs once all its data and control inputs have.
+* Per-step work that does not depend on the data is done once, at registration or
+  at the first step: how each node runs (`_Node.mode`), and the outputs of nodes
+  without inputs whose kernel says they are fixed (`OpKernel.outputs_fixed`: Const,
+  VarHandleOp), which later steps start from (a traced step still runs every node).
 * Small synchronous kernels run inline on the event loop (a task per node would
   cost more than the node). Kernels whose inputs are large, or whose output will
   be (`OpKernel.output_nbytes`: Fill, Tile, Range, random tensors), run in the
@@ -135,6 +139,29 @@ class Executor:
             node.sources = tuple(src for src, _ in node.inputs)
         self._roots = [n.index for n in self._nodes if n.num_waits == 0]
         self._check_acyclic()
+        self._plan_fixed_nodes()
+
+    def _plan_fixed_nodes(self) -> None:
+        """Where a step starts once the nodes with fixed outputs (`OpKernel.outputs_fixed`,
+        no inputs) have run: they run once per device, not once per step."""
+        self._fixed = [i for i in self._roots if self._nodes[i].kernel.outputs_fixed]
+        self._fixed_outputs: dict[str, list[list[Any]]] = {}  # device -> outputs of each fixed node
+        waits = [n.num_waits for n in self._nodes]
+        ready = [i for i in self._roots if not self._nodes[i].kernel.outputs_fixed]
+        for i in self._fixed:
+            for c in self._nodes[i].consumers:
+                waits[c] -= 1
+                if waits[c] == 0:
+                    ready.append(c)
+        self._waits_after_fixed = waits
+        self._ready_after_fixed = ready
+
+    def _fixed_values(self, ctx: StepContext) -> list[list[Any]]:
+        values = self._fixed_outputs.get(ctx.device)
+        if values is None:
+            values = [_compute(self._nodes[i].kernel, ctx, []) for i in self._fixed]
+            self._fixed_outputs[ctx.device] = values
+        return values
 
     def _check_acyclic(self) -> None:
         waits = [n.num_waits for n in self._nodes]
@@ -165,12 +192,19 @@ class Executor:
         end, a timeline label; what `RunOptions(trace_level=FULL_TRACE)` returns).
         """
         nodes = self._nodes
-        waits = [n.num_waits for n in nodes]
         # Outputs still to be taken by a consumer; a node's entry is dropped with its last read.
         unread = [n.num_reads for n in nodes]
         outputs: list[list[Any] | None] = [None] * len(nodes)
         dead_control = [False] * len(nodes)  # a control input of the node is dead
-        ready = deque(self._roots)
+        if self._fixed and stats is None:  # a traced step shows every node run
+            waits = list(self._waits_after_fixed)
+            ready = deque(self._ready_after_fixed)
+            for i, values in zip(self._fixed, self._fixed_values(ctx), strict=True):
+                if unread[i]:
+                    outputs[i] = values
+        else:
+            waits = [n.num_waits for n in nodes]
+            ready = deque(self._roots)
         pool = ctx.pool
         wake = asyncio.Event()
         in_flight = 0

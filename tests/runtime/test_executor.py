@@ -126,3 +126,28 @@ async def test_the_way_each_node_runs_is_decided_once_and_still_follows_input_si
     with _CountingPool() as pool:
         await executor.run(_step_context(pool))
     assert set(pool.kernels) == offloaded, pool.kernels
+
+
+async def test_nodes_with_fixed_outputs_run_once_per_device_unless_the_step_is_traced(monkeypatch):
+    from distserver.kernels.array import ConstKernel
+    from distserver.protos.debug_pb2 import DeviceStepStats
+
+    runs: list[str] = []
+    original = ConstKernel.compute
+
+    def counting(self, ctx, inputs):
+        runs.append(self.name)
+        return original(self, ctx, inputs)
+
+    monkeypatch.setattr(ConstKernel, "compute", counting)
+    with ds.Graph().as_default() as graph:
+        a = ds.constant(np.float32(2.0), name="a")
+        ds.add(a, ds.constant(np.float32(3.0), name="b"), name="total")
+    executor = Executor(graph.as_graph_def())
+    for _ in range(3):
+        await executor.run(_step_context(None))
+    assert sorted(runs) == ["a", "b"]  # the first step computed them; later steps reused them
+    stats = DeviceStepStats()
+    await executor.run(_step_context(None), stats)
+    assert sorted(runs) == ["a", "a", "b", "b"]  # a traced step shows every node
+    assert {s.node_name for s in stats.node_stats} == {"a", "b", "total"}
