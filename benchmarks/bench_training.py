@@ -400,8 +400,8 @@ def _measure_layout(
         for protocol in PROTOCOLS:
             if protocol in runtimes_wanted:
                 specs.append((protocol, protocol, None))
-            for tree_name, tree in trees.items():
-                specs.append((f"{protocol}[{tree_name}]", protocol, Path(tree)))
+                for tree_name, tree in trees.items():
+                    specs.append((f"{protocol}[{tree_name}]", protocol, Path(tree)))
         for name, protocol, tree in specs:
             counts_dir = tmp / f"counts-{layout}-{len(runtimes)}"
             (counts_dir / "site").mkdir(parents=True)
