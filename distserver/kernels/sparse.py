@@ -28,6 +28,7 @@ TF kernels have updated the rows before the bad one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import ml_dtypes
@@ -334,7 +335,7 @@ class _SparseApplyKernel(_ApplyKernel):
         self.index_type = attr_type_in(self, "Tindices", INDEX_TYPES)
 
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
-        variables: dict[str, tuple[Any, str]] = {}
+        variables: dict[str, tuple[Any, Callable[[], str]]] = {}
         values: dict[str, np.ndarray] = {}
         grad = indices = None
         for i, ((name, kind), value) in enumerate(zip(self.signature, inputs, strict=True)):
@@ -397,7 +398,7 @@ class _SparseApplyKernel(_ApplyKernel):
                 raise kernel_error(self, f"{rule[1]} is not a {rule[0]} scalar: {shape_str(value.shape)}")
             raise kernel_error(self, self.scalar_text.format(name=name, shape=shape_str(value.shape)))
 
-    def _current_values(self, variables: dict[str, tuple[Any, str]]) -> dict[str, np.ndarray]:
+    def _current_values(self, variables: dict[str, tuple[Any, Callable[[], str]]]) -> dict[str, np.ndarray]:
         current: dict[str, np.ndarray] = {}
         for name, (variable, missing) in variables.items():
             value = variable.value
@@ -405,10 +406,10 @@ class _SparseApplyKernel(_ApplyKernel):
                 if self.on_refs:
                     raise kernel_error(
                         self,
-                        f"Attempting to use uninitialized variables: {missing}",
+                        f"Attempting to use uninitialized variables: {missing()}",
                         errors.FailedPreconditionError,
                     )
-                raise kernel_error(self, missing, errors.NotFoundError)
+                raise kernel_error(self, missing(), errors.NotFoundError)
             check_input_dtype(self, 0, value, self.dtype)
             current[name] = value
         return current

@@ -22,7 +22,7 @@ The optimizer kernels (`ResourceApplyGradientDescent`, `...Momentum`, `...Adam`,
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -388,15 +388,18 @@ class _ApplyKernel(_VariableKernel):
             type(self).update_in_place is not _ApplyKernel.update_in_place and self.dtype in _IN_PLACE_TYPES
         )
 
-    def _variable(self, ctx: KernelContext, index: int, value: Any) -> tuple[VariableResource, str]:
-        """The variable input `index` names, and the text naming it when it has no value."""
+    def _variable(
+        self, ctx: KernelContext, index: int, value: Any
+    ) -> tuple[VariableResource, Callable[[], str]]:
+        """The variable input `index` names, and what makes the text naming it when it
+        has no value (only then: the text costs more than the update of a small variable)."""
         if self.on_refs:
-            return ref_input(self, value, index).variable, requested_input(self, index)
+            return ref_input(self, value, index).variable, lambda: requested_input(self, index)
         handle = self._handle(ctx, value)
-        return self._lookup(ctx, handle), _missing_text(handle)
+        return self._lookup(ctx, handle), lambda: _missing_text(handle)
 
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
-        variables: dict[str, tuple[VariableResource, str]] = {}
+        variables: dict[str, tuple[VariableResource, Callable[[], str]]] = {}
         values: dict[str, np.ndarray] = {}
         for i, ((name, kind), value) in enumerate(zip(self.signature, inputs, strict=True)):
             if kind == "var":
@@ -421,10 +424,10 @@ class _ApplyKernel(_VariableKernel):
                     if self.on_refs:
                         raise kernel_error(
                             self,
-                            f"Attempting to use uninitialized variables: {missing}",
+                            f"Attempting to use uninitialized variables: {missing()}",
                             errors.FailedPreconditionError,
                         )
-                    raise kernel_error(self, missing, errors.NotFoundError)
+                    raise kernel_error(self, missing(), errors.NotFoundError)
                 check_input_dtype(self, 0, current, self.dtype)
                 values[name] = current
             shape = values["var"].shape
