@@ -5,8 +5,10 @@ kernels already run side by side; OpenBLAS adds, by default, one more thread per
 to every matrix product, and on a machine whose cores are busy those threads wait
 for each other: a 256x784 @ 784x512 float32 product took 8.5 ms with OpenBLAS's
 default threads and 1.3 ms with one, on a 2-core VM running other work
-(docs/benchmarks.md, "Training steps"). `distserver serve` therefore limits BLAS to
-one thread unless told otherwise (`--blas-threads`, or OPENBLAS_NUM_THREADS /
+(docs/benchmarks.md, "Training steps"). `distserver serve` therefore gives BLAS
+this host's cores shared among the cluster's tasks on this host
+(`threads_per_local_task`: one thread each when there are at least as many tasks as
+cores), unless told otherwise (`--blas-threads`, or OPENBLAS_NUM_THREADS /
 OMP_NUM_THREADS set by the user, which OpenBLAS reads itself).
 """
 
@@ -14,6 +16,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+import socket
+from collections.abc import Iterable
 
 # Setter names of the OpenBLAS builds numpy ships or links (scipy-openblas renames them).
 _GETTERS = (
@@ -28,6 +32,18 @@ _SETTERS = (
     "openblas_set_num_threads64_",
     "openblas_set_num_threads",
 )
+
+
+def threads_per_local_task(addresses: Iterable[str], cpus: int) -> int:
+    """`cpus` shared among the tasks of `addresses` that run on this host (at least one
+    thread; a task whose host is not recognised as this one does not count)."""
+    local_names = {"localhost", "127.0.0.1", "::1", "0.0.0.0", socket.gethostname()}
+    local = 0
+    for address in addresses:
+        host = address.rpartition(":")[0].strip("[]") if ":" in address else address
+        if host in local_names or host.startswith("127."):
+            local += 1
+    return max(1, cpus // max(1, local))
 
 
 def user_chose_threads() -> bool:

@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from distserver import errors
-from distserver._blas import set_blas_threads, user_chose_threads
+from distserver._blas import set_blas_threads, threads_per_local_task, user_chose_threads
 from distserver._process import die_with_parent, run
-from distserver.cluster import TFConfigClusterResolver
+from distserver.cluster import ClusterSpec, TFConfigClusterResolver
 from distserver.facade import Session
 from distserver.protos.master_pb2 import ListDevicesRequest
 from distserver.runtime.clients import RemoteMaster
@@ -80,6 +80,12 @@ _M_MMAP_MAX = -4
 
 async def _serve(args: argparse.Namespace) -> int:
     cluster, job, task, protocol = _cluster_and_task(args)
+    if args.blas_threads is not None:
+        set_blas_threads(args.blas_threads)
+    elif not user_chose_threads():
+        spec = ClusterSpec(cluster)
+        addresses = [address for name in spec.jobs for address in spec.job_tasks(name) if address]
+        set_blas_threads(threads_per_local_task(addresses, os.cpu_count() or 1))
     server = AsyncServer(
         cluster,
         job,
@@ -199,8 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--blas-threads",
         type=int,
         metavar="N",
-        help="threads numpy's BLAS may use per matrix product (default: 1, unless "
-        "OPENBLAS_NUM_THREADS or OMP_NUM_THREADS is set; kernels already run in parallel)",
+        help="threads numpy's BLAS may use per matrix product (default: this host's CPUs "
+        "shared among the cluster's tasks on this host, unless OPENBLAS_NUM_THREADS or "
+        "OMP_NUM_THREADS is set)",
     )
     _add_security_options(serve, serving=True)
 
@@ -222,8 +229,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "serve":
             die_with_parent()
             _keep_freed_memory()
-            if args.blas_threads is not None or not user_chose_threads():
-                set_blas_threads(args.blas_threads or 1)
             return run(_serve(args))
         if args.command == "status":
             return run(_status(args))

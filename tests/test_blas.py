@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from distserver._blas import set_blas_threads
+from distserver._blas import set_blas_threads, threads_per_local_task
 
 PROBE = """
 import sys
@@ -43,3 +43,12 @@ def test_set_blas_threads_changes_numpys_openblas():
 def test_a_thread_count_below_one_is_refused():
     with pytest.raises(ValueError, match="at least 1"):
         set_blas_threads(0)
+
+
+def test_the_hosts_cpus_are_shared_among_the_clusters_tasks_on_this_host():
+    three_local = ["localhost:1", "127.0.0.1:2", "[::1]:3"]
+    assert threads_per_local_task(three_local, 2) == 1
+    assert threads_per_local_task(three_local, 8) == 2
+    assert threads_per_local_task(["localhost:1"], 4) == 4
+    assert threads_per_local_task(["localhost:1", "far.example.com:2"], 4) == 4  # another host
+    assert threads_per_local_task([], 4) == 4
