@@ -6,10 +6,10 @@ to every matrix product, and on a machine whose cores are busy those threads wai
 for each other: a 256x784 @ 784x512 float32 product took 8.5 ms with OpenBLAS's
 default threads and 1.3 ms with one, on a 2-core VM running other work
 (docs/benchmarks.md, "Training steps"). `distserver serve` therefore gives BLAS
-this host's cores shared among the cluster's tasks on this host
-(`threads_per_local_task`: one thread each when there are at least as many tasks as
-cores), unless told otherwise (`--blas-threads`, or OPENBLAS_NUM_THREADS /
-OMP_NUM_THREADS set by the user, which OpenBLAS reads itself).
+half of this task's share of the host's cores (`threads_per_local_task`: one
+thread on this 2-core VM, 16 for a single task on 32 cores), unless told
+otherwise (`--blas-threads`, or OPENBLAS_NUM_THREADS / OMP_NUM_THREADS set by the
+user, which OpenBLAS reads itself).
 """
 
 from __future__ import annotations
@@ -35,15 +35,19 @@ _SETTERS = (
 
 
 def threads_per_local_task(addresses: Iterable[str], cpus: int) -> int:
-    """`cpus` shared among the tasks of `addresses` that run on this host (at least one
-    thread; a task whose host is not recognised as this one does not count)."""
+    """Half of this task's share of `cpus` among the tasks of `addresses` on this host,
+    at least one (a task whose host is not recognised as this one does not count).
+
+    Half: the task's own kernel pool, event loop and transport threads use the rest,
+    as TensorFlow splits its inter-op and intra-op threads.
+    """
     local_names = {"localhost", "127.0.0.1", "::1", "0.0.0.0", socket.gethostname()}
     local = 0
     for address in addresses:
         host = address.rpartition(":")[0].strip("[]") if ":" in address else address
         if host in local_names or host.startswith("127."):
             local += 1
-    return max(1, cpus // max(1, local))
+    return max(1, cpus // max(1, local) // 2)
 
 
 def user_chose_threads() -> bool:

@@ -205,9 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--blas-threads",
         type=int,
         metavar="N",
-        help="threads numpy's BLAS may use per matrix product (default: this host's CPUs "
-        "shared among the cluster's tasks on this host, unless OPENBLAS_NUM_THREADS or "
-        "OMP_NUM_THREADS is set)",
+        help="threads numpy's BLAS may use per matrix product (default: half of this task's "
+        "share of the host's CPUs, at least 1, unless OPENBLAS_NUM_THREADS or OMP_NUM_THREADS is set)",
     )
     _add_security_options(serve, serving=True)
 

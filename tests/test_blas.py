@@ -45,10 +45,11 @@ def test_a_thread_count_below_one_is_refused():
         set_blas_threads(0)
 
 
-def test_the_hosts_cpus_are_shared_among_the_clusters_tasks_on_this_host():
+def test_each_task_gets_half_its_share_of_the_hosts_cpus():
     three_local = ["localhost:1", "127.0.0.1:2", "[::1]:3"]
     assert threads_per_local_task(three_local, 2) == 1
-    assert threads_per_local_task(three_local, 8) == 2
-    assert threads_per_local_task(["localhost:1"], 4) == 4
-    assert threads_per_local_task(["localhost:1", "far.example.com:2"], 4) == 4  # another host
-    assert threads_per_local_task([], 4) == 4
+    assert threads_per_local_task(three_local, 12) == 2
+    assert threads_per_local_task(["localhost:1"], 2) == 1
+    assert threads_per_local_task(["localhost:1"], 32) == 16
+    assert threads_per_local_task(["localhost:1", "far.example.com:2"], 8) == 4  # another host
+    assert threads_per_local_task([], 8) == 4
