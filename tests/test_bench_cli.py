@@ -178,3 +178,30 @@ def test_a_size_that_does_not_fit_in_memory_is_skipped_with_the_reason():
     # A running cluster's memory is not ours to count: only the client's copy.
     external = ClusterSide("cluster", "external", target="grpc://h:1", ps_target="grpc://h:2")
     assert memory_shortfall(GiB, [external], available=2 * GiB) is None
+
+
+def test_progress_is_plain_lines_off_a_terminal_and_a_bar_on_one():
+    import io
+
+    from distserver.bench.progress import Progress
+
+    plain = io.StringIO()
+    progress = Progress(2, plain)
+    assert not progress.live
+    progress.start("RecvTensor 4 KiB")
+    progress.done()
+    progress.write("starting grpc")
+    progress.close()
+    lines = plain.getvalue().splitlines()
+    assert lines[0].startswith("[bench] [1/2] RecvTensor 4 KiB (")
+    assert lines[1] == "[bench] starting grpc"
+
+    pytest.importorskip("tqdm")  # the bench extra
+    terminal = io.StringIO()
+    progress = Progress(2, terminal, live=True)
+    assert progress.live
+    progress.start("fetch 1 MiB")
+    progress.done()
+    progress.close()
+    assert "fetch 1 MiB" in terminal.getvalue()
+    assert "1/2" in terminal.getvalue()

@@ -7,6 +7,7 @@ output stays readable.
 
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 from typing import Any, TextIO
@@ -29,7 +30,11 @@ class Progress:
             except ImportError:
                 tqdm = None
             if tqdm is not None:
-                self._bar = tqdm(total=total, file=self.stream, unit="step", dynamic_ncols=True, leave=False)
+                # A terminal that reports a size of 0x0 (some ptys) gets 100x20, not an invisible bar.
+                size = shutil.get_terminal_size((100, 20))
+                self._bar = tqdm(
+                    total=total, file=self.stream, unit="measurement", ncols=size.columns, nrows=size.lines
+                )
 
     @property
     def live(self) -> bool:

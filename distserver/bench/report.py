@@ -15,6 +15,8 @@ def size_label(nbytes: int) -> str:
 
 
 def fmt_time(seconds: float) -> str:
+    if seconds < 1e-5:
+        return f"{seconds * 1e6:.1f} µs"
     if seconds < 1e-3:
         return f"{seconds * 1e6:.0f} µs"
     if seconds < 1.0:

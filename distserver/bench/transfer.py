@@ -24,6 +24,7 @@ A size whose tensors would not fit in the memory available now is skipped, sayin
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import platform
 import statistics
@@ -113,6 +114,7 @@ class _Run:
         self.report: dict[str, Any] = {
             "workload": "transfer",
             "command": options.command,
+            "started_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "machine": machine(),
             "params": {
                 "protocols": options.protocols,
@@ -453,7 +455,8 @@ def tables(data: dict[str, Any]) -> str:
         + ", ".join(f"{k} {v}" for k, v in m["versions"].items() if v)
         + (f"; TensorFlow {m['tensorflow']}" if "tensorflow" in m else ""),
         "",
-        f"Load: load average {m['loadavg_start']} at start, {m.get('loadavg_end', '?')} at end; "
+        f"Started {data['started_utc']}, {data.get('wall_s', 0):.0f} s. Load: load average "
+        f"{m['loadavg_start']} at start, {m.get('loadavg_end', '?')} at end; "
         f"{m.get('run_busy_cpus', 0):.2f} of {m['cpus_usable']} CPUs busy on average during the run "
         "(benchmark included).",
         "",
