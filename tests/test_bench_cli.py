@@ -205,3 +205,25 @@ def test_progress_is_plain_lines_off_a_terminal_and_a_bar_on_one():
     progress.close()
     assert "fetch 1 MiB" in terminal.getvalue()
     assert "1/2" in terminal.getvalue()
+
+
+def test_the_grpcio_baseline_server_refuses_a_bad_size_and_serves_a_good_one():
+    import grpc
+
+    from distserver.bench.grpcio_baseline import MAX_BYTES, STREAM, UNARY, GrpcioSide
+
+    side = GrpcioSide("grpcio unary", "unary")
+    side.start()
+    try:
+        assert side.channel is not None
+        unary = side.channel.unary_unary(UNARY)
+        for request in (b"abc", (0).to_bytes(8, "little"), (MAX_BYTES + 1).to_bytes(8, "little")):
+            with pytest.raises(grpc.RpcError) as failure:
+                unary(request, timeout=30)
+            assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert unary((4096).to_bytes(8, "little"), timeout=30) == b"\x01" * 4096
+        chunks = list(side.channel.unary_stream(STREAM)(((1 << 20) + 4).to_bytes(8, "little"), timeout=30))
+        assert [len(chunk) for chunk in chunks] == [1 << 20, 4]
+    finally:
+        side.stop()
+    assert side.proc is None

@@ -267,7 +267,13 @@ class _Run:
                     for side, result in self._measure(f"fetch {size}", fetchers, "fetch", nbytes, repeats):
                         self._record("fetch", side.name, str(nbytes), result)
             if levels and self.cluster_sides:
-                self.concurrency(levels)
+                # The push cluster holds a tensor on every worker at once.
+                peak = options.concurrency_size * levels[-1]
+                if self.fits(peak, self.cluster_sides):
+                    self.concurrency(levels)
+                else:
+                    for _ in range(2 * len(levels) * len(self.cluster_sides)):
+                        self.progress.done()
         except timing.BudgetExceeded as exc:
             self.report["errors"].append(f"aborted, figures incomplete: {exc}")
             sides.log(f"ABORTED: {exc}")
