@@ -167,14 +167,20 @@ def test_a_bad_tf_config_is_named(python_env):
     assert "TF_CONFIG is not a JSON object" in result.stderr
 
 
-def test_a_size_that_does_not_fit_in_memory_is_skipped_with_the_reason():
+def test_series_that_do_not_fit_in_memory_together_are_measured_in_turn_or_skipped():
     from distserver.bench.sides import ClusterSide, MemcpySide
-    from distserver.bench.transfer import GiB, memory_shortfall
+    from distserver.bench.transfer import GiB, memory_groups, memory_shortfall
 
-    series = [ClusterSide("grpc", "grpc"), ClusterSide("grpc+verbs", "grpc+verbs"), MemcpySide()]
+    grpc, verbs, memcpy = ClusterSide("grpc", "grpc"), ClusterSide("grpc+verbs", "grpc+verbs"), MemcpySide()
+    series = [grpc, verbs, memcpy]
     assert memory_shortfall(GiB, series, available=16 * GiB) is None
+    assert memory_groups(GiB, series, available=16 * GiB) == ([series], [])
     reason = memory_shortfall(GiB, series, available=8 * GiB)
-    assert reason == "1 GiB: needs about 12.0 GiB (12 copies across 3 series), 8.0 GiB available"
+    assert reason == "needs about 12.0 GiB (12 copies of 1 GiB across 3 series), 8.0 GiB available"
+    # 9 GiB: 80% holds one cluster (5 copies) plus memcpy (2), not two clusters.
+    assert memory_groups(GiB, series, available=9 * GiB) == ([[grpc], [verbs, memcpy]], [])
+    # 4 GiB: a cluster does not fit even alone; memcpy does.
+    assert memory_groups(GiB, series, available=4 * GiB) == ([[memcpy]], [grpc, verbs])
     # A running cluster's memory is not ours to count: only the client's copy.
     external = ClusterSide("cluster", "external", target="grpc://h:1", ps_target="grpc://h:2")
     assert memory_shortfall(GiB, [external], available=2 * GiB) is None

@@ -222,11 +222,11 @@ class _Run:
 
     # ----------------------------------------------------------------- measuring
 
-    def fits(self, nbytes: int, series: list[Any]) -> bool:
-        """Whether `nbytes` fits in memory for `series` at once; if not, say so and skip."""
+    def fits(self, what: str, nbytes: int, series: list[Any]) -> bool:
+        """Whether `nbytes` fits in memory for `series` at once; if not, say so and skip `what`."""
         shortfall = memory_shortfall(nbytes, series, sides.memory_available())
         if shortfall is not None:
-            self._skip(shortfall)
+            self._skip(f"{what}: {shortfall}")
         return shortfall is None
 
     def _measure(self, label: str, series: list[Any], kind: str, nbytes: int, repeats: int, **kw: Any) -> Any:
@@ -238,6 +238,36 @@ class _Run:
             )
         finally:
             self.progress.done()
+
+    def _measure_in_memory(
+        self, label: str, series: list[Any], kind: str, nbytes: int, repeats: int
+    ) -> list[tuple[Any, dict[str, Any]]]:
+        """`_measure` on `series`, all at once when their copies of `nbytes` fit in memory,
+        else in groups that fit, one after the other; a series that does not fit alone
+        is skipped, saying so."""
+        groups, too_big = memory_groups(nbytes, series, sides.memory_available())
+        for side in too_big:
+            self._skip(
+                f"{label} on {side.name}: {memory_shortfall(nbytes, [side], sides.memory_available())}"
+            )
+        if len(groups) > 1:
+            names = " | ".join(", ".join(side.name for side in group) for group in groups)
+            sides.log(f"{label}: not all at once in memory; measuring in turn: {names}")
+        assert self.progress is not None
+        self.progress.start(label)
+        results: list[tuple[Any, dict[str, Any]]] = []
+        try:
+            for group in groups:
+                shortfall = memory_shortfall(nbytes, group, sides.memory_available())
+                if shortfall is not None:  # the memory went elsewhere meanwhile
+                    self._skip(f"{label} on {', '.join(side.name for side in group)}: {shortfall}")
+                    continue
+                results += sides.measure(
+                    group, kind, nbytes, self.options.warmup, repeats, self.options, self.deadline
+                )
+        finally:
+            self.progress.done()
+        return results
 
     def run(self) -> dict[str, Any]:
         options = self.options
@@ -256,20 +286,20 @@ class _Run:
             for nbytes in options.sizes:
                 size = report.size_label(nbytes)
                 repeats = repeats_for(nbytes, options.repeats)
-                if not self.fits(nbytes, sweep):
-                    self.progress.done()
-                    if fetchers:
-                        self.progress.done()
-                    continue
-                for side, result in self._measure(f"RecvTensor {size}", sweep, "recv", nbytes, repeats):
+                for side, result in self._measure_in_memory(
+                    f"RecvTensor {size}", sweep, "recv", nbytes, repeats
+                ):
                     self._record("recv", side.name, str(nbytes), result)
                 if fetchers:
-                    for side, result in self._measure(f"fetch {size}", fetchers, "fetch", nbytes, repeats):
+                    for side, result in self._measure_in_memory(
+                        f"fetch {size}", fetchers, "fetch", nbytes, repeats
+                    ):
                         self._record("fetch", side.name, str(nbytes), result)
             if levels and self.cluster_sides:
                 # The push cluster holds a tensor on every worker at once.
                 peak = options.concurrency_size * levels[-1]
-                if self.fits(peak, self.cluster_sides):
+                what = f"concurrency and push to ps, {levels[-1]} x {report.size_label(peak // levels[-1])}"
+                if self.fits(what, peak, self.cluster_sides):
                     self.concurrency(levels)
                 else:
                     for _ in range(2 * len(levels) * len(self.cluster_sides)):
@@ -350,6 +380,21 @@ class _Run:
                     push_side.stop()
 
 
+def memory_groups(nbytes: int, series: list[Any], available: int) -> tuple[list[list[Any]], list[Any]]:
+    """`series` split, in order, into groups whose copies of `nbytes` fit in `available`
+    together (one group when all fit), and the series that do not fit even alone."""
+    groups: list[list[Any]] = []
+    too_big = []
+    for side in series:
+        if memory_shortfall(nbytes, [side], available) is not None:
+            too_big.append(side)
+        elif groups and memory_shortfall(nbytes, [*groups[-1], side], available) is None:
+            groups[-1].append(side)
+        else:
+            groups.append([side])
+    return groups, too_big
+
+
 def memory_shortfall(nbytes: int, series: list[Any], available: int) -> str | None:
     """Why `nbytes` cannot be measured on `series` at once with `available` bytes, or None.
 
@@ -370,7 +415,7 @@ def memory_shortfall(nbytes: int, series: list[Any], available: int) -> str | No
     if needed <= available * MEMORY_HEADROOM:
         return None
     return (
-        f"{report.size_label(nbytes)}: needs about {needed / GiB:.1f} GiB ({copies} copies across "
+        f"needs about {needed / GiB:.1f} GiB ({copies} copies of {report.size_label(nbytes)} across "
         f"{len(series)} series), {available / GiB:.1f} GiB available"
     )
 
