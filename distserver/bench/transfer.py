@@ -18,7 +18,8 @@ Then, for the distserver series, at ``--concurrency-size``:
 * workers pushing to one ps: a cluster of 1 ps and N workers, 1..N of them each
   sending one tensor to the ps per step (`timing.build_push_graph`).
 
-A size whose tensors would not fit in the memory available now is skipped, saying so.
+Series whose tensors would not fit in the memory available together are measured in
+groups that do, one after the other; one that does not fit alone is skipped, saying so.
 """
 
 from __future__ import annotations
