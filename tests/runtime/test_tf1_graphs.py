@@ -132,3 +132,42 @@ def test_a_cross_task_read_of_a_reference_waits_for_the_consumers_control_inputs
     assert list(read.input) == ["v", "^bump"]
     assert list(nodes[3].input) == ["v"]  # no control inputs: nothing to wait for
     assert len(nodes) == 5
+
+
+def test_a_snapshot_read_after_an_in_place_update_reads_the_variable_again():
+    # SyncReplicasOptimizer's tokens: fill(n, global_step/read) ordered after the
+    # update that increments the global step (through `dims`' control input).
+    nodes = [
+        node("gs", "VariableV2", device=PS),
+        node("gs/read", "Identity", ["gs"], device=PS),
+        node("bump", "AssignAdd", ["gs", "one"], device=PS),
+        node("dims", "Const", ["^bump"], device=PS),
+        node("tokens", "Fill", ["dims", "gs/read"], device=PS),
+        node("before", "Mul", ["gs/read", "two"], device=WORKER),  # does not follow the update
+    ]
+    original = nodes[4]
+    read_refs_late(nodes)
+    late = nodes[-1]
+    assert (late.op, late.device, list(late.input)) == ("Identity", PS, ["gs", "^bump"])
+    assert list(nodes[4].input) == ["dims", late.name]
+    assert list(original.input) == ["dims", "gs/read"]  # the session's NodeDef is left alone
+    assert list(nodes[5].input) == ["gs/read", "two"]
+    assert len(nodes) == 7
+
+
+async def test_a_snapshot_consumer_after_an_update_sees_the_update(master):
+    one = np.array(1, np.int64)
+    nodes = [
+        node("gs", "VariableV2", dtype=9),
+        node("zero", "Const", dtype=9, value=np.array(0, np.int64)),
+        node("init", "Assign", ["gs", "zero"], T=9),
+        node("gs/read", "Identity", ["gs"], T=9),
+        node("one", "Const", dtype=9, value=one),
+        node("bump", "AssignAdd", ["gs", "one"], T=9),
+        node("dims", "Const", ["^bump"], dtype=3, value=np.array([2], np.int32)),
+        node("tokens", "Fill", ["dims", "gs/read"], T=9),
+    ]
+    handle = (await master.create_session(m.CreateSessionRequest(graph_def=graph_def(*nodes)))).session_handle
+    await master.run_step(handle, {}, [], ["init"])
+    tokens = (await master.run_step(handle, {}, ["tokens:0"], []))["tokens:0"]
+    np.testing.assert_array_equal(tokens, [1, 1])
