@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 import distserver as ds
 from distserver import errors
 from distserver.protos import master_pb2 as m
+from distserver.protos.config_pb2 import RunOptions
 from distserver.protos.node_def_pb2 import NodeDef
 from distserver.runtime.plan import check_kernels, read_refs_late
 from distserver.tensors import to_tensor_proto
@@ -171,3 +173,38 @@ async def test_a_snapshot_consumer_after_an_update_sees_the_update(master):
     await master.run_step(handle, {}, [], ["init"])
     tokens = (await master.run_step(handle, {}, ["tokens:0"], []))["tokens:0"]
     np.testing.assert_array_equal(tokens, [1, 1])
+
+
+def _accumulator_graph():
+    graph = graph_def(
+        node("acc", "ResourceConditionalAccumulator", dtype=1),
+        node("two", "Const", dtype=3, value=np.int32(2)),
+        node("take", "ResourceAccumulatorTakeGradient", ["acc", "two"], dtype=1),
+        node("step", "Const", dtype=9, value=np.int64(0)),
+        node("grad", "Const", dtype=1, value=np.array([1.0, 3.0], np.float32)),
+        node("apply", "ResourceAccumulatorApplyGradient", ["acc", "step", "grad"], dtype=1),
+    )
+    accumulator = graph.node[0]
+    accumulator.attr["shape"].shape.dim.add(size=2)
+    accumulator.attr["reduction_type"].s = b"MEAN"
+    accumulator.attr["shared_name"].s = b"acc"
+    return graph
+
+
+async def test_a_waiting_take_gradient_is_withdrawn_by_a_timeout_and_by_closing_the_session(master):
+    graph = _accumulator_graph()
+    handle = (await master.create_session(m.CreateSessionRequest(graph_def=graph))).session_handle
+    with pytest.raises(errors.DeadlineExceededError):
+        await master.run_step(handle, {}, ["take:0"], [], options=RunOptions(timeout_in_ms=300))
+    waiting = asyncio.create_task(master.run_step(handle, {}, ["take:0"], []))
+    await master.run_step(handle, {}, [], ["apply"])
+    await asyncio.sleep(0.2)  # the take waits for a second gradient: nothing to poll for
+    assert not waiting.done()
+    await master.close_session(m.CloseSessionRequest(session_handle=handle))
+    with pytest.raises(errors.OpError):
+        await asyncio.wait_for(waiting, 30)
+    # Neither withdrawn take took anything: a new session finds one gradient and adds one.
+    handle = (await master.create_session(m.CreateSessionRequest(graph_def=graph))).session_handle
+    await master.run_step(handle, {}, [], ["apply"])
+    result = await asyncio.wait_for(master.run_step(handle, {}, ["take:0"], []), 30)
+    np.testing.assert_array_equal(result["take:0"], [1.0, 3.0])
