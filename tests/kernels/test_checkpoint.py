@@ -141,6 +141,29 @@ def test_files_are_byte_for_byte_tensorflows(make_node, ckpt_ctx, root):
         assert (root / name).read_bytes() == (GOLDEN / name).read_bytes(), name
 
 
+def test_slices_tensorflow_saved_restore_and_our_files_are_byte_for_byte_tensorflows(
+    make_node, ckpt_ctx, root
+):
+    slices = _golden_module().golden_slices()
+    save(
+        make_node, ckpt_ctx, root / "sliced", [(n, v) for n, _, v in slices], [spec for _, spec, _ in slices]
+    )
+    for name in ("sliced.index", "sliced.data-00000-of-00001"):
+        assert (root / name).read_bytes() == (GOLDEN / name).read_bytes(), name
+    (root / "tf").mkdir()
+    for path in GOLDEN.glob("sliced.*"):
+        shutil.copy(path, root / "tf" / path.name)
+    part, rows, text, whole, middle = restore(
+        make_node, ckpt_ctx, "tf/sliced", ["part", "rows", "text", "whole", "rows"],
+        [np.float32, np.int64, object, np.float64, np.int64], ["", "", "", "", "4 3 1,2:1,2"],
+    )  # fmt: skip
+    np.testing.assert_array_equal(part, np.arange(15, dtype=np.float32).reshape(5, 3))
+    np.testing.assert_array_equal(rows, np.arange(12).reshape(4, 3))
+    assert text.tolist() == [b"a", b"bb", b"", b"dddd"]
+    np.testing.assert_array_equal(whole, [7.0, 8.0])
+    np.testing.assert_array_equal(middle, [[4, 5], [7, 8]])
+
+
 def test_index_table_reads_back(make_node, ckpt_ctx, root):
     tensors = [("b", np.arange(3, dtype=np.int32)), ("a", strings(b"xy", b"z")), ("c", np.ones((2, 2)))]
     save(make_node, ckpt_ctx, root / "m", tensors)
