@@ -289,6 +289,8 @@ class CallStream:
             ) from exc
         finally:
             self._pending.pop(call_id, None)
+            if future.done() and not future.cancelled():
+                future.exception()  # the reader failed it while this caller raised its own error
 
     def _cancel(self, stream: Any, call_id: int) -> None:
         """Tell the server to cancel a call its caller gave up on (in the background)."""
