@@ -162,17 +162,22 @@ def main() -> None:
         f"{args.steps} timed steps per row:"
     )
     print()
-    print("| workers | distserver steps/s | TensorFlow steps/s | distserver / TF | distserver scaling |")
-    print("|---:|---:|---:|---:|---:|")
-    base = None
+    print(
+        "| workers | distserver steps/s | TensorFlow steps/s | distserver / TF "
+        "| distserver scaling | TF scaling |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|")
+    base = tf_base = None
     for k in workers:
         mine = ours[str(k)]["steps"] / ours[str(k)]["seconds"]
         base = base or mine
         theirs = tf_results.get(str(k))
         tf_rate = theirs["steps"] / theirs["seconds"] if theirs else None
-        tf_cell = f"{tf_rate:,.0f}" if tf_rate else "—"
-        ratio = f"{mine / tf_rate:.2f}x" if tf_rate else "—"
-        print(f"| {k} | {mine:,.0f} | {tf_cell} | {ratio} | {mine / base:.2f}x |")
+        tf_base = tf_base or tf_rate
+        cells = ["—", "—", "—"]
+        if tf_rate and tf_base:
+            cells = [f"{tf_rate:,.0f}", f"{mine / tf_rate:.2f}x", f"{tf_rate / tf_base:.2f}x"]
+        print(f"| {k} | {mine:,.0f} | {cells[0]} | {cells[1]} | {mine / base:.2f}x | {cells[2]} |")
 
 
 if __name__ == "__main__":
