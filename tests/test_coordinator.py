@@ -342,3 +342,50 @@ def test_the_async_and_blocking_faces_give_the_same_results(cluster):
     for rows, product in blocking_batches + async_batches:
         assert tuple(rows.ravel()) in shard_batches
         np.testing.assert_array_equal(product, rows @ weights)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bound", [1, 2])
+def test_no_worker_runs_more_steps_at_once_than_the_bound(cluster, bound):
+    graph = ds.Graph()
+    with graph.as_default(), ds.device("/job:worker"):
+        one = ds.constant(1.0, name="one")
+    release = threading.Event()
+    dispatched = []
+    lock = threading.Lock()
+
+    def feed(worker):
+        with lock:
+            dispatched.append(worker)
+        release.wait(60)
+        return {}
+
+    single = {"ps": cluster.cluster["ps"], "worker": cluster.cluster["worker"][:1]}
+    with ds.ClusterCoordinator(single, graph, max_in_flight_per_worker=bound) as coordinator:
+        values = [coordinator.schedule(one, feed_dict=feed) for _ in range(4)]
+        poll(lambda: len(dispatched) >= bound, what=f"{bound} dispatches")
+        time.sleep(0.2)  # room for a wrong extra dispatch to show (no timing is asserted)
+        assert len(dispatched) == bound
+        assert not coordinator.done()
+        release.set()
+        coordinator.join()
+        assert [v.fetch() for v in values] == [1.0] * 4
+        assert dispatched == [0] * 4
+
+
+@pytest.mark.slow
+def test_the_coordinator_connects_over_grpc_verbs():
+    with LocalCluster({"ps": 1, "worker": 2}, protocol="grpc+verbs") as local:
+        graph = ds.Graph()
+        with graph.as_default():
+            with ds.device("/job:ps/task:0"):
+                big = ds.Variable(np.ones(100_000, np.float32), name="big")
+            with ds.device("/job:worker"):
+                total = ds.reduce_sum(big * 2.0)
+            init = ds.global_variables_initializer()
+        with ds.ClusterCoordinator(local.cluster, graph, protocol="grpc+verbs") as coordinator:
+            coordinator.schedule(init).fetch()
+            values = [coordinator.schedule(total) for _ in range(6)]
+            coordinator.join()
+            assert [float(v.fetch()) for v in values] == [200_000.0] * 6
+            assert {v.worker for v in values} == {0, 1}
