@@ -248,6 +248,29 @@ class TransposeKernel(_TypedKernel):
         return [np.transpose(x, perm)]
 
 
+@register_kernel("InvertPermutation")
+class InvertPermutationKernel(_TypedKernel):
+    """y[x[i]] = i: the permutation that undoes `x` (the gradient of a Transpose uses it)."""
+
+    runs_on_loop = True  # a short vector
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        (x,) = inputs
+        if x.ndim != 1:
+            raise kernel_error(
+                self, f"invert_permutation expects a 1D vector, got shape {shape_str(x.shape)}"
+            )
+        perm = int_list(self, x, "x")
+        inverse = np.full(len(perm), -1, dtype=x.dtype)
+        for i, d in enumerate(perm):
+            if not 0 <= d < len(perm):
+                raise kernel_error(self, f"{d} is not between 0 and {len(perm)}")
+            if inverse[d] != -1:
+                raise kernel_error(self, f"{d} is duplicated in the input.")
+            inverse[d] = i
+        return [inverse]
+
+
 @register_kernel("ExpandDims")
 class ExpandDimsKernel(_TypedKernel):
     runs_on_loop = True  # a view or the shape: no thread hop
@@ -659,6 +682,40 @@ class StridedSliceKernel(_TypedKernel):
         return tuple(index)
 
 
+@register_kernel("StridedSliceGrad")
+class StridedSliceGradKernel(StridedSliceKernel):
+    """The gradient of StridedSlice: zeros of `shape` with `dy` written where the slice was."""
+
+    runs_on_loop = False
+
+    def output_nbytes(self, inputs: list[Any]) -> int:
+        return product_of(inputs[0]) * self.dtype.itemsize
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        shape_value, begin_value, end_value, strides_value, dy = inputs
+        if shape_value.ndim != 1:
+            raise kernel_error(self, f"shape must be a vector, got shape {shape_str(shape_value.shape)}")
+        shape = int_list(self, shape_value, "shape")
+        if any(size < 0 for size in shape):
+            raise kernel_error(self, f"shape must not have negative sizes, got {shape}")
+        spec = (begin_value, end_value, strides_value)
+        if any(v.ndim != 1 for v in spec) or not begin_value.size == end_value.size == strides_value.size:
+            raise kernel_error(self, "Expected begin, end, and strides to be 1D equal size tensors")
+        begin, end, strides = (
+            int_list(self, v, name) for v, name in zip(spec, ("begin", "end", "strides"), strict=True)
+        )
+        check_input_dtype(self, 4, dy, self.dtype)
+        result = np.zeros(shape, dtype=self.dtype)
+        window = result[self._index(shape, begin, end, strides)]
+        if window.size != dy.size:
+            raise kernel_error(
+                self,
+                f"shape of dy was {shape_str(dy.shape)} instead of {shape_str(window.shape)}",
+            )
+        window[...] = dy.reshape(window.shape)
+        return [result]
+
+
 # --------------------------------------------------------------------------- selection and gathering
 
 
@@ -948,6 +1005,7 @@ __all__ = [
     "GatherKernel",
     "IdentityKernel",
     "IdentityNKernel",
+    "InvertPermutationKernel",
     "NoOpKernel",
     "OneHotKernel",
     "PackKernel",
@@ -961,6 +1019,7 @@ __all__ = [
     "SizeKernel",
     "SliceKernel",
     "SqueezeKernel",
+    "StridedSliceGradKernel",
     "StridedSliceKernel",
     "TileKernel",
     "TransposeKernel",

@@ -1,0 +1,708 @@
+"""The gradient functions of the ops the graph API builds (registered on import).
+
+Each function emits the ops TensorFlow's registered gradient for that op emits
+(tensorflow/python/ops/math_grad.py, array_grad.py, nn_grad.py,
+resource_variable_ops.py), so a gradient graph built here runs on TensorFlow's
+servers and computes what TensorFlow computes. Where TensorFlow folds shapes known
+at graph-building time into constants, so do we.
+"""
+
+from __future__ import annotations
+
+import typing
+from typing import Any
+
+import numpy as np
+
+from distserver.graph import ops
+from distserver.graph.autodiff import (
+    Gradient,
+    IndexedSlices,
+    NotDifferentiable,
+    RegisterGradient,
+    to_dense,
+    unsorted_segment_sum,
+)
+from distserver.graph.graph import Operation, Shape, Tensor, get_default_graph, name_scope
+from distserver.protos import types_pb2
+from distserver.protos.attr_value_pb2 import AttrValue
+from distserver.tensors import COMPLEX_DATATYPES, FLOAT_DATATYPES
+
+_DT = types_pb2
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _raw(
+    op_type: str,
+    inputs: list[Tensor],
+    attrs: dict[str, AttrValue],
+    datatype: int,
+    shape: Shape = None,
+    name: str | None = None,
+) -> Tensor:
+    """A one-output op without a graph-API constructor (ReluGrad, BroadcastTo, ...)."""
+    with name_scope(name, op_type) as scope:
+        return ops._make(scope, op_type, inputs, attrs, datatype, shape)
+
+
+def _t(tensor: Tensor) -> dict[str, AttrValue]:
+    return {"T": ops._type_attr(tensor.datatype)}
+
+
+def _fully_defined(shape: Shape) -> bool:
+    return shape is not None and None not in shape
+
+
+def _dims(shape: Shape) -> tuple[int, ...]:
+    return ops._known_dims(shape)
+
+
+def _int32(values: Any) -> np.ndarray[Any, Any]:
+    return np.asarray(values, dtype=np.int32)
+
+
+def _reduce_to(grad: Tensor | None, x: Tensor, out: Tensor) -> Tensor | None:
+    """Sum `grad` (shaped like `out`) over the dimensions along which `x` was broadcast.
+
+    With static shapes the reduction axes are constants (TensorFlow's
+    SmartBroadcastGradientArgs); otherwise ``BroadcastGradientArgs`` finds them.
+    """
+    if grad is None:
+        return None
+    if _fully_defined(x.shape) and _fully_defined(out.shape):
+        x_dims, out_dims = _dims(x.shape), _dims(out.shape)
+        if x_dims == out_dims:
+            return grad
+        padded = (1,) * (len(out_dims) - len(x_dims)) + x_dims
+        axes = [
+            i
+            for i, (a, b) in enumerate(zip(padded, out_dims, strict=True))
+            if i < len(out_dims) - len(x_dims) or (a == 1 and b != 1)
+        ]
+        summed = ops.reduce_sum(grad, _int32(axes)) if axes else grad
+        return ops.reshape(summed, _int32(x_dims))
+    x_shape = ops.shape(x)
+    out_shape = ops.shape(out)
+    reduce_x = _broadcast_gradient_args(x_shape, out_shape)[0]
+    return ops.reshape(ops.reduce_sum(grad, reduce_x, keepdims=True), x_shape)
+
+
+def _broadcast_gradient_args(s0: Tensor, s1: Tensor) -> list[Tensor]:
+    with name_scope(None, "BroadcastGradientArgs") as scope:
+        op = get_default_graph().create_op(
+            "BroadcastGradientArgs",
+            [s0, s1],
+            [s0.datatype, s0.datatype],
+            name=scope,
+            attrs=_t(s0),
+            shapes=[(None,), (None,)],
+        )
+    return op.outputs
+
+
+def _binary_grads(op: Operation, gx: Tensor | None, gy: Tensor | None) -> list[Gradient | None]:
+    out = op.outputs[0]
+    return [_reduce_to(gx, op.inputs[0], out), _reduce_to(gy, op.inputs[1], out)]
+
+
+def _reduced_shape(input_shape: Tensor, axes: Tensor) -> Tensor:
+    """The shape of a reduction with kept dimensions (TensorFlow's math_ops.reduced_shape)."""
+    input_shape = ops.cast(input_shape, np.int32)
+    axes = ops.cast(axes, np.int32)
+    rank = ops.size(input_shape)
+    axes = ops.floormod(ops.add(axes, rank), rank)
+    axes_shape = ops.shape(axes)
+    ones = ops.fill(axes_shape, ops.constant(np.int32(1)))
+    indices = [ops.range(rank), axes]
+    data = [input_shape, ones]
+    with name_scope(None, "DynamicStitch") as scope:
+        op = get_default_graph().create_op(
+            "DynamicStitch",
+            [*indices, *data],
+            [_DT.DT_INT32],
+            name=scope,
+            attrs={"N": AttrValue(i=2), "T": ops._type_attr(_DT.DT_INT32)},
+            shapes=[(None,)],
+        )
+    return op.outputs[0]
+
+
+def _kept_dims(x: Tensor, axes: Tensor) -> list[int] | None:
+    """The static shape of reducing `x` over `axes` with kept dimensions, when known."""
+    axis_values = ops._static_axes(axes)
+    if not _fully_defined(x.shape) or axis_values is None:
+        return None
+    dims = _dims(x.shape)
+    reduced = {a % len(dims) for a in axis_values} if dims else set()
+    return [1 if i in reduced else d for i, d in enumerate(dims)]
+
+
+def _conj(x: Tensor) -> Tensor:
+    if x.datatype in COMPLEX_DATATYPES:
+        return _raw("Conj", [x], _t(x), x.datatype, x.shape)
+    return x
+
+
+def _same_type_constant(value: float, like: Tensor) -> Tensor:
+    return ops.constant(np.array(value, dtype=like.dtype))
+
+
+# --------------------------------------------------------------------------- not differentiable
+
+for _op_type in (
+    "StopGradient",
+    "Shape",
+    "ShapeN",
+    "Size",
+    "Rank",
+    "ZerosLike",
+    "OnesLike",
+    "Range",
+    "ArgMax",
+    "ArgMin",
+    "Equal",
+    "NotEqual",
+    "Less",
+    "LessEqual",
+    "Greater",
+    "GreaterEqual",
+    "LogicalAnd",
+    "LogicalOr",
+    "LogicalNot",
+    "OneHot",
+    "Where",
+    "FloorDiv",
+    "Floor",
+    "Ceil",
+    "Round",
+    "Sign",
+    "BroadcastGradientArgs",
+    "ConcatOffset",
+    "Unique",
+    "VarIsInitializedOp",
+    "VariableShape",
+    "Const",
+    "Placeholder",
+    "VarHandleOp",
+    "NoOp",
+    "All",
+    "Any",
+    "RandomUniform",
+    "RandomStandardNormal",
+    "TruncatedNormal",
+    "RandomUniformInt",
+):
+    NotDifferentiable(_op_type)
+
+
+# --------------------------------------------------------------------------- identities
+
+
+def _identity_grad(op: Operation, grad: Gradient) -> list[Gradient | None]:
+    return [grad]
+
+
+for _op_type in ("Identity", "Snapshot", "PlaceholderWithDefault", "ReadVariableOp"):
+    RegisterGradient(_op_type, takes_indexed_slices=True)(_identity_grad)
+
+
+@RegisterGradient("Cast", takes_indexed_slices=True)
+def _cast_grad(op: Operation, grad: Gradient) -> list[Gradient | None]:
+    differentiable = FLOAT_DATATYPES | COMPLEX_DATATYPES
+    source = op.inputs[0].datatype
+    if source not in differentiable or op.outputs[0].datatype not in differentiable:
+        return [None]
+    if isinstance(grad, IndexedSlices):
+        return [IndexedSlices(ops.cast(grad.values, op.inputs[0].dtype), grad.indices, grad.dense_shape)]
+    return [ops.cast(grad, op.inputs[0].dtype)]
+
+
+@RegisterGradient("AddN", takes_indexed_slices=True)
+def _add_n_grad(op: Operation, grad: Gradient) -> list[Gradient | None]:
+    return [grad] * len(op.inputs)
+
+
+# --------------------------------------------------------------------------- element-wise
+
+
+@RegisterGradient("Neg")
+def _neg_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    return [ops.negative(grad)]
+
+
+@RegisterGradient("Abs")
+def _abs_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    x = op.inputs[0]
+    return [ops.multiply(grad, _raw("Sign", [x], _t(x), x.datatype, x.shape))]
+
+
+@RegisterGradient("Square")
+def _square_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    x = op.inputs[0]
+    with get_default_graph().control_dependencies([grad]):
+        x = _conj(x)
+        two = _same_type_constant(2.0, x)
+        return [ops.multiply(grad, ops.multiply(x, two))]
+
+
+def _unary_grad_op(op_type: str, y: Tensor, dy: Tensor) -> Tensor:
+    return _raw(op_type, [y, dy], _t(y), y.datatype, y.shape)
+
+
+@RegisterGradient("Sqrt")
+def _sqrt_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    return [_unary_grad_op("SqrtGrad", op.outputs[0], grad)]
+
+
+@RegisterGradient("Rsqrt")
+def _rsqrt_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    return [_unary_grad_op("RsqrtGrad", op.outputs[0], grad)]
+
+
+@RegisterGradient("Reciprocal")
+def _reciprocal_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    return [_unary_grad_op("ReciprocalGrad", op.outputs[0], grad)]
+
+
+@RegisterGradient("Tanh")
+def _tanh_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    return [_unary_grad_op("TanhGrad", _conj(op.outputs[0]), grad)]
+
+
+@RegisterGradient("Sigmoid")
+def _sigmoid_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    return [_unary_grad_op("SigmoidGrad", _conj(op.outputs[0]), grad)]
+
+
+@RegisterGradient("Exp")
+def _exp_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    y = op.outputs[0]
+    with get_default_graph().control_dependencies([grad]):
+        return [ops.multiply(grad, _conj(y))]
+
+
+@RegisterGradient("Log")
+def _log_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    x = op.inputs[0]
+    with get_default_graph().control_dependencies([grad]):
+        x = _conj(x)
+        return [ops.multiply(grad, _raw("Reciprocal", [x], _t(x), x.datatype, x.shape))]
+
+
+@RegisterGradient("Relu")
+def _relu_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    y = op.outputs[0]
+    return [_raw("ReluGrad", [grad, y], _t(y), y.datatype, y.shape)]
+
+
+# --------------------------------------------------------------------------- binary (broadcasting)
+
+
+@RegisterGradient("AddV2")
+def _add_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    return _binary_grads(op, grad, grad)
+
+
+RegisterGradient("Add")(_add_grad)
+
+
+@RegisterGradient("Sub")
+def _sub_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    return _binary_grads(op, grad, ops.negative(grad))
+
+
+@RegisterGradient("Mul")
+def _mul_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    x, y = op.inputs
+    gx = ops.multiply(grad, _conj(y))
+    gy = ops.multiply(_conj(x), grad)
+    return _binary_grads(op, gx, gy)
+
+
+@RegisterGradient("RealDiv")
+def _real_div_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    x, y = (_conj(t) for t in op.inputs)
+    gx = _raw("RealDiv", [grad, y], _t(y), y.datatype, op.outputs[0].shape)
+    minus_x_over_y = _raw("RealDiv", [ops.negative(x), y], _t(y), y.datatype)
+    gy = ops.multiply(grad, _raw("RealDiv", [minus_x_over_y, y], _t(y), y.datatype))
+    return _binary_grads(op, gx, gy)
+
+
+@RegisterGradient("FloorMod")
+def _floor_mod_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    x, y = op.inputs
+    floor_xy = _raw("FloorDiv", [x, y], _t(x), x.datatype)
+    return _binary_grads(op, grad, ops.multiply(grad, ops.negative(floor_xy)))
+
+
+@RegisterGradient("Pow")
+def _pow_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    x, y = op.inputs
+    z = _conj(op.outputs[0])
+    x, y = _conj(x), _conj(y)
+    one = _same_type_constant(1.0, y)
+    gx = ops.multiply(ops.multiply(grad, y), ops.pow(x, ops.subtract(y, one)))
+    if x.datatype in COMPLEX_DATATYPES:
+        log_x = ops.where(ops.not_equal(x, 0), ops.log(x), ops.zeros_like(x))
+    else:
+        mask = ops.greater(x, _same_type_constant(0.0, x))
+        safe_x = ops.where(mask, x, ops.ones_like(x))
+        log_x = ops.where(mask, ops.log(safe_x), ops.zeros_like(x))
+    gy = ops.multiply(ops.multiply(grad, z), log_x)
+    return _binary_grads(op, gx, gy)
+
+
+def _maximum_minimum_grad(op: Operation, grad: Tensor, selector: Any) -> list[Gradient | None]:
+    x, y = op.inputs
+    x_mask = selector(x, y)
+    zeros = ops.zeros_like(grad)
+    gx = ops.where(x_mask, grad, zeros)
+    gy = ops.where(x_mask, zeros, grad)
+    return _binary_grads(op, gx, gy)
+
+
+@RegisterGradient("Maximum")
+def _maximum_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    return _maximum_minimum_grad(op, grad, ops.greater_equal)
+
+
+@RegisterGradient("Minimum")
+def _minimum_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    return _maximum_minimum_grad(op, grad, ops.less_equal)
+
+
+@RegisterGradient("SelectV2")
+def _select_v2_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    condition, x, y = op.inputs
+    zeros = _raw("ZerosLike", [grad], _t(grad), grad.datatype, grad.shape)
+    gx = ops.where(condition, grad, zeros)
+    gy = ops.where(condition, zeros, grad)
+    out = op.outputs[0]
+    return [None, _reduce_to(gx, x, out), _reduce_to(gy, y, out)]
+
+
+@RegisterGradient("MatMul")
+def _matmul_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    a, b = (_conj(t) for t in op.inputs)
+    t_a = bool(op.get_attr("transpose_a"))
+    t_b = bool(op.get_attr("transpose_b"))
+
+    def product(x: Tensor, y: Tensor, transpose_x: bool, transpose_y: bool, which: str) -> Tensor:
+        result = ops.matmul(x, y, transpose_a=transpose_x, transpose_b=transpose_y)
+        result.op._set_attr(which, AttrValue(b=True))
+        return result
+
+    if not t_a and not t_b:
+        return [product(grad, b, False, True, "grad_a"), product(a, grad, True, False, "grad_b")]
+    if not t_a and t_b:
+        return [product(grad, b, False, False, "grad_a"), product(grad, a, True, False, "grad_b")]
+    if t_a and not t_b:
+        return [product(b, grad, False, True, "grad_a"), product(a, grad, False, False, "grad_b")]
+    return [product(b, grad, True, True, "grad_a"), product(grad, a, True, True, "grad_b")]
+
+
+@RegisterGradient("BiasAdd")
+def _bias_add_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    data_format = op.get_attr("data_format")
+    bias = op.inputs[1]
+    attrs = {**_t(grad), "data_format": AttrValue(s=data_format or b"NHWC")}
+    return [grad, _raw("BiasAddGrad", [grad], attrs, grad.datatype, bias.shape)]
+
+
+# --------------------------------------------------------------------------- reductions
+
+
+@RegisterGradient("Sum")
+def _sum_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    return [_broadcast_reduction_grad(op, grad), None]
+
+
+def _broadcast_reduction_grad(op: Operation, grad: Tensor) -> Tensor:
+    """`grad` (shaped like the reduction's output) spread back over the reduced input."""
+    x, axes = op.inputs
+    axis_values = ops._static_axes(axes)
+    if x.shape is not None and axis_values is not None:
+        rank = len(x.shape)
+        reduced = {a % rank for a in axis_values} if rank else set()
+        if reduced == set(range(rank)):
+            grad = ops.reshape(grad, _int32([1] * rank))
+            multiples = ops.constant(_int32(x.shape)) if _fully_defined(x.shape) else ops.shape(x)
+            return ops.tile(grad, multiples)
+        kept = _kept_dims(x, axes)
+        if kept is not None:
+            grad = ops.reshape(grad, _int32(kept))
+            scaling = [d // k if k else 0 for d, k in zip(_dims(x.shape), kept, strict=True)]
+            return ops.tile(grad, _int32(scaling))
+    input_shape = ops.shape(x)
+    if not op.get_attr("keep_dims"):
+        grad = ops.reshape(grad, _reduced_shape(input_shape, axes))
+    return _raw(
+        "BroadcastTo",
+        [grad, input_shape],
+        {**_t(grad), "Tidx": ops._type_attr(input_shape.datatype)},
+        grad.datatype,
+        x.shape,
+    )
+
+
+@RegisterGradient("Mean")
+def _mean_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    sum_grad = _broadcast_reduction_grad(op, grad)
+    x, y = op.inputs[0], op.outputs[0]
+    if _fully_defined(x.shape) and _fully_defined(y.shape):
+        input_size = int(np.prod(_dims(x.shape)))
+        output_size = int(np.prod(_dims(y.shape)))
+        factor = ops.constant(np.array(input_size // max(output_size, 1), dtype=np.int32))
+    else:
+        input_size_t = ops.reduce_prod(ops.shape(x))
+        output_size_t = ops.reduce_prod(ops.shape(y))
+        factor = ops.floordiv(input_size_t, ops.maximum(output_size_t, 1))
+    return [ops.truediv(sum_grad, ops.cast(factor, sum_grad.dtype)), None]
+
+
+def _min_or_max_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    x, axes = op.inputs
+    y = op.outputs[0]
+    if not op.get_attr("keep_dims"):
+        kept = _kept_dims(x, axes)
+        kept_shape = ops.constant(_int32(kept)) if kept is not None else _reduced_shape(ops.shape(x), axes)
+        y = ops.reshape(y, kept_shape)
+        grad = ops.reshape(grad, kept_shape)
+    else:
+        kept_shape = ops.shape(y)
+    indicators = ops.cast(ops.equal(y, x), grad.dtype)
+    num_selected = ops.reshape(ops.reduce_sum(indicators, axes), kept_shape)
+    return [ops.multiply(ops.truediv(indicators, num_selected), grad), None]
+
+
+RegisterGradient("Max")(_min_or_max_grad)
+RegisterGradient("Min")(_min_or_max_grad)
+
+
+# --------------------------------------------------------------------------- shapes
+
+
+def _reshape_to_input(op: Operation, grad: Tensor) -> Tensor:
+    return ops.reshape(grad, ops.shape(op.inputs[0]))
+
+
+@RegisterGradient("Reshape")
+def _reshape_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    return [_reshape_to_input(op, grad), None]
+
+
+@RegisterGradient("ExpandDims")
+def _expand_dims_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    return [_reshape_to_input(op, grad), None]
+
+
+@RegisterGradient("Squeeze")
+def _squeeze_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    return [_reshape_to_input(op, grad)]
+
+
+@RegisterGradient("Transpose")
+def _transpose_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    perm = op.inputs[1]
+    inverse = _raw("InvertPermutation", [perm], _t(perm), perm.datatype, perm.shape)
+    return [ops.transpose(grad, inverse), None]
+
+
+@RegisterGradient("Tile")
+def _tile_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    x, multiples = op.inputs
+    input_shape = ops.shape(x, out_type=multiples.dtype)
+    split_shape = ops.reshape(ops.transpose(ops.stack([multiples, input_shape])), [-1])
+    axes = ops.range(0, ops.size(split_shape), 2)
+    input_grad = ops.reduce_sum(ops.reshape(grad, split_shape), axes)
+    input_grad.set_shape(x.shape)
+    return [input_grad, None]
+
+
+@RegisterGradient("Fill")
+def _fill_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    return [None, ops.reduce_sum(grad)]
+
+
+@RegisterGradient("ConcatV2")
+def _concat_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    values, axis = list(op.inputs[:-1]), op.inputs[-1]
+    axis_value = ops._static_value(axis)
+    if axis_value is not None:
+        axis = ops.constant(axis_value)  # TF duplicates a constant axis
+    non_negative_axis = ops.floormod(axis, ops.rank(values[0]))
+    sizes = [ops.shape(v) for v in values]
+    with name_scope(None, "ConcatOffset") as scope:
+        offsets = (
+            get_default_graph()
+            .create_op(
+                "ConcatOffset",
+                [non_negative_axis, *sizes],
+                [_DT.DT_INT32] * len(sizes),
+                name=scope,
+                attrs={"N": AttrValue(i=len(sizes)), "shape_type": ops._type_attr(_DT.DT_INT32)},
+                shapes=[s.shape for s in sizes],
+            )
+            .outputs
+        )
+    grads: list[Gradient | None] = []
+    for value, begin, size in zip(values, offsets, sizes, strict=True):
+        attrs = {**_t(grad), "Index": ops._type_attr(_DT.DT_INT32)}
+        grads.append(_raw("Slice", [grad, begin, size], attrs, grad.datatype, value.shape))
+    return [*grads, None]
+
+
+@RegisterGradient("Pack")
+def _pack_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    count = int(op.get_attr("N"))
+    axis = int(op.get_attr("axis"))
+    element_shape = op.inputs[0].shape
+    with name_scope(None, "unstack") as scope:
+        unpacked = (
+            get_default_graph()
+            .create_op(
+                "Unpack",
+                [grad],
+                [grad.datatype] * count,
+                name=scope,
+                attrs={**_t(grad), "num": AttrValue(i=count), "axis": AttrValue(i=axis)},
+                shapes=[element_shape] * count,
+            )
+            .outputs
+        )
+    return list(unpacked)
+
+
+@RegisterGradient("StridedSlice")
+def _strided_slice_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    x, begin, end, strides = op.inputs
+    attrs = {
+        **_t(grad),
+        "Index": ops._type_attr(begin.datatype),
+        **{
+            key: AttrValue(i=int(op.get_attr(key)))
+            for key in ("begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask", "shrink_axis_mask")
+        },
+    }
+    shape = ops.shape(x, out_type=begin.dtype)
+    return [
+        _raw("StridedSliceGrad", [shape, begin, end, strides, grad], attrs, grad.datatype, x.shape),
+        None,
+        None,
+        None,
+    ]
+
+
+# --------------------------------------------------------------------------- gathers (sparse gradients)
+
+
+@RegisterGradient("GatherV2")
+def _gather_v2_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    params, indices, axis = op.inputs
+    graph = get_default_graph()
+    with graph.colocate_with(params.op):
+        params_shape = ops.cast(ops.shape(params, out_type=np.int64), np.int32)
+    axis_value = ops._static_int(axis)
+    if int(op.get_attr("batch_dims")) != 0:
+        raise LookupError(
+            f"No gradient defined for GatherV2 '{op.name}' with batch_dims != 0 in distserver; "
+            "gather with batch_dims=0."
+        )
+    indices_size = ops.expand_dims(ops.size(indices), 0)
+    if axis_value == 0:
+        values_shape = ops.concat([indices_size, params_shape[1:]], 0)
+        values = ops.reshape(grad, values_shape)
+        flat_indices = ops.reshape(indices, indices_size)
+        return [IndexedSlices(values, flat_indices, params_shape), None, None]
+    # Another axis: move it to the front, sum the rows by index, move it back.
+    outer_shape = params_shape[:axis]
+    outer_dims = ops.size(outer_shape)
+    inner_shape = params_shape[axis:][1:]
+    inner_dims = ops.size(inner_shape)
+    outer_axes = ops.range(outer_dims)
+    inner_axes = ops.range(outer_dims + 1, outer_dims + 1 + inner_dims)
+    values_shape = ops.concat([outer_shape, indices_size, inner_shape], 0)
+    values = ops.reshape(grad, values_shape)
+    flat_indices = ops.reshape(indices, indices_size)
+    transpose_dims = ops.concat([ops.expand_dims(outer_dims, 0), outer_axes, inner_axes], 0)
+    values_transposed = ops.transpose(values, transpose_dims)
+    num_segments = ops.gather(params_shape, axis)
+    summed = unsorted_segment_sum(values_transposed, flat_indices, num_segments)
+    invert = ops.concat([ops.range(1, outer_dims + 1), ops.expand_dims(0, 0), inner_axes], 0)
+    params_grad = ops.transpose(summed, invert)
+    params_grad.set_shape(params.shape)
+    return [params_grad, None, None]
+
+
+@RegisterGradient("ResourceGather")
+def _resource_gather_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    indices = op.inputs[1]
+    shape = _variable_shape(op)
+    size = ops.expand_dims(ops.size(indices), 0)
+    values_shape = ops.concat([size, shape[1:]], 0)
+    values = ops.reshape(grad, values_shape)
+    flat_indices = ops.reshape(indices, size)
+    return [IndexedSlices(values, flat_indices, shape), None]
+
+
+def _variable_shape(op: Operation) -> Tensor:
+    # The shape of the variable `op` reads: a constant when the variable's is static.
+    declared = op.inputs[0].op.get_attr("shape") if op.inputs[0].op.type == "VarHandleOp" else None
+    if _fully_defined(declared):
+        return ops.constant(_int32(declared))
+    read = get_default_graph().create_op(
+        "ReadVariableOp", [op.inputs[0]], [op.get_attr("dtype")], attrs={"dtype": op.node_def.attr["dtype"]}
+    )
+    return ops.shape(read.outputs[0])
+
+
+# --------------------------------------------------------------------------- neural networks
+
+
+@RegisterGradient("Softmax")
+def _softmax_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    y = op.outputs[0]
+    sum_channels = ops.reduce_sum(ops.multiply(grad, y), -1, keepdims=True)
+    return [ops.multiply(ops.subtract(grad, sum_channels), y)]
+
+
+def _broadcast_mul(vector: Tensor, matrix: Tensor) -> Tensor:
+    """A [batch] vector times a [batch, classes] matrix, row by row (TF's _BroadcastMul)."""
+    return ops.multiply(ops.expand_dims(vector, -1), matrix)
+
+
+def _is_zero(grad: Tensor | None) -> bool:
+    if grad is None:
+        return True
+    if grad.op.type in ("ZerosLike", "Zeros"):
+        return True
+    value = ops._static_value(grad)
+    return value is not None and not np.any(value)
+
+
+@RegisterGradient("SoftmaxCrossEntropyWithLogits")
+def _softmax_cross_entropy_grad(
+    op: Operation, grad_loss: Tensor, grad_backprop: Tensor | None
+) -> list[Gradient | None]:
+    backprop = op.outputs[1]
+    grad = _broadcast_mul(grad_loss, backprop)
+    logits = op.inputs[0]
+    if not _is_zero(grad_backprop):
+        # The second-order term (TF writes the row sums as a batched matmul).
+        softmax = ops.softmax(logits)
+        grad_backprop = typing.cast(Tensor, grad_backprop)
+        product = ops.reduce_sum(ops.multiply(grad_backprop, softmax), 1, keepdims=True)
+        grad = ops.add(grad, ops.multiply(ops.subtract(grad_backprop, product), softmax))
+    log_softmax = _raw("LogSoftmax", [logits], _t(logits), logits.datatype, logits.shape)
+    return [grad, _broadcast_mul(grad_loss, ops.negative(log_softmax))]
+
+
+@RegisterGradient("SparseSoftmaxCrossEntropyWithLogits")
+def _sparse_softmax_cross_entropy_grad(
+    op: Operation, grad_loss: Tensor, grad_backprop: Tensor | None
+) -> list[Gradient | None]:
+    return [_broadcast_mul(grad_loss, op.outputs[1]), None]
+
+
+__all__: list[str] = ["to_dense"]
