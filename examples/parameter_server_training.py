@@ -1,15 +1,16 @@
 """Asynchronous parameter-server training through the cluster coordinator.
 
-A softmax classifier learns scikit-learn's bundled handwritten digits (8x8
+A small neural network (one hidden layer) learns scikit-learn's bundled handwritten digits (8x8
 images, 10 classes; `pip install 'distserver[examples]'`), or, with
 `--dataset blobs`, a synthetic task: 20-dimensional Gaussian blobs, one per
 class of 4, noisy enough to take a while.
 
-* The model's variables are sharded over the `ps` tasks (`replica_device_setter`:
-  the weights on one, the biases and the global step on the other).
+* The model's variables are sharded over the `ps` tasks (`replica_device_setter`
+  deals them out in turn: the weights on one, the biases on the other).
 * `ds.ClusterCoordinator` runs the training steps on the `worker` tasks,
   asynchronously: each step reads the current variables from the ps, computes
-  the gradient of its batch on its worker and applies it on the ps.
+  the gradients of its batch on its worker (`ds.gradients`, through
+  `ds.train.GradientDescentOptimizer.minimize`) and applies them on the ps.
 * Input: each worker keeps its own shard of the training set
   (`create_per_worker_dataset`); steps read their batches there, so no batch
   passes through this process.
@@ -88,16 +89,6 @@ class Model:
     init: ds.Operation
 
 
-def softmax_cross_entropy(logits: ds.Tensor, labels: ds.Tensor, classes: int) -> tuple[ds.Tensor, ds.Tensor]:
-    """(mean cross-entropy, d(mean cross-entropy)/d(logits) = (softmax - onehot) / batch)."""
-    probabilities = ds.softmax(logits)
-    onehot = ds.one_hot(labels, classes, dtype=ds.float32)
-    picked = ds.reduce_sum(probabilities * onehot, axis=1)
-    loss = -ds.reduce_mean(ds.log(picked + 1e-7))
-    batch = ds.cast(ds.shape(labels)[0], ds.float32)
-    return loss, (probabilities - onehot) / batch
-
-
 def build_model(
     graph: ds.Graph,
     batch: Sequence[ds.Tensor],
@@ -105,33 +96,40 @@ def build_model(
     classes: int,
     ps_tasks: int,
     learning_rate: float,
+    hidden: int,
 ) -> Model:
-    """The classifier: variables on the ps tasks, computation on the worker running the step.
-
-    The gradients are written out (for softmax regression they are short):
-    dL/dw = x^T (softmax - onehot) / batch, dL/db = the column sums of the same.
-    """
+    """A one-hidden-layer network: variables on the ps tasks, computation on the worker running the step."""
     with graph.as_default():
         with ds.device(ds.replica_device_setter(ps_tasks=ps_tasks, worker_device="/job:worker")):
-            w = ds.Variable(np.zeros((features, classes), np.float32), name="softmax/w")
-            b = ds.Variable(np.zeros((classes,), np.float32), name="softmax/b")
-            global_step = ds.Variable(np.int64(0), name="global_step", trainable=False)
+            rng = np.random.default_rng(0)
+            limit = np.sqrt(6.0 / (features + hidden))
+            w1 = ds.Variable(
+                rng.uniform(-limit, limit, (features, hidden)).astype(np.float32), name="hidden/w"
+            )
+            b1 = ds.Variable(np.zeros((hidden,), np.float32), name="hidden/b")
+            w2 = ds.Variable(np.zeros((hidden, classes), np.float32), name="softmax/w")
+            b2 = ds.Variable(np.zeros((classes,), np.float32), name="softmax/b")
+            global_step = ds.train.get_or_create_global_step()
+
+            def logits_of(x: ds.Tensor) -> ds.Tensor:
+                return ds.matmul(ds.relu(ds.matmul(x, w1) + b1), w2) + b2
+
+            def loss_of(x: ds.Tensor, labels: ds.Tensor) -> tuple[ds.Tensor, ds.Tensor]:
+                logits = logits_of(x)
+                loss = ds.reduce_mean(
+                    ds.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+                )
+                return loss, logits
+
             batch_x, batch_y = batch
-            batch_loss, delta = softmax_cross_entropy(ds.matmul(batch_x, w) + b, batch_y, classes)
-            grad_w = ds.matmul(batch_x, delta, transpose_a=True)
-            grad_b = ds.reduce_sum(delta, axis=0)
-            with ds.control_dependencies(
-                [
-                    w.assign_sub(grad_w * learning_rate, read_value=False),
-                    b.assign_sub(grad_b * learning_rate, read_value=False),
-                ]
-            ):
-                train_step = global_step.assign_add(np.int64(1), read_value=False)
+            batch_loss, _ = loss_of(batch_x, batch_y)
+            # ds.gradients builds the backward pass on the worker; the updates run on the ps.
+            optimizer = ds.train.GradientDescentOptimizer(learning_rate)
+            train_step = optimizer.minimize(batch_loss, global_step=global_step)
             # Evaluation on data fed by this process.
             x = ds.placeholder(ds.float32, shape=[None, features], name="eval/x")
             labels = ds.placeholder(ds.int64, shape=[None], name="eval/labels")
-            logits = ds.matmul(x, w) + b
-            loss, _ = softmax_cross_entropy(logits, labels, classes)
+            loss, logits = loss_of(x, labels)
             correct = ds.equal(ds.argmax(logits, axis=1), labels)
             accuracy = ds.reduce_mean(ds.cast(correct, ds.float32))
         init = ds.global_variables_initializer()
@@ -146,6 +144,7 @@ def train(
     batch_size: int,
     learning_rate: float,
     log_every: int,
+    hidden: int = 32,
     on_progress: Callable[[int], None] | None = None,
 ) -> tuple[float, float]:
     """Train on `cluster` ({"ps": [...], "worker": [...]}); returns the test loss before and after."""
@@ -155,7 +154,13 @@ def train(
             (data.train_x, data.train_y), batch_size, name="train_data"
         )
         model = build_model(
-            graph, dataset.batch, data.train_x.shape[1], data.classes, len(cluster["ps"]), learning_rate
+            graph,
+            dataset.batch,
+            data.train_x.shape[1],
+            data.classes,
+            len(cluster["ps"]),
+            learning_rate,
+            hidden,
         )
         coordinator.schedule(model.init).fetch()
 
@@ -224,7 +229,8 @@ def main() -> None:
     parser.add_argument("--dataset", choices=["digits", "blobs"], default="digits")
     parser.add_argument("--steps", type=int, default=600, help="training steps in all")
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--learning-rate", type=float, default=0.5)
+    parser.add_argument("--learning-rate", type=float, default=0.2)
+    parser.add_argument("--hidden", type=int, default=32, help="units in the hidden layer")
     parser.add_argument("--log-every", type=int, default=100)
     parser.add_argument(
         "--kill-worker-after",
@@ -246,6 +252,7 @@ def main() -> None:
         "batch_size": args.batch,
         "learning_rate": args.learning_rate,
         "log_every": args.log_every,
+        "hidden": args.hidden,
     }
     cluster = None if args.local else cluster_from_args(args)
     if cluster is not None:
