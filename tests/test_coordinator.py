@@ -16,7 +16,7 @@ import pytest
 
 import distserver as ds
 from distserver import errors
-from distserver.testing import LocalCluster
+from distserver.testing import LocalCluster, free_ports
 
 WORKERS = 3
 
@@ -98,6 +98,23 @@ async def test_fetch_on_the_event_loop_is_refused():
             value.fetch()
 
 
+def test_queued_steps_fail_unavailable_when_no_worker_answers_for_the_wait_timeout():
+    graph = ds.Graph()
+    with graph.as_default():
+        ds.constant(1.0, name="one")
+    (port,) = free_ports(1)  # nothing listens there
+    with ds.ClusterCoordinator(
+        {"worker": [f"localhost:{port}"]}, graph, probe_timeout=0.5, probe_interval=0.1, worker_wait_timeout=1
+    ) as coordinator:
+        values = [coordinator.schedule("one:0") for _ in range(3)]
+        with pytest.raises(errors.UnavailableError, match="No worker has been available for 1 s"):
+            coordinator.join()
+        for value in values:
+            with pytest.raises(errors.UnavailableError):
+                value.fetch()
+        assert coordinator.available_workers() == []
+
+
 # -- on a running cluster --------------------------------------------------------------
 
 
@@ -177,6 +194,11 @@ def test_per_worker_dataset_batches_come_from_each_workers_own_shard(cluster):
         for worker, labels_seen in seen.items():
             if labels_seen:
                 assert set(labels_seen) == set(range(10 * worker, 10 * worker + 10)) or len(labels_seen) < 10
+        # One batch from every worker at once: each from its own shard.
+        per_worker = coordinator.run_on_every_worker(dataset.batch)
+        assert len(per_worker) == WORKERS
+        for worker, (_, batch_labels) in enumerate(per_worker):
+            assert all(10 * worker <= label < 10 * worker + 10 for label in batch_labels)
 
 
 def _stall_worker_until(index, released):
