@@ -78,6 +78,7 @@ from distserver.graph import range as graph_range
 from distserver.protos import worker_pb2 as w
 from distserver.protos.config_pb2 import ConfigProto, RunOptions
 from distserver.runtime.clients import RemoteWorker
+from distserver.runtime.concurrency import gather_all
 from distserver.security import Security, from_environment
 from distserver.session import AsyncSession
 from distserver.transports import Channel, get_transport
@@ -238,6 +239,12 @@ class AsyncClusterCoordinator:
                 f"The cluster has no {WORKER_JOB!r} job (jobs: {', '.join(spec.jobs) or 'none'}); "
                 "the coordinator schedules steps on the tasks of the 'worker' job."
             )
+        indices = spec.task_indices(WORKER_JOB)
+        if indices != list(range(len(indices))):
+            raise ValueError(
+                f"The coordinator needs worker tasks 0..n-1; this cluster's are {indices}. "
+                "List the workers as a list of addresses."
+            )
         if max_in_flight_per_worker < 1:
             raise ValueError(f"max_in_flight_per_worker must be at least 1, got {max_in_flight_per_worker}.")
         if step_timeout is not None and step_timeout <= 0:
@@ -344,13 +351,14 @@ class AsyncClusterCoordinator:
     ) -> list[Any]:
         """Run one step on every available worker now (not queued); results by worker.
 
-        Unavailable workers (and workers that fail during the call) get None.
+        Unavailable workers (and workers found lost during the call) get None; any
+        other error is raised (and cancels the other workers' steps).
         """
         self._check_loop()
         workers = [worker for worker in self._workers if worker.available]
 
         async def run(worker: _Worker) -> Any:
-            feed = None if feed_dict is None else feed_dict(worker.index)
+            feed = None if feed_dict is None else await asyncio.to_thread(feed_dict, worker.index)
             try:
                 return await worker.session.run(fetches, feed, options=self._run_options)
             except errors.OpError as exc:
@@ -360,7 +368,7 @@ class AsyncClusterCoordinator:
                 raise
 
         results: list[Any] = [None] * len(self._workers)
-        values = await asyncio.gather(*(run(worker) for worker in workers))
+        values = await gather_all(run(worker) for worker in workers)
         for worker, value in zip(workers, values, strict=True):
             results[worker.index] = value
         return results

@@ -72,6 +72,8 @@ async def test_async_join_with_nothing_scheduled_returns_at_once():
 def test_bad_arguments_are_refused_with_a_reason():
     with pytest.raises(ValueError, match="no 'worker' job"):
         ds.ClusterCoordinator({"ps": ["localhost:1"]})
+    with pytest.raises(ValueError, match=r"worker tasks 0..n-1; this cluster's are \[1\]"):
+        ds.ClusterCoordinator({"worker": {1: "localhost:1"}})
     with pytest.raises(ValueError, match="device_filters"):
         ds.ClusterCoordinator({"worker": ["localhost:1"]}, config=ds.ConfigProto(device_filters=["/job:ps"]))
     with pytest.raises(ValueError, match="max_in_flight_per_worker"):
