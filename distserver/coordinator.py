@@ -24,7 +24,9 @@ Failures, and what is retried:
   off may already have updated variables on the ps (all, some or none of its
   updates) before it runs again elsewhere, and a hung worker that wakes up may
   still finish the steps it had. Asynchronous training tolerates this; a step
-  that must not repeat needs its own guard (e.g. a step counter on the ps).
+  that must not repeat needs its own guard (e.g. a step counter on the ps). A
+  step whose worker failed 2 x (number of workers) times fails with the last
+  error instead of going round again.
 * An unavailable worker is probed every `probe_interval` seconds; once it
   answers it gets a new session, its per-worker set-up is run again (the
   shards of `create_per_worker_dataset`), and it takes steps again.
@@ -95,6 +97,11 @@ _MAYBE_WORKER_FAILURE = (
     errors.AbortedError,
     errors.CancelledError,
 )
+
+
+# A step whose worker failed this many times per worker of the cluster fails with the
+# last error instead of being rescheduled again.
+_MAX_ATTEMPTS_PER_WORKER = 2
 
 
 class RemoteValue:
@@ -487,7 +494,9 @@ class AsyncClusterCoordinator:
         except errors.OpError as exc:
             if await self._is_worker_failure(worker, generation, exc):
                 self._lose_worker(worker, generation, exc)
-                if not self._closed:
+                if value.attempts >= _MAX_ATTEMPTS_PER_WORKER * len(self._workers):
+                    self._fail(value, exc)  # it brought down worker after worker: stop
+                elif not self._closed:
                     self._pending.appendleft(step)  # at least once: it may have run in part
                     requeued = True
             else:
@@ -533,7 +542,8 @@ class AsyncClusterCoordinator:
             await RemoteWorker(worker.probe_channel).call(
                 "GetStatus", w.GetStatusRequest(), timeout=self.probe_timeout
             )
-        except errors.OpError:
+        except errors.OpError as exc:
+            logger.debug("probe of %s failed: %s", worker.task, exc)
             return False
         return True
 

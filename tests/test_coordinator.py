@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import queue
 import signal
 import threading
 import time
@@ -413,3 +414,31 @@ def test_the_coordinator_connects_over_grpc_verbs():
             coordinator.join()
             assert [float(v.fetch()) for v in values] == [200_000.0] * 6
             assert {v.worker for v in values} == {0, 1}
+
+
+@pytest.mark.slow
+def test_a_step_that_fails_worker_after_worker_is_not_rescheduled_forever():
+    with LocalCluster({"worker": 1}) as local:
+        graph = ds.Graph()
+        with graph.as_default():
+            ds.constant(1.0, name="one")
+        killed = queue.Queue()
+
+        def kill_my_worker(worker):
+            local.kill("worker", worker)  # the worker dies as each attempt starts
+            killed.put(worker)
+            return {}
+
+        with ds.ClusterCoordinator(local.cluster, graph, probe_interval=0.2) as coordinator:
+            doomed = coordinator.schedule("one:0", feed_dict=kill_my_worker)
+            for _ in range(2):  # 2 attempts per worker, 1 worker
+                # Restarted from this thread: a task dies with the thread that started it.
+                local.restart("worker", killed.get(timeout=60))
+            with pytest.raises(errors.UnavailableError):
+                doomed.fetch()
+            assert doomed.attempts == 2
+            poll(lambda: coordinator.available_workers() == [0], what="the worker's re-admission")
+            assert coordinator.schedule("one:0").fetch() == 1.0
+            assert killed.empty()
+            with pytest.raises(errors.UnavailableError):
+                coordinator.join()
