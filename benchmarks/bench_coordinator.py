@@ -35,13 +35,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _tfenv import TFUnavailable, find_or_create, quiet_tf_env
-from bench_distributed import machine_info, netns_prefix
 
 import distserver as ds
+from distserver.bench.sides import machine_info, netns_prefix
+from distserver.bench.tfenv import TFUnavailable, find_or_create, quiet_tf_env
 from distserver.testing import LocalCluster
 
 HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
 FEATURES, CLASSES, BATCH = 64, 10, 32
 
 
@@ -103,7 +104,7 @@ def run_ours(
 def run_tf(
     graph: ds.Graph, names: dict[str, Any], workers: list[int], steps: int, warmup: int
 ) -> dict[str, Any]:
-    tf_env = find_or_create(create=False)
+    tf_env = find_or_create(REPO, create=False)
     prefix = netns_prefix()
     if prefix is None:
         raise TFUnavailable("TensorFlow's servers bind 0.0.0.0 and `unshare --net` is unavailable here")

@@ -2,13 +2,14 @@
 
     tf_coordinator_side.py --graph FILE --spec JSON --netns
 
-Starts 2 ps and 3 worker `tf.distribute.Server`s (one process each, `tf_side.py
-server`), imports the GraphDef that distserver built (`FILE`), and for each worker
-count k in the spec runs the training step as TF 1.x between-graph replication
-does: one client per worker (a thread here; `Session.run` releases the GIL), each
-with a `tf.compat.v1.Session` on its worker whose `device_filters` name that
-worker and the ps job, so the graph's `/job:worker` nodes run there. Prints one
-``@@result {...}`` line: steps per second for each k.
+Starts 2 ps and 3 worker `tf.distribute.Server`s (one process each,
+`distserver/bench/tf_side.py server`), imports the GraphDef that distserver built
+(`FILE`), and for each worker count k in the spec runs the training step as TF
+1.x between-graph replication does: one client per worker (a thread here;
+`Session.run` releases the GIL), each with a `tf.compat.v1.Session` on its worker
+whose `device_filters` name that worker and the ps job, so the graph's
+`/job:worker` nodes run there. Prints one ``@@result {...}`` line: steps per
+second for each k.
 
 TensorFlow's server binds 0.0.0.0, so `bench_coordinator.py` starts this under
 ``unshare --net`` (a namespace with only ``lo``) and passes ``--netns``.
@@ -23,10 +24,15 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
-import tf_side
+
+# distserver is not installed under TensorFlow's Python: its TF-side helpers are
+# imported as plain modules from their directory.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "distserver" / "bench"))
+import tf_side  # type: ignore[import-not-found]
 
 RESULT = "@@result "
 START_TIMEOUT_S = 90.0

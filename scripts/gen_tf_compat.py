@@ -30,6 +30,7 @@ GROUPS = {
     "state": "Resource variables and optimizers",
     "ref_variables": "TF 1.x reference variables",
     "queue": "Queues",
+    "accumulators": "Conditional accumulators (SyncReplicasOptimizer)",
     "sendrecv": "Runtime (inserted by the master)",
 }
 

@@ -337,6 +337,7 @@ def _load_builtin_kernels() -> None:
     with _loading:
         if _loaded:
             return
+        import distserver.kernels.accumulators
         import distserver.kernels.array
         import distserver.kernels.checkpoint
         import distserver.kernels.control_flow

@@ -32,7 +32,18 @@ from distserver.runtime.names import parse_input
 
 # Ops whose output 0 is a resource handle that consumers must be colocated with.
 RESOURCE_PRODUCERS = frozenset(
-    {"VarHandleOp", "FIFOQueueV2", "PaddingFIFOQueueV2", "RandomShuffleQueueV2", "PriorityQueueV2"}
+    {
+        "VarHandleOp",
+        "FIFOQueueV2",
+        "PaddingFIFOQueueV2",
+        "RandomShuffleQueueV2",
+        "PriorityQueueV2",
+        # Accumulators; the first two output TF 1.x string references, which cannot
+        # cross devices either.
+        "ConditionalAccumulator",
+        "SparseConditionalAccumulator",
+        "ResourceConditionalAccumulator",
+    }
 )
 
 

@@ -253,7 +253,81 @@ def read_refs_late(nodes: list[NodeDef]) -> None:
             nodes[position].input[i] = read.name
             added.append(read)
     nodes.extend(added)
+    _read_snapshots_after_updates(nodes, by_name)
     _fetch_refs_after_their_users(nodes, by_name)
+
+
+_VARIABLE_OPS = frozenset({"VariableV2", "Variable"})
+
+
+def _read_snapshots_after_updates(nodes: list[NodeDef], by_name: Mapping[str, NodeDef]) -> None:
+    """A node that follows an in-place update of a variable reads its snapshot after the update.
+
+    `tf.compat.v1` turns a reference variable into its snapshot `v/read` (an
+    `Identity` of the reference). TensorFlow's Identity forwards the variable's
+    buffer, which `AssignAdd`, `Assign*`'s in-place forms and the `Apply*` ops change
+    in place, so a consumer of the snapshot that runs after such an update sees the
+    new value: SyncReplicasOptimizer's tokens, `fill(n, global_step)` ordered after
+    the update that increments the global step, rely on it. Here the snapshot is a
+    copy taken when it runs; a consumer that (transitively) follows an update of the
+    same variable gets its own read of the variable, placed with the variable, that
+    waits for those updates. Consumers that do not follow an update are left alone.
+    """
+    updaters: dict[str, list[str]] = {}
+    for node in nodes:
+        if node.op in REF_OUTPUT_OPS and node.op not in _VARIABLE_OPS and node.input:
+            source = by_name.get(parse_input(node.input[0])[0])
+            if source is not None and source.op in _VARIABLE_OPS:
+                updaters.setdefault(source.name, []).append(node.name)
+    snapshots: dict[str, list[NodeDef]] = {}
+    for node in nodes:
+        if node.op == "Identity" and len(node.input) == 1 and parse_input(node.input[0])[0] in updaters:
+            snapshots.setdefault(parse_input(node.input[0])[0], []).append(node)
+    if not snapshots:
+        return
+    users: dict[str, list[int]] = {}
+    for position, node in enumerate(nodes):
+        for text in node.input:
+            users.setdefault(parse_input(text)[0], []).append(position)
+    added: list[NodeDef] = []
+    for variable, reads in snapshots.items():
+        followers: dict[int, list[str]] = {}  # node position -> the updates it follows
+        for update in updaters[variable]:
+            for position in _descendants(update, users, nodes):
+                followers.setdefault(position, []).append(update)
+        for snapshot in reads:
+            for position in users.get(snapshot.name, []):
+                after = followers.get(position)
+                node = nodes[position]
+                if not after:
+                    continue
+                for i, text in enumerate(node.input):
+                    if text.startswith("^") or parse_input(text)[0] != snapshot.name:
+                        continue
+                    read = NodeDef(
+                        name=f"{node.name}/_late_read_{i}", op="Identity", device=by_name[variable].device
+                    )
+                    read.input.extend([snapshot.input[0], *(f"^{update}" for update in sorted(set(after)))])
+                    if nodes[position] is by_name.get(node.name):  # the session's own NodeDef: change a copy
+                        node = NodeDef()
+                        node.CopyFrom(nodes[position])
+                        nodes[position] = node
+                    node.input[i] = read.name
+                    added.append(read)
+    nodes.extend(added)
+
+
+def _descendants(start: str, users: Mapping[str, list[int]], nodes: Sequence[NodeDef]) -> set[int]:
+    """Positions of the nodes that depend on `start` (data or control), transitively."""
+    seen: set[int] = set()
+    pending = list(users.get(start, []))
+    while pending:
+        position = pending.pop()
+        if position in seen:
+            continue
+        seen.add(position)
+        pending.extend(users.get(nodes[position].name, []))
+    return seen
 
 
 def _fetch_refs_after_their_users(nodes: list[NodeDef], by_name: Mapping[str, NodeDef]) -> None:
