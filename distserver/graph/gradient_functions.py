@@ -180,6 +180,8 @@ for _op_type in (
     "BroadcastGradientArgs",
     "ConcatOffset",
     "Unique",
+    "ListDiff",
+    "InvertPermutation",
     "VarIsInitializedOp",
     "VariableShape",
     "Const",
@@ -480,6 +482,61 @@ RegisterGradient("Max")(_min_or_max_grad)
 RegisterGradient("Min")(_min_or_max_grad)
 
 
+@RegisterGradient("Prod")
+def _prod_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    # The product of all other elements: exclusive cumulative products from both sides
+    # over the reduced axes (moved to the front and flattened), as TensorFlow computes it.
+    x, axes = op.inputs
+    graph = get_default_graph()
+    input_shape = ops.shape(x)
+    reduction_indices = ops.reshape(axes, [-1])
+    if not op.get_attr("keep_dims"):
+        grad = ops.reshape(grad, _reduced_shape(input_shape, axes))
+    grad = _raw(
+        "BroadcastTo",
+        [grad, input_shape],
+        {**_t(grad), "Tidx": ops._type_attr(input_shape.datatype)},
+        grad.datatype,
+        x.shape,
+    )
+    rank = ops.rank(x)
+    reduction_indices = ops.floormod(ops.add(reduction_indices, rank), rank)
+    reduced = ops.cast(reduction_indices, np.int32)
+    indices = ops.range(0, rank)
+    with name_scope(None, "ListDiff") as scope:
+        other = graph.create_op(
+            "ListDiff",
+            [indices, reduced],
+            [_DT.DT_INT32, _DT.DT_INT32],
+            name=scope,
+            attrs={"T": ops._type_attr(_DT.DT_INT32), "out_idx": ops._type_attr(_DT.DT_INT32)},
+            shapes=[(None,), (None,)],
+        ).outputs[0]
+    perm = ops.concat([reduced, other], 0)
+    reduced_count = ops.reduce_prod(ops.gather(input_shape, reduced))
+    other_count = ops.reduce_prod(ops.gather(input_shape, other))
+    permuted = ops.transpose(x, perm)
+    permuted_shape = ops.shape(permuted)
+    reshaped = ops.reshape(permuted, ops.stack([reduced_count, other_count]))
+
+    def cumprod(reverse: bool) -> Tensor:
+        attrs = {
+            **_t(reshaped),
+            "Tidx": ops._type_attr(_DT.DT_INT32),
+            "exclusive": AttrValue(b=True),
+            "reverse": AttrValue(b=reverse),
+        }
+        return _raw(
+            "Cumprod", [reshaped, ops.constant(np.int32(0))], attrs, reshaped.datatype, reshaped.shape
+        )
+
+    left, right = cumprod(False), cumprod(True)
+    y = ops.reshape(ops.multiply(_conj(left), _conj(right)), permuted_shape)
+    inverse = _raw("InvertPermutation", [perm], _t(perm), perm.datatype, perm.shape)
+    out = ops.multiply(grad, ops.transpose(y, inverse))
+    return [ops.reshape(out, input_shape), None]
+
+
 # --------------------------------------------------------------------------- shapes
 
 
@@ -613,7 +670,7 @@ def _gather_v2_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
     if axis_value == 0:
         values_shape = ops.concat([indices_size, params_shape[1:]], 0)
         values = ops.reshape(grad, values_shape)
-        flat_indices = ops.reshape(indices, indices_size)
+        flat_indices = _flat(indices, indices_size)
         return [IndexedSlices(values, flat_indices, params_shape), None, None]
     # Another axis: move it to the front, sum the rows by index, move it back.
     outer_shape = params_shape[:axis]
@@ -642,8 +699,15 @@ def _resource_gather_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
     size = ops.expand_dims(ops.size(indices), 0)
     values_shape = ops.concat([size, shape[1:]], 0)
     values = ops.reshape(grad, values_shape)
-    flat_indices = ops.reshape(indices, size)
+    flat_indices = _flat(indices, size)
     return [IndexedSlices(values, flat_indices, shape), None]
+
+
+def _flat(indices: Tensor, size: Tensor) -> Tensor:
+    flat = ops.reshape(indices, size)
+    if _fully_defined(indices.shape):
+        flat.set_shape((int(np.prod(_dims(indices.shape))),))
+    return flat
 
 
 def _variable_shape(op: Operation) -> Tensor:
@@ -665,6 +729,12 @@ def _softmax_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
     y = op.outputs[0]
     sum_channels = ops.reduce_sum(ops.multiply(grad, y), -1, keepdims=True)
     return [ops.multiply(ops.subtract(grad, sum_channels), y)]
+
+
+@RegisterGradient("LogSoftmax")
+def _log_softmax_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    softmax = ops.exp(op.outputs[0])
+    return [ops.subtract(grad, ops.multiply(ops.reduce_sum(grad, -1, keepdims=True), softmax))]
 
 
 def _broadcast_mul(vector: Tensor, matrix: Tensor) -> Tensor:

@@ -271,6 +271,23 @@ class InvertPermutationKernel(_TypedKernel):
         return [inverse]
 
 
+@register_kernel("ListDiff")
+class ListDiffKernel(_TypedKernel):
+    """out: the values of `x` not in `y` (in `x`'s order); idx: their positions in `x`."""
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        self.index_type = attr_type_in(self, "out_idx", INDEX_TYPES, default=INT32)
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        x, y = inputs
+        for name, value in (("x", x), ("y", y)):
+            if value.ndim != 1:
+                raise kernel_error(self, f"{name} should be a 1D vector, got shape {shape_str(value.shape)}")
+        keep = ~np.isin(x, y)
+        return [x[keep], np.flatnonzero(keep).astype(self.index_type)]
+
+
 @register_kernel("ExpandDims")
 class ExpandDimsKernel(_TypedKernel):
     runs_on_loop = True  # a view or the shape: no thread hop
@@ -1006,6 +1023,7 @@ __all__ = [
     "IdentityKernel",
     "IdentityNKernel",
     "InvertPermutationKernel",
+    "ListDiffKernel",
     "NoOpKernel",
     "OneHotKernel",
     "PackKernel",

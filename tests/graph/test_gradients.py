@@ -1,0 +1,409 @@
+"""`ds.gradients` checked against finite differences, run by a real local server.
+
+Every registered gradient function is exercised by at least one case below (a test
+checks that), in float64 where the op allows it: the analytic gradient of
+``sum(W * f(inputs))`` (W fixed random weights) must match central differences of
+the same graph evaluated by the session.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+
+import distserver as ds
+from distserver.graph import autodiff
+from distserver.graph import ops as graph_ops
+
+F64 = np.float64
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ds.Server]:
+    with ds.Server.create_local_server() as server:
+        yield server
+
+
+def _raw(op_type: str, *inputs: ds.Tensor) -> ds.Tensor:
+    # An op the graph API has no constructor for (its gradient is registered).
+    graph = ds.get_default_graph()
+    attrs = {"T": graph_ops._type_attr(inputs[0].datatype)}
+    return graph.create_op(
+        op_type, list(inputs), [inputs[0].dtype], attrs=attrs, shapes=[inputs[0].shape]
+    ).outputs[0]
+
+
+@dataclass
+class Case:
+    """y = build(*inputs); inputs are placeholders fed with `values` (or variables)."""
+
+    build: Callable[..., Any]
+    values: list[np.ndarray]
+    dynamic: bool = False  # placeholders of unknown shape: the gradients' dynamic paths
+    variables: list[int] = field(default_factory=list)  # inputs that are Variables
+    eps: float = 1e-6
+    tolerance: float = 1e-6
+
+
+def _rand(*shape: int, low: float = -1.0, high: float = 1.0, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed + 17 * len(shape) + sum(shape))
+    return rng.uniform(low, high, size=shape).astype(F64)
+
+
+def _away_from_zero(*shape: int, seed: int = 0) -> np.ndarray:
+    values = _rand(*shape, seed=seed)
+    return np.where(values >= 0, values + 0.2, values - 0.2)
+
+
+def _distinct(*shape: int, seed: int = 0) -> np.ndarray:
+    # Values far apart, so max/min/maximum pick the same element after a small nudge.
+    count = int(np.prod(shape))
+    rng = np.random.default_rng(seed)
+    return (rng.permutation(count) * 0.37 - count * 0.15).reshape(shape).astype(F64)
+
+
+def _positive(*shape: int, seed: int = 0) -> np.ndarray:
+    return _rand(*shape, low=0.5, high=2.0, seed=seed)
+
+
+def _probabilities(*shape: int) -> np.ndarray:
+    # Rows summing to 1: the kernel's gradient assumes labels are distributions, as TF's does.
+    values = _positive(*shape)
+    return values / values.sum(-1, keepdims=True)
+
+
+def _strided_slice(x: ds.Tensor) -> list[ds.Tensor]:
+    return [x[1:, ::-1], x[:, 1], x[..., None, 0]]
+
+
+def _raw_add(x: ds.Tensor, y: ds.Tensor) -> ds.Tensor:
+    graph = ds.get_default_graph()
+    attrs = {"T": graph_ops._type_attr(x.datatype)}
+    return graph.create_op("Add", [x, y], [x.dtype], attrs=attrs, shapes=[x.shape]).outputs[0]
+
+
+CASES: dict[str, Case] = {
+    # identities and casts
+    "identity": Case(lambda x: ds.identity(x) * x, [_rand(2, 3)]),
+    "snapshot": Case(lambda x: _raw("Snapshot", x) * x, [_rand(2, 3)]),
+    "placeholder_with_default": Case(lambda x: ds.placeholder_with_default(x, [2, 3]) * 2.0, [_rand(2, 3)]),
+    "cast": Case(
+        lambda x: ds.cast(ds.cast(x, ds.float32) * 3.0, ds.float64),
+        [_rand(2, 3)],
+        eps=1e-2,
+        tolerance=1e-4,
+    ),
+    "add_n": Case(lambda x, y: ds.add_n([x, x * y, y]), [_rand(2, 3), _rand(2, 3, seed=1)]),
+    # element-wise
+    "neg": Case(lambda x: -x * x, [_rand(2, 3)]),
+    "abs": Case(lambda x: ds.abs(x), [_away_from_zero(2, 3)]),
+    "square": Case(lambda x: ds.square(x), [_rand(2, 3)]),
+    "sqrt": Case(lambda x: ds.sqrt(x), [_positive(2, 3)]),
+    "rsqrt": Case(lambda x: _raw("Rsqrt", x), [_positive(2, 3)]),
+    "reciprocal": Case(lambda x: _raw("Reciprocal", x), [_positive(2, 3)]),
+    "tanh": Case(lambda x: ds.tanh(x), [_rand(2, 3)]),
+    "sigmoid": Case(lambda x: ds.sigmoid(x), [_rand(2, 3)]),
+    "exp": Case(lambda x: ds.exp(x), [_rand(2, 3)]),
+    "log": Case(lambda x: ds.log(x), [_positive(2, 3)]),
+    "relu": Case(lambda x: ds.relu(x), [_away_from_zero(2, 3)]),
+    # binary, with broadcasting (static and dynamic shapes)
+    "add": Case(lambda x, y: _raw_add(x, y), [_rand(2, 3), _rand(2, 3, seed=1)]),
+    "add_v2 broadcast": Case(lambda x, y: x + y, [_rand(2, 3), _rand(3, seed=1)]),
+    "add_v2 both broadcast": Case(lambda x, y: (x + y) * x, [_rand(2, 1), _rand(1, 3, seed=1)]),
+    "add_v2 dynamic": Case(lambda x, y: (x + y) * y, [_rand(2, 3), _rand(1, 3, seed=1)], dynamic=True),
+    "sub": Case(lambda x, y: x - y, [_rand(2, 3), _rand(1, seed=1)]),
+    "sub dynamic": Case(lambda x, y: (x - y) * x, [_rand(2, 3), _rand(3, seed=1)], dynamic=True),
+    "mul": Case(lambda x, y: x * y, [_rand(4, 3), _rand(3, seed=1)]),
+    "mul scalar": Case(lambda x, y: x * y, [_rand(), _rand(2, 2, seed=1)]),
+    "mul dynamic": Case(lambda x, y: x * y, [_rand(2, 1, 3), _rand(4, 1, seed=1)], dynamic=True),
+    "real_div": Case(lambda x, y: x / y, [_rand(2, 3), _away_from_zero(3, seed=1)]),
+    "floor_mod": Case(
+        lambda x, y: ds.floormod(x, y),
+        [np.array([[0.3, 1.6, -0.7], [2.3, -1.2, 0.45]]), np.array([0.7, 1.1, 0.9])],
+    ),
+    "pow": Case(lambda x, y: ds.pow(x, y), [_positive(2, 3), _rand(3, seed=1)]),
+    "pow negative base": Case(lambda x: ds.pow(x, 2.0), [_away_from_zero(2, 3)]),
+    "maximum": Case(lambda x, y: ds.maximum(x, y), [_distinct(2, 3), _distinct(3, seed=1)]),
+    "minimum": Case(lambda x, y: ds.minimum(x, y), [_distinct(2, 3), _distinct(2, 3, seed=1)]),
+    "select_v2": Case(
+        lambda x, y: ds.where(np.array([True, False, True]), x, y),
+        [_rand(2, 3), _rand(1, seed=1)],
+    ),
+    "select_v2 dynamic": Case(
+        lambda x, y: ds.where(x > 0.0, x, y), [_away_from_zero(2, 3), _rand(2, 1, seed=1)], dynamic=True
+    ),
+    "matmul": Case(lambda a, b: ds.matmul(a, b), [_rand(2, 3), _rand(3, 4, seed=1)]),
+    "matmul transpose_a": Case(
+        lambda a, b: ds.matmul(a, b, transpose_a=True), [_rand(3, 2), _rand(3, 4, seed=1)]
+    ),
+    "matmul transpose_b": Case(
+        lambda a, b: ds.matmul(a, b, transpose_b=True), [_rand(2, 3), _rand(4, 3, seed=1)]
+    ),
+    "matmul transpose both": Case(
+        lambda a, b: ds.matmul(a, b, transpose_a=True, transpose_b=True), [_rand(3, 2), _rand(4, 3, seed=1)]
+    ),
+    "bias_add": Case(lambda x, b: ds.bias_add(x, b), [_rand(2, 2, 3), _rand(3, seed=1)]),
+    # reductions
+    "sum all": Case(lambda x: ds.reduce_sum(x * x), [_rand(2, 3)]),
+    "sum axis": Case(lambda x: ds.reduce_sum(x * x, 1), [_rand(2, 3, 2)]),
+    "sum keepdims": Case(lambda x: ds.reduce_sum(x * x, [0, 2], keepdims=True), [_rand(2, 3, 2)]),
+    "sum dynamic": Case(lambda x: ds.reduce_sum(x * x, 1), [_rand(2, 3)], dynamic=True),
+    "sum dynamic all": Case(lambda x: ds.reduce_sum(x * x), [_rand(2, 3)], dynamic=True),
+    "mean": Case(lambda x: ds.reduce_mean(x * x, 0), [_rand(4, 3)]),
+    "mean dynamic": Case(lambda x: ds.reduce_mean(x * x, -1, keepdims=True), [_rand(4, 3)], dynamic=True),
+    "max": Case(lambda x: ds.reduce_max(x, 1), [_distinct(3, 4)]),
+    "max dynamic": Case(lambda x: ds.reduce_max(x, 0), [_distinct(3, 4)], dynamic=True),
+    "min": Case(lambda x: ds.reduce_min(x, [0, 1], keepdims=True), [_distinct(3, 4)]),
+    "prod": Case(lambda x: ds.reduce_prod(x, 1), [_away_from_zero(2, 3)]),
+    "prod all dynamic": Case(lambda x: ds.reduce_prod(x), [_away_from_zero(2, 3)], dynamic=True),
+    # shapes and indexing
+    "reshape": Case(lambda x: ds.reshape(x, [3, 2]) * np.arange(6.0).reshape(3, 2), [_rand(2, 3)]),
+    "expand_dims": Case(lambda x: ds.expand_dims(x, 1) * x, [_rand(2, 3)]),
+    "squeeze": Case(lambda x: ds.squeeze(x) * 2.0, [_rand(2, 1, 3)]),
+    "transpose": Case(lambda x: ds.transpose(x, [2, 0, 1]) * x[0, 0, 0], [_rand(2, 3, 2)]),
+    "tile": Case(lambda x: ds.tile(x, [2, 3]), [_rand(2, 3)]),
+    "fill": Case(lambda x: ds.fill([2, 3], x) * np.arange(6.0).reshape(2, 3), [_rand()]),
+    "concat": Case(lambda x, y: ds.concat([x, y, x], 1), [_rand(2, 3), _rand(2, 1, seed=1)]),
+    "concat dynamic": Case(
+        lambda x, y: ds.concat([x, y], -1), [_rand(2, 3), _rand(2, 2, seed=1)], dynamic=True
+    ),
+    "stack": Case(lambda x, y: ds.stack([x, y, x], axis=1), [_rand(2, 3), _rand(2, 3, seed=1)]),
+    "strided_slice": Case(_strided_slice, [_rand(3, 4)]),
+    "gather": Case(lambda x: ds.gather(x, [2, 0, 2]) * x[0], [_rand(3, 4)]),
+    "gather axis 1": Case(lambda x: ds.gather(x, [[1, 1], [2, 0]], axis=1), [_rand(2, 3, 2)]),
+    "gather dynamic": Case(lambda x: ds.gather(x, [1, 1]), [_rand(3, 2)], dynamic=True),
+    # variables
+    "read variable": Case(
+        lambda v, x: ds.matmul(x, v) * v[0], [_rand(3, 3), _rand(2, 3, seed=1)], variables=[0]
+    ),
+    "resource gather": Case(lambda v: ds.gather(v, [3, 0, 3]) * 2.0, [_rand(4, 3)], variables=[0]),
+    # neural networks
+    "softmax": Case(lambda x: ds.softmax(x), [_rand(2, 4)]),
+    "log_softmax": Case(lambda x: ds.log_softmax(x), [_rand(2, 4)]),
+    "softmax_cross_entropy": Case(
+        lambda labels, logits: ds.softmax_cross_entropy_with_logits(labels=labels, logits=logits),
+        [_probabilities(3, 4), _rand(3, 4, seed=1)],
+    ),
+    "sparse_softmax_cross_entropy": Case(
+        lambda x: ds.sparse_softmax_cross_entropy_with_logits(labels=[1, 0, 3], logits=x), [_rand(3, 4)]
+    ),
+}
+
+
+def _build(case: Case) -> tuple[ds.Graph, list[Any], list[ds.Tensor], list[ds.Tensor | None], Any]:
+    """The graph of one case: inputs, the assign feeds of variable inputs, the scalar loss."""
+    graph = ds.Graph()
+    with graph.as_default():
+        inputs: list[Any] = []
+        assigns: list[Any] = []
+        for i, value in enumerate(case.values):
+            if i in case.variables:
+                variable = ds.Variable(value, name=f"v{i}")
+                fed = ds.placeholder(ds.float64, value.shape, name=f"assign{i}")
+                inputs.append(variable)
+                assigns.append((fed, variable.assign(fed, read_value=False)))
+            else:
+                shape = None if case.dynamic else value.shape
+                inputs.append(ds.placeholder(ds.float64, shape, name=f"x{i}"))
+                assigns.append(None)
+        outputs = case.build(*inputs)
+        outputs = outputs if isinstance(outputs, list) else [outputs]
+        weighted = []
+        for output in outputs:
+            # Fixed weights 0.5, 0.8, 1.1, ... shaped like the output (known when it runs).
+            count = ds.cast(ds.range(ds.size(output)), output.dtype)
+            weights = ds.reshape(0.5 + 0.3 * count, ds.shape(output))
+            weighted.append(ds.reduce_sum(output * weights))
+        loss = ds.add_n(weighted) if len(weighted) > 1 else weighted[0]
+        grads = ds.gradients(loss, inputs)
+        init = ds.global_variables_initializer()
+    return graph, inputs, assigns, grads, (loss, init)
+
+
+class _Evaluator:
+    def __init__(self, session: ds.Session, case: Case, inputs: list[Any], assigns: list[Any], loss: Any):
+        self.session, self.case, self.inputs, self.assigns, self.loss = session, case, inputs, assigns, loss
+
+    def feeds(self, values: list[np.ndarray]) -> dict[Any, np.ndarray]:
+        feeds = {}
+        for tensor, assign, value in zip(self.inputs, self.assigns, values, strict=True):
+            if assign is None:
+                feeds[tensor] = value
+            else:
+                fed, op = assign
+                self.session.run(op, {fed: value})
+        return feeds
+
+    def loss_at(self, values: list[np.ndarray]) -> float:
+        return float(self.session.run(self.loss, self.feeds(values)))
+
+    def numeric(self, index: int) -> np.ndarray:
+        values = [v.copy() for v in self.case.values]
+        result = np.zeros_like(values[index])
+        flat = values[index].reshape(-1)
+        for k in range(flat.size):
+            original = flat[k]
+            flat[k] = original + self.case.eps
+            up = self.loss_at(values)
+            flat[k] = original - self.case.eps
+            down = self.loss_at(values)
+            flat[k] = original
+            result.reshape(-1)[k] = (up - down) / (2 * self.case.eps)
+        return result
+
+
+def _dense(value: Any, shape: tuple[int, ...]) -> np.ndarray:
+    if isinstance(value, tuple):  # fetched IndexedSlices: (values, indices, dense_shape)
+        values, indices, dense_shape = value
+        assert tuple(dense_shape) == shape
+        dense = np.zeros(shape)
+        np.add.at(dense, indices, values)
+        return dense
+    return np.asarray(value)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_gradient_matches_finite_differences(server, name):
+    case = CASES[name]
+    graph, inputs, assigns, grads, (loss, init) = _build(case)
+    fetches = [
+        (g.values, g.indices, g.dense_shape) if isinstance(g, ds.IndexedSlices) else g
+        for g in grads
+        if g is not None
+    ]
+    assert len(fetches) == len(grads), f"an input got no gradient: {grads}"
+    with ds.Session(server.target, graph=graph) as session:
+        session.run(init)
+        evaluator = _Evaluator(session, case, inputs, assigns, loss)
+        analytic = session.run(fetches, evaluator.feeds(case.values))
+        for index, value in enumerate(case.values):
+            expected = evaluator.numeric(index)
+            np.testing.assert_allclose(
+                _dense(analytic[index], value.shape),
+                expected,
+                rtol=case.tolerance,
+                atol=case.tolerance,
+                err_msg=f"gradient of input {index}",
+            )
+
+
+def _gradient_op_types(case: Case) -> set[str]:
+    graph, *_ = _build(case)
+    return {op.type for op in graph.get_operations() if not op.name.startswith("gradients")}
+
+
+def test_every_registered_gradient_is_checked():
+    registered = {op_type for op_type, function in autodiff._REGISTRY.items() if function is not None}
+    covered: set[str] = set()
+    for case in CASES.values():
+        covered |= _gradient_op_types(case)
+    assert registered - covered == set()
+
+
+def test_sparse_gradients_of_gathers_are_indexed_slices():
+    with ds.Graph().as_default():
+        v = ds.Variable(np.ones((5, 2)), name="v")
+        x = ds.placeholder(ds.float64, [5, 2])
+        (grad_v,) = ds.gradients(ds.reduce_sum(ds.gather(v, [1, 3])), [v])
+        (grad_x,) = ds.gradients(ds.reduce_sum(ds.gather(x, [1, 3])), [x])
+        # Two gathers: the slices are concatenated; with a dense path too they are summed densely.
+        (both,) = ds.gradients(ds.reduce_sum(ds.gather(v, [0])) + ds.reduce_sum(ds.gather(v, [4])), [v])
+        (mixed,) = ds.gradients(ds.reduce_sum(ds.gather(v, [0])) + ds.reduce_sum(v * 2.0), [v])
+    assert isinstance(grad_v, ds.IndexedSlices)
+    assert isinstance(grad_x, ds.IndexedSlices)
+    assert grad_v.values.op.type == "Reshape"
+    assert grad_v.indices.shape == (2,)
+    assert isinstance(both, ds.IndexedSlices)
+    assert both.values.op.type == "ConcatV2"
+    assert isinstance(mixed, ds.Tensor)
+    assert mixed.op.type == "AddN"
+    assert {op.type for op in mixed.op.inputs[0].op.graph.get_operations()} >= {"UnsortedSegmentSum"}
+
+
+def test_unconnected_stopped_and_integer_paths_give_none(server):
+    g = ds.Graph()
+    with g.as_default():
+        x = ds.placeholder(ds.float64, [3], name="x")
+        z = ds.placeholder(ds.float64, [3], name="z")
+        k = ds.placeholder(ds.int32, [3], name="k")
+        y = ds.reduce_sum(x * ds.stop_gradient(x * 3.0) + ds.cast(k, ds.float64))
+        grad_x, grad_z, grad_k = ds.gradients(y, [x, z, k])
+        (only_stopped,) = ds.gradients(ds.reduce_sum(ds.stop_gradient(x)), [x])
+    assert grad_z is None
+    assert grad_k is None
+    assert only_stopped is None
+    with ds.Session(server.target, graph=g) as session:
+        value = np.array([1.0, 2.0, 3.0])
+        np.testing.assert_allclose(session.run(grad_x, {x: value, k: [1, 2, 3]}), 3.0 * value)
+
+
+def test_paths_are_summed_with_add_n_and_grad_ys_scale(server):
+    g = ds.Graph()
+    with g.as_default():
+        x = ds.placeholder(ds.float64, [2], name="x")
+        y = x * x + ds.exp(x)
+        (grad,) = ds.gradients(y, x)
+        (scaled,) = ds.gradients([y, 2.0 * x], [x], grad_ys=[np.array([1.0, 10.0]), None])
+    assert grad.op.type == "AddN"
+    with ds.Session(server.target, graph=g) as session:
+        value = np.array([0.5, -1.0])
+        np.testing.assert_allclose(session.run(grad, {x: value}), 2 * value + np.exp(value))
+        np.testing.assert_allclose(
+            session.run(scaled, {x: value}), (2 * value + np.exp(value)) * [1.0, 10.0] + 2.0
+        )
+
+
+def test_gradient_graphs_use_tensorflows_ops_and_names():
+    # Shapes of TensorFlow 2.21's tf.compat.v1.gradients graphs (checked by dumping them).
+    g = ds.Graph()
+    with g.as_default():
+        x = ds.placeholder(ds.float32, [2, 3], name="x")
+        w = ds.placeholder(ds.float32, [3], name="w")
+        ds.gradients(ds.reduce_sum(x * w + x), [x, w])
+    nodes = {n.name: (n.op, list(n.input)) for n in g.as_graph_def().node if n.name.startswith("gradients")}
+    assert nodes["gradients/grad_ys_0"] == ("Fill", ["gradients/Shape", "gradients/grad_ys_0/Const"])
+    assert nodes["gradients/Sum_grad/Tile"][0] == "Tile"
+    assert nodes["gradients/mul_grad/Mul"] == ("Mul", ["gradients/Sum_grad/Tile", "w"])
+    assert nodes["gradients/mul_grad/Mul_1"] == ("Mul", ["x", "gradients/Sum_grad/Tile"])
+    assert nodes["gradients/mul_grad/Sum"][0] == "Sum"
+    assert nodes["gradients/AddN"] == ("AddN", ["gradients/Sum_grad/Tile", "gradients/mul_grad/Mul"])
+    assert g.get_operation_by_name("gradients/AddN").get_attr("_class") == [b"loc:@gradients/Sum_grad/Tile"]
+
+
+def test_gated_gradients_and_matmul_attrs():
+    g = ds.Graph()
+    with g.as_default():
+        a = ds.placeholder(ds.float32, [4, 3], name="a")
+        b = ds.placeholder(ds.float32, [3, 2], name="b")
+        ds.gradients(ds.reduce_sum(ds.matmul(a, b)), [a, b], gate_gradients=True)
+    grad_a = g.get_operation_by_name("gradients/MatMul_grad/MatMul")
+    grad_b = g.get_operation_by_name("gradients/MatMul_grad/MatMul_1")
+    assert (grad_a.get_attr("grad_a"), grad_a.get_attr("transpose_b")) == (True, True)
+    assert (grad_b.get_attr("grad_b"), grad_b.get_attr("transpose_a")) == (True, True)
+    gate = g.get_operation_by_name("gradients/MatMul_grad/tuple/group_deps")
+    assert gate.type == "NoOp"
+    gated = g.get_operation_by_name("gradients/MatMul_grad/tuple/control_dependency")
+    assert gated.type == "Identity"
+    assert gated.control_inputs == (gate,)
+
+
+def test_errors():
+    with ds.Graph().as_default() as g:
+        x = ds.placeholder(ds.float64, [3], name="x")
+        attrs = {
+            "T": graph_ops._type_attr(x.datatype),
+            "Tidx": graph_ops._type_attr(graph_ops.as_datatype(ds.int32)),
+        }
+        cumsum = g.create_op("Cumsum", [x, ds.constant(0)], [x.dtype], attrs=attrs, name="c").outputs[0]
+        with pytest.raises(LookupError, match=r"No gradient defined for operation 'c' \(op type: Cumsum\)"):
+            ds.gradients(ds.reduce_sum(cumsum), [x])
+        with pytest.raises(ValueError, match="Passed 2 grad_ys for 1 ys"):
+            ds.gradients(x, [x], grad_ys=[x, x])
+        with pytest.raises(TypeError, match="xs must be tensors or variables"):
+            ds.gradients(x, [ds.no_op()])
+    with pytest.raises(KeyError, match="Registering two gradient with name 'MatMul'"):
+        ds.RegisterGradient("MatMul")(lambda op, grad: [grad, grad])
