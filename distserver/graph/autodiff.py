@@ -111,9 +111,11 @@ _TAKES_SPARSE: set[str] = set()
 class RegisterGradient:
     """Decorator registering the gradient function of an op type (``tf.RegisterGradient``).
 
-    The function takes the forward `Operation` and one gradient per output (a `Tensor`,
-    an `IndexedSlices`, or zeros for outputs nothing depends on) and returns one
-    gradient (or `None`) per input.
+    The function takes the forward `Operation` and one gradient per output (a
+    `Tensor`, or zeros for outputs nothing depends on) and returns one gradient
+    (`Tensor`, `IndexedSlices` or `None`) per input. Sparse gradients arriving at
+    the op are made dense first, unless ``takes_indexed_slices=True`` (for ops that
+    pass them on unchanged, such as ``Identity``).
 
     Example::
 

@@ -16,8 +16,10 @@ import numpy as np
 import pytest
 
 import distserver as ds
+from distserver import tensors
 from distserver.graph import autodiff
 from distserver.graph import ops as graph_ops
+from distserver.protos.attr_value_pb2 import AttrValue
 
 F64 = np.float64
 
@@ -407,3 +409,59 @@ def test_errors():
             ds.gradients(x, [ds.no_op()])
     with pytest.raises(KeyError, match="Registering two gradient with name 'MatMul'"):
         ds.RegisterGradient("MatMul")(lambda op, grad: [grad, grad])
+
+
+def test_stop_gradients_argument_and_gradient_of_x_itself(server):
+    g = ds.Graph()
+    with g.as_default():
+        a = ds.placeholder(ds.float64, [2], name="a")
+        b = a * 2.0
+        y = ds.reduce_sum(a * b)
+        (through_b,) = ds.gradients(y, a)
+        (b_constant,) = ds.gradients(y, a, stop_gradients=[b])
+        (itself,) = ds.gradients(a, a)
+    with ds.Session(server.target, graph=g) as session:
+        value = np.array([1.0, -3.0])
+        np.testing.assert_allclose(session.run(through_b, {a: value}), 4.0 * value)
+        np.testing.assert_allclose(session.run(b_constant, {a: value}), 2.0 * value)
+        np.testing.assert_allclose(session.run(itself, {a: value}), [1.0, 1.0])
+
+
+def test_colocate_gradients_with_ops():
+    with ds.Graph().as_default() as g:
+        x = ds.placeholder(ds.float32, [2, 2], name="x")
+        with ds.device("/job:worker/task:1"):
+            y = ds.tanh(x)
+        (plain,) = ds.gradients(ds.reduce_sum(y), x)
+        (colocated,) = ds.gradients(ds.reduce_sum(y), x, colocate_gradients_with_ops=True)
+    assert plain.op.type == colocated.op.type == "TanhGrad"
+    assert plain.device == ""
+    assert colocated.device == "/job:worker/task:1"
+    assert colocated.op.get_attr("_class") == [b"loc:@Tanh"]
+    assert g.get_operation_by_name("gradients_1/Tanh_grad/TanhGrad") is colocated.op
+
+
+def test_gradients_flow_through_a_reference_variable(server):
+    # A TF 1.x VariableV2 used directly by its consumers (no ReadVariableOp): the
+    # gradient with respect to its ref output is that of any tensor.
+    g = ds.Graph()
+    with g.as_default():
+        attrs = {
+            "dtype": graph_ops._type_attr(graph_ops.as_datatype(ds.float64)),
+            "shape": AttrValue(shape=tensors.shape_to_proto((2,))),
+            "container": AttrValue(s=b""),
+            "shared_name": AttrValue(s=b""),
+        }
+        ref = g.create_op("VariableV2", [], [ds.float64], name="ref", attrs=attrs, shapes=[(2,)]).outputs[0]
+        assign_attrs = {
+            "T": graph_ops._type_attr(graph_ops.as_datatype(ds.float64)),
+            "use_locking": AttrValue(b=True),
+            "validate_shape": AttrValue(b=True),
+        }
+        init = g.create_op(
+            "Assign", [ref, ds.constant([1.0, 2.0], dtype=ds.float64)], [ds.float64], attrs=assign_attrs
+        )
+        (grad,) = ds.gradients(ds.reduce_sum(ds.identity(ref) * ref), [ref])
+    with ds.Session(server.target, graph=g) as session:
+        session.run(init)
+        np.testing.assert_allclose(session.run(grad), [2.0, 4.0])
