@@ -144,6 +144,11 @@ def _conj(x: Tensor) -> Tensor:
     return x
 
 
+def _flag(op: Operation, name: str) -> bool:
+    # A bool attr, false when absent (its default in TensorFlow's op registry).
+    return name in op.node_def.attr and bool(op.get_attr(name))
+
+
 def _same_type_constant(value: float, like: Tensor) -> Tensor:
     return ops.constant(np.array(value, dtype=like.dtype))
 
@@ -773,6 +778,232 @@ def _sparse_softmax_cross_entropy_grad(
     op: Operation, grad_loss: Tensor, grad_backprop: Tensor | None
 ) -> list[Gradient | None]:
     return [_broadcast_mul(grad_loss, op.outputs[1]), None]
+
+
+# --------------------------------------------------------------------------- other kernels we ship
+# Ops the graph API has no constructor for, which GraphDefs built elsewhere hold.
+
+
+def _grad_op(op_type: str, grad: Tensor, x: Tensor, **attrs: AttrValue) -> Tensor:
+    return _raw(op_type, [grad, x], {**_t(x), **attrs}, x.datatype, x.shape)
+
+
+@RegisterGradient("Relu6")
+def _relu6_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    return [_grad_op("Relu6Grad", grad, op.inputs[0])]
+
+
+@RegisterGradient("Elu")
+def _elu_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    return [_grad_op("EluGrad", grad, op.outputs[0])]
+
+
+@RegisterGradient("Selu")
+def _selu_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    return [_grad_op("SeluGrad", grad, op.outputs[0])]
+
+
+@RegisterGradient("Softplus")
+def _softplus_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    return [_grad_op("SoftplusGrad", grad, op.inputs[0])]
+
+
+@RegisterGradient("Softsign")
+def _softsign_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    return [_grad_op("SoftsignGrad", grad, op.inputs[0])]
+
+
+@RegisterGradient("LeakyRelu")
+def _leaky_relu_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    alpha = AttrValue(f=float(op.get_attr("alpha")))
+    return [_grad_op("LeakyReluGrad", grad, op.inputs[0], alpha=alpha)]
+
+
+@RegisterGradient("L2Loss")
+def _l2_loss_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    return [ops.multiply(op.inputs[0], grad)]
+
+
+@RegisterGradient("Log1p")
+def _log1p_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    x = op.inputs[0]
+    with get_default_graph().control_dependencies([grad]):
+        x = _conj(x)
+        one_plus_x = ops.add(_same_type_constant(1.0, x), x)
+        return [ops.multiply(grad, _raw("Reciprocal", [one_plus_x], _t(x), x.datatype, x.shape))]
+
+
+@RegisterGradient("Expm1")
+def _expm1_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    x = op.inputs[0]
+    with get_default_graph().control_dependencies([grad]):
+        return [ops.multiply(grad, ops.exp(_conj(x)))]
+
+
+@RegisterGradient("SquaredDifference")
+def _squared_difference_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    x, y = op.inputs
+    with get_default_graph().control_dependencies([grad]):
+        x_grad = ops.multiply(ops.multiply(_same_type_constant(2.0, grad), grad), ops.subtract(x, y))
+    return _binary_grads(op, x_grad, ops.negative(x_grad))
+
+
+@RegisterGradient("Div")
+def _div_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    if op.inputs[0].datatype not in FLOAT_DATATYPES | COMPLEX_DATATYPES:
+        return [None, None]  # integer division
+    return list(_real_div_grad(op, grad))
+
+
+def _no_nan_grads(op: Operation, grad: Tensor, op_type: str) -> tuple[Tensor, Tensor]:
+    x, y = op.inputs
+    if op_type == "MulNoNan":
+        return (
+            _raw("MulNoNan", [grad, y], _t(y), y.datatype),
+            _raw("MulNoNan", [x, grad], _t(x), x.datatype),
+        )
+    minus_x_over_y = _raw("DivNoNan", [ops.negative(x), y], _t(y), y.datatype)
+    return (
+        _raw("DivNoNan", [grad, y], _t(y), y.datatype),
+        ops.multiply(grad, _raw("DivNoNan", [minus_x_over_y, y], _t(y), y.datatype)),
+    )
+
+
+@RegisterGradient("DivNoNan")
+def _div_no_nan_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    return _binary_grads(op, *_no_nan_grads(op, grad, "DivNoNan"))
+
+
+@RegisterGradient("MulNoNan")
+def _mul_no_nan_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    return _binary_grads(op, *_no_nan_grads(op, grad, "MulNoNan"))
+
+
+@RegisterGradient("BiasAddV1")
+def _bias_add_v1_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    axes = ops.range(ops.subtract(ops.rank(grad), 1))
+    return [grad, ops.reduce_sum(grad, axes)]
+
+
+@RegisterGradient("IdentityN", takes_indexed_slices=True)
+def _identity_n_grad(op: Operation, *grads: Gradient) -> list[Gradient | None]:
+    return list(grads)
+
+
+@RegisterGradient("Unpack")
+def _unpack_grad(op: Operation, *grads: Tensor) -> list[Gradient | None]:
+    return [ops.stack(list(grads), axis=int(op.get_attr("axis")))]
+
+
+@RegisterGradient("Split")
+def _split_grad(op: Operation, *grads: Tensor) -> list[Gradient | None]:
+    return [None, ops.concat(list(grads), op.inputs[0])]
+
+
+@RegisterGradient("SplitV")
+def _split_v_grad(op: Operation, *grads: Tensor) -> list[Gradient | None]:
+    return [ops.concat(list(grads), op.inputs[2]), None, None]
+
+
+@RegisterGradient("Slice")
+def _slice_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    x, begin = op.inputs[0], op.inputs[1]
+    index_dtype = begin.dtype
+    rank = ops.rank(x)
+    slice_size = ops.shape(op.outputs[0], out_type=index_dtype)
+    shape = ops.stack([ops.cast(rank, index_dtype), ops.constant(np.array(1, dtype=index_dtype))])
+    before = ops.reshape(begin, shape)
+    after = ops.reshape(
+        ops.subtract(ops.subtract(ops.shape(x, out_type=index_dtype), slice_size), begin), shape
+    )
+    paddings = ops.concat([before, after], 1)
+    attrs = {**_t(grad), "Tpaddings": ops._type_attr(paddings.datatype)}
+    return [_raw("Pad", [grad, paddings], attrs, grad.datatype, x.shape), None, None]
+
+
+def _pad_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    x, paddings = op.inputs[0], op.inputs[1]
+    before = _raw(
+        "Slice",
+        [paddings, ops.constant(np.zeros(2, np.int32)), ops.stack([ops.rank(x), 1])],
+        {**_t(paddings), "Index": ops._type_attr(_DT.DT_INT32)},
+        paddings.datatype,
+    )
+    begin = ops.reshape(before, [-1])
+    sizes = ops.shape(x, out_type=begin.dtype)
+    attrs = {**_t(grad), "Index": ops._type_attr(begin.datatype)}
+    x_grad = _raw("Slice", [grad, begin, sizes], attrs, grad.datatype, x.shape)
+    rest: list[Gradient | None] = [None] * (len(op.inputs) - 1)
+    return [x_grad, *rest]
+
+
+RegisterGradient("Pad")(_pad_grad)
+RegisterGradient("PadV2")(_pad_grad)
+
+
+@RegisterGradient("ReverseV2")
+def _reverse_v2_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    axis = op.inputs[1]
+    attrs = {**_t(grad), "Tidx": ops._type_attr(axis.datatype)}
+    return [_raw("ReverseV2", [grad, axis], attrs, grad.datatype, grad.shape), None]
+
+
+@RegisterGradient("BroadcastTo")
+def _broadcast_to_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    x, shape = op.inputs
+    x_shape = ops.shape(x, out_type=shape.dtype)
+    reduction_axes = _broadcast_gradient_args(shape, x_shape)[1]
+    summed = ops.reduce_sum(grad, reduction_axes, keepdims=True)
+    return [ops.reshape(summed, x_shape), None]
+
+
+@RegisterGradient("Cumsum")
+def _cumsum_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    axis = op.inputs[1]
+    attrs = {
+        **_t(grad),
+        "Tidx": ops._type_attr(axis.datatype),
+        "exclusive": AttrValue(b=_flag(op, "exclusive")),
+        "reverse": AttrValue(b=not _flag(op, "reverse")),
+    }
+    return [_raw("Cumsum", [grad, axis], attrs, grad.datatype, grad.shape), None]
+
+
+@RegisterGradient("Select")
+def _select_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    condition, x = op.inputs[0], op.inputs[1]
+    zeros = ops.zeros_like(x)
+    return [
+        None,
+        _raw("Select", [condition, grad, zeros], _t(grad), grad.datatype, x.shape),
+        _raw("Select", [condition, zeros, grad], _t(grad), grad.datatype, x.shape),
+    ]
+
+
+@RegisterGradient("Gather")
+def _gather_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    params, indices = op.inputs
+    with get_default_graph().colocate_with(params.op):
+        params_shape = ops.cast(ops.shape(params, out_type=np.int64), np.int32)
+    size = ops.expand_dims(ops.size(indices), 0)
+    values = ops.reshape(grad, ops.concat([size, params_shape[1:]], 0))
+    return [IndexedSlices(values, _flat(indices, size), params_shape), None]
+
+
+@RegisterGradient("UnsortedSegmentSum")
+def _unsorted_segment_sum_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    # Rows of segment id -1 (dropped by the sum) get no gradient.
+    ids = op.inputs[1]
+    clipped = ops.maximum(ids, ops.zeros_like(ids))
+    gathered = ops.gather(grad, clipped)
+    is_positive = ops.greater_equal(ids, ops.constant(np.array(0, dtype=ids.dtype)))
+    positive_shape = ops.shape(is_positive)
+    extra_ones = ops.ones(
+        ops.reshape(ops.subtract(ops.rank(gathered), ops.rank(is_positive)), [-1]), dtype=positive_shape.dtype
+    )
+    is_positive = ops.reshape(is_positive, ops.concat([positive_shape, extra_ones], 0))
+    is_positive = ops.logical_and(is_positive, ops.ones_like(is_positive))
+    return [ops.where(is_positive, gathered, ops.zeros_like(gathered)), None, None]
 
 
 __all__: list[str] = ["to_dense"]

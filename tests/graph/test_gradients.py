@@ -39,6 +39,36 @@ def _raw(op_type: str, *inputs: ds.Tensor) -> ds.Tensor:
     ).outputs[0]
 
 
+def _op(op_type: str, inputs: list[Any], outputs: int = 1, **attrs: Any) -> Any:
+    """A raw op of a kernel we ship that the graph API has no constructor for.
+
+    `attrs` values: dtypes (type attrs), bools, ints, floats; "T" defaults to the
+    first input's dtype. Returns the output, or the list of outputs.
+    """
+    graph = ds.get_default_graph()
+    tensors_ = [graph_ops.convert_to_tensor(v) for v in inputs]
+    values: dict[str, AttrValue] = {"T": graph_ops._type_attr(tensors_[0].datatype)}
+    for key, value in attrs.items():
+        if isinstance(value, bool):
+            values[key] = AttrValue(b=value)
+        elif isinstance(value, int):
+            values[key] = AttrValue(i=value)
+        elif isinstance(value, float):
+            values[key] = AttrValue(f=value)
+        elif isinstance(value, list):
+            values[key] = AttrValue(list=AttrValue.ListValue(type=[graph_ops.as_datatype(v) for v in value]))
+        else:
+            values[key] = graph_ops._type_attr(graph_ops.as_datatype(value))
+    out_type = attrs.get("T", tensors_[0].dtype)
+    dtypes = [out_type if not isinstance(out_type, list) else out_type[0]] * outputs
+    op = graph.create_op(op_type, tensors_, dtypes, attrs=values)
+    return op.outputs[0] if outputs == 1 else op.outputs
+
+
+def _i32(values: Any) -> Any:
+    return np.array(values, dtype=np.int32)
+
+
 @dataclass
 class Case:
     """y = build(*inputs); inputs are placeholders fed with `values` (or variables)."""
@@ -192,6 +222,61 @@ CASES: dict[str, Case] = {
     ),
     "sparse_softmax_cross_entropy": Case(
         lambda x: ds.sparse_softmax_cross_entropy_with_logits(labels=[1, 0, 3], logits=x), [_rand(3, 4)]
+    ),
+    # kernels we ship without a graph-API constructor (raw ops)
+    "relu6": Case(lambda x: _op("Relu6", [x * 4.0]), [_away_from_zero(2, 3)]),
+    "elu": Case(lambda x: _op("Elu", [x]), [_away_from_zero(2, 3)]),
+    "selu": Case(lambda x: _op("Selu", [x]), [_away_from_zero(2, 3)]),
+    "softplus": Case(lambda x: _op("Softplus", [x]), [_rand(2, 3)]),
+    "softsign": Case(lambda x: _op("Softsign", [x]), [_rand(2, 3)]),
+    "leaky_relu": Case(lambda x: _op("LeakyRelu", [x], alpha=0.3), [_away_from_zero(2, 3)]),
+    "l2_loss": Case(lambda x: _op("L2Loss", [x]), [_rand(2, 3)]),
+    "log1p": Case(lambda x: _op("Log1p", [x]), [_positive(2, 3)]),
+    "expm1": Case(lambda x: _op("Expm1", [x]), [_rand(2, 3)]),
+    "squared_difference": Case(
+        lambda x, y: _op("SquaredDifference", [x, y]), [_rand(2, 3), _rand(3, seed=1)]
+    ),
+    "div": Case(lambda x, y: _op("Div", [x, y]), [_rand(2, 3), _away_from_zero(3, seed=1)]),
+    "div_no_nan": Case(lambda x, y: _op("DivNoNan", [x, y]), [_rand(2, 3), _away_from_zero(2, 3, seed=1)]),
+    "mul_no_nan": Case(lambda x, y: _op("MulNoNan", [x, y]), [_rand(2, 3), _rand(1, 3, seed=1)]),
+    "bias_add_v1": Case(lambda x, b: _op("BiasAddV1", [x, b]), [_rand(2, 3), _rand(3, seed=1)]),
+    "identity_n": Case(
+        lambda x, y: _op("IdentityN", [x, y], outputs=2, T=[ds.float64, ds.float64]),
+        [_rand(2, 3), _rand(2, 3, seed=1)],
+    ),
+    "unpack": Case(lambda x: _op("Unpack", [x], outputs=3, num=3, axis=1), [_rand(2, 3)]),
+    "split": Case(lambda x: _op("Split", [_i32(1), x], outputs=2, T=ds.float64, num_split=2), [_rand(2, 4)]),
+    "split_v": Case(
+        lambda x: _op("SplitV", [x, _i32([1, 2]), _i32(1)], outputs=2, Tlen=ds.int32, num_split=2),
+        [_rand(2, 3)],
+    ),
+    "slice": Case(lambda x: _op("Slice", [x, _i32([0, 1]), _i32([2, 2])], Index=ds.int32), [_rand(3, 4)]),
+    "pad": Case(lambda x: _op("Pad", [x, _i32([[1, 0], [0, 2]])], Tpaddings=ds.int32), [_rand(2, 3)]),
+    "pad_v2": Case(
+        lambda x: _op("PadV2", [x, _i32([[0, 1], [2, 0]]), np.float64(0.5)], Tpaddings=ds.int32),
+        [_rand(2, 3)],
+    ),
+    "reverse_v2": Case(lambda x: _op("ReverseV2", [x, _i32([1])], Tidx=ds.int32) * x, [_rand(2, 3)]),
+    "broadcast_to": Case(lambda x: _op("BroadcastTo", [x, _i32([2, 3, 3])], Tidx=ds.int32), [_rand(3, 1)]),
+    "cumsum": Case(lambda x: _op("Cumsum", [x, _i32(1)], Tidx=ds.int32), [_rand(2, 4)]),
+    "cumsum exclusive reverse": Case(
+        lambda x: _op("Cumsum", [x, _i32(0)], Tidx=ds.int32, exclusive=True, reverse=True), [_rand(3, 2)]
+    ),
+    "select": Case(
+        lambda x, y: _op("Select", [np.array([True, False]), x, y], T=ds.float64),
+        [_rand(2, 3), _rand(2, 3, seed=1)],
+    ),
+    "gather v1": Case(
+        lambda x: _op(
+            "Gather", [x, _i32([2, 0, 2])], Tparams=ds.float64, Tindices=ds.int32, validate_indices=True
+        ),
+        [_rand(3, 2)],
+    ),
+    "unsorted_segment_sum": Case(
+        lambda x: _op(
+            "UnsortedSegmentSum", [x, _i32([0, 2, -1, 0]), _i32(3)], Tindices=ds.int32, Tnumsegments=ds.int32
+        ),
+        [_rand(4, 2)],
     ),
 }
 
@@ -400,9 +485,9 @@ def test_errors():
             "T": graph_ops._type_attr(x.datatype),
             "Tidx": graph_ops._type_attr(graph_ops.as_datatype(ds.int32)),
         }
-        cumsum = g.create_op("Cumsum", [x, ds.constant(0)], [x.dtype], attrs=attrs, name="c").outputs[0]
-        with pytest.raises(LookupError, match=r"No gradient defined for operation 'c' \(op type: Cumsum\)"):
-            ds.gradients(ds.reduce_sum(cumsum), [x])
+        cumprod = g.create_op("Cumprod", [x, ds.constant(0)], [x.dtype], attrs=attrs, name="c").outputs[0]
+        with pytest.raises(LookupError, match=r"No gradient defined for operation 'c' \(op type: Cumprod\)"):
+            ds.gradients(ds.reduce_sum(cumprod), [x])
         with pytest.raises(ValueError, match="Passed 2 grad_ys for 1 ys"):
             ds.gradients(x, [x], grad_ys=[x, x])
         with pytest.raises(TypeError, match="xs must be tensors or variables"):
