@@ -22,6 +22,8 @@ import numpy as np
 import pytest
 
 import distserver as ds
+from distserver.graph import ops as graph_ops
+from distserver.protos.attr_value_pb2 import AttrValue
 from distserver.testing import LocalCluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300, func_only=True)]
@@ -112,10 +114,47 @@ def build_ops_graph() -> tuple[ds.Graph, ds.Tensor, ds.Tensor]:
             ds.bias_add(x, ds.constant(np.ones(4, np.float32))),
             ds.matmul(x, ds.constant(np.ones((4, 2), np.float32))),
             ds.reshape(ds.expand_dims(x, 0), [-1]),
+            # Kernels without a graph-API constructor, built raw.
+            _raw("Relu6", [x * 4.0]),
+            _raw("Elu", [x]),
+            _raw("Softplus", [x]),
+            ds.reshape(_raw("L2Loss", [x]), [1]),
+            _raw("SquaredDifference", [x, ds.constant(np.full(4, 0.3, np.float32))]),
+            _raw("Slice", [x, _i32([1, 1]), _i32([-1, 2])], Index=ds.int32),
+            _raw("Pad", [x, _i32([[1, 0], [0, 2]])], Tpaddings=ds.int32),
+            _raw("ReverseV2", [x, _i32([1])], Tidx=ds.int32) * x,
+            _raw("Cumsum", [x, _i32(1)], Tidx=ds.int32),
+            _raw("Split", [_i32(1), x], outputs=2, T=ds.float32, num_split=2)[1] * 3.0,
+            _raw("BroadcastTo", [ds.reduce_sum(x, 0, keepdims=True), _i32([2, 3, 4])], Tidx=ds.int32),
+            _raw(
+                "UnsortedSegmentSum",
+                [ds.transpose(x), _i32([1, -1, 0, 1]), _i32(2)],
+                Tindices=ds.int32,
+                Tnumsegments=ds.int32,
+            ),
         ]
         loss = ds.add_n([ds.reduce_sum(p * p) for p in parts])
         (grad,) = ds.gradients(loss, x)
     return graph, x, grad
+
+
+def _i32(values: Any) -> np.ndarray:
+    return np.array(values, dtype=np.int32)
+
+
+def _raw(op_type: str, inputs: list[Any], outputs: int = 1, **attrs: Any) -> Any:
+    # An op of a kernel we ship that the graph API has no constructor for.
+    graph = ds.get_default_graph()
+    tensors = [graph_ops.convert_to_tensor(v) for v in inputs]
+    values = {"T": graph_ops._type_attr(tensors[0].datatype)}
+    for key, value in attrs.items():
+        if isinstance(value, int):
+            values[key] = AttrValue(i=value)
+        else:
+            values[key] = graph_ops._type_attr(graph_ops.as_datatype(value))
+    out_type = attrs.get("T", tensors[0].dtype)
+    op = graph.create_op(op_type, tensors, [out_type] * outputs, attrs=values)
+    return op.outputs[0] if outputs == 1 else op.outputs
 
 
 def _dense(value: Any, shape: tuple[int, ...]) -> np.ndarray:
