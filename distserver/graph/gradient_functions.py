@@ -1006,4 +1006,51 @@ def _unsorted_segment_sum_grad(op: Operation, grad: Tensor) -> list[Gradient | N
     return [ops.where(is_positive, gathered, ops.zeros_like(gathered)), None, None]
 
 
+def _copied_attrs(op: Operation, names: tuple[str, ...]) -> dict[str, AttrValue]:
+    node = op.node_def
+    return {name: node.attr[name] for name in names if name in node.attr}
+
+
+_CONV_ATTRS = ("T", "strides", "padding", "explicit_paddings", "use_cudnn_on_gpu", "data_format", "dilations")
+_POOL_ATTRS = ("T", "ksize", "strides", "padding", "explicit_paddings", "data_format")
+
+
+@RegisterGradient("Conv2D")
+def _conv2d_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    x, kernel = op.inputs
+    with name_scope(None, "ShapeN") as scope:
+        shapes = (
+            get_default_graph()
+            .create_op(
+                "ShapeN",
+                [x, kernel],
+                [_DT.DT_INT32, _DT.DT_INT32],
+                name=scope,
+                attrs={"N": AttrValue(i=2), **_t(x), "out_type": ops._type_attr(_DT.DT_INT32)},
+                shapes=[(4,), (4,)],
+            )
+            .outputs
+        )
+    attrs = _copied_attrs(op, _CONV_ATTRS)
+    return [
+        _raw("Conv2DBackpropInput", [shapes[0], kernel, grad], attrs, grad.datatype, x.shape),
+        _raw("Conv2DBackpropFilter", [x, shapes[1], grad], attrs, grad.datatype, kernel.shape),
+    ]
+
+
+@RegisterGradient("MaxPool")
+def _max_pool_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    x = op.inputs[0]
+    attrs = _copied_attrs(op, _POOL_ATTRS)
+    return [_raw("MaxPoolGrad", [x, op.outputs[0], grad], attrs, grad.datatype, x.shape)]
+
+
+@RegisterGradient("AvgPool")
+def _avg_pool_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    x = op.inputs[0]
+    attrs = _copied_attrs(op, _POOL_ATTRS)
+    attrs.pop("explicit_paddings", None)  # AvgPoolGrad has none
+    return [_raw("AvgPoolGrad", [ops.shape(x), grad], attrs, grad.datatype, x.shape)]
+
+
 __all__: list[str] = ["to_dense"]

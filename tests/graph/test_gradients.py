@@ -65,6 +65,18 @@ def _op(op_type: str, inputs: list[Any], outputs: int = 1, **attrs: Any) -> Any:
     return op.outputs[0] if outputs == 1 else op.outputs
 
 
+def _conv(op_type: str, inputs: list[Any], padding: str, strides: list[int], **lists: list[int]) -> Any:
+    graph = ds.get_default_graph()
+    attrs = {
+        "T": graph_ops._type_attr(inputs[0].datatype),
+        "padding": AttrValue(s=padding.encode()),
+        "strides": AttrValue(list=AttrValue.ListValue(i=strides)),
+        "data_format": AttrValue(s=b"NHWC"),
+        **{key: AttrValue(list=AttrValue.ListValue(i=value)) for key, value in lists.items()},
+    }
+    return graph.create_op(op_type, inputs, [inputs[0].dtype], attrs=attrs).outputs[0]
+
+
 def _i32(values: Any) -> Any:
     return np.array(values, dtype=np.int32)
 
@@ -271,6 +283,19 @@ CASES: dict[str, Case] = {
             "Gather", [x, _i32([2, 0, 2])], Tparams=ds.float64, Tindices=ds.int32, validate_indices=True
         ),
         [_rand(3, 2)],
+    ),
+    "conv2d": Case(
+        lambda x, k: _conv("Conv2D", [x, k], "SAME", [1, 2, 1, 1]), [_rand(1, 4, 3, 2), _rand(3, 2, 2, 3)]
+    ),
+    "conv2d valid dilated": Case(
+        lambda x, k: _conv("Conv2D", [x, k], "VALID", [1, 1, 1, 1], dilations=[1, 2, 1, 1]),
+        [_rand(2, 5, 4, 1), _rand(2, 2, 1, 2, seed=1)],
+    ),
+    "max_pool": Case(
+        lambda x: _conv("MaxPool", [x], "VALID", [1, 2, 2, 1], ksize=[1, 2, 2, 1]), [_distinct(1, 4, 4, 2)]
+    ),
+    "avg_pool": Case(
+        lambda x: _conv("AvgPool", [x], "SAME", [1, 2, 2, 1], ksize=[1, 3, 3, 1]), [_rand(1, 5, 4, 2)]
     ),
     "unsorted_segment_sum": Case(
         lambda x: _op(
