@@ -7,7 +7,8 @@ dense features, a dense softmax layer) is trained for a few steps:
   variables and slots on the ps by `replica_device_setter`);
 * with `tf.compat.v1.train` in TensorFlow alone, from the same initial values and
   batches (tests/interop/clients/ds_train.py);
-* and the GraphDef distserver built is run by a TensorFlow server.
+* and the GraphDef distserver ran is run by a TensorFlow cluster of the same shape
+  (1 ps + 1 worker `tf.distribute.Server`s).
 
 All three must end with the same variables (float32 rounding). A second graph with
 the gradients of many ops (StridedSliceGrad, InvertPermutation, DynamicStitch, ...)
@@ -201,22 +202,20 @@ def results(tf_client, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ds_train")
     ours: dict[str, Any] = {}
     graphs: dict[str, Any] = {}
-    local = ds.replica_device_setter(ps_tasks=1, ps_device="/job:localhost", worker_device="/job:localhost")
     with LocalCluster({"ps": 1, "worker": 1}) as cluster:
         for key, (class_name, kwargs) in OPTIMIZERS.items():
             graph, model = build_model(class_name, kwargs, ds.replica_device_setter(cluster=cluster.cluster))
             ours[key] = _train_on_distserver(cluster.target("worker"), model, graph)
-            # The same program placed on one TensorFlow server's /job:localhost.
-            tf_graph, tf_model = build_model(class_name, kwargs, local)
+            # The same GraphDef then runs on a TensorFlow cluster of the same shape.
             path = tmp / f"{key}.pb"
-            path.write_bytes(tf_graph.as_graph_def().SerializeToString())
+            path.write_bytes(graph.as_graph_def().SerializeToString())
             names = {
-                "init": tf_model["init"].name,
-                "train": tf_model["train"].name,
-                "loss": tf_model["loss"].name,
-                "global_step": tf_model["step"]._as_graph_element().name,
-                "feeds": {k: t.name for k, t in tf_model["feeds"].items()},
-                "variables": {k: v._as_graph_element().name for k, v in tf_model["variables"].items()},
+                "init": model["init"].name,
+                "train": model["train"].name,
+                "loss": model["loss"].name,
+                "global_step": model["step"]._as_graph_element().name,
+                "feeds": {k: t.name for k, t in model["feeds"].items()},
+                "variables": {k: v._as_graph_element().name for k, v in model["variables"].items()},
             }
             graphs[key] = {"path": str(path), "names": names}
         ops_graph, x, grad = build_ops_graph()
@@ -254,7 +253,7 @@ def test_ds_train_matches_tensorflow(results, check, key):
 
 
 @pytest.mark.parametrize("key", list(OPTIMIZERS))
-def test_our_training_graph_runs_on_a_tensorflow_server(results, check, key):
+def test_our_training_graph_runs_on_a_tensorflow_cluster(results, check, key):
     ours, tf_results = results
     _assert_same_training(ours[key], check(tf_results, f"ours_in_tf/{key}"))
 

@@ -3,8 +3,10 @@
 1. Trains the test's model with `tf.compat.v1.train` optimizers in TensorFlow alone,
    from the initial values and batches the test passes, and reports losses and final
    variables (and TF's own gradients at the initial values).
-2. Imports the GraphDefs distserver's `ds.gradients`/`ds.train` built, runs them on a
-   TensorFlow server (`tf.distribute.Server`) and reports the same numbers.
+2. Imports the GraphDefs distserver's `ds.gradients`/`ds.train` built (placed on
+   /job:ps and /job:worker), runs them on a TensorFlow cluster of two
+   `tf.distribute.Server`s and reports the same numbers; and runs a gradient graph
+   of many ops on a local TensorFlow server.
 
 Argument (JSON): {"initial": {name: values}, "batches": [{"ids", "x", "labels"}],
 "optimizers": {key: [class name, kwargs]}, "graphs": {key: {"path", "names"}},
@@ -13,6 +15,7 @@ Argument (JSON): {"initial": {name: values}, "batches": [{"ids", "x", "labels"}]
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +36,19 @@ BATCHES = [
     for b in arguments["batches"]
 ]
 server = tf.distribute.Server.create_local_server()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("localhost", 0))
+        return int(probe.getsockname()[1])
+
+
+# A TensorFlow cluster shaped like the test's distserver cluster: 1 ps + 1 worker.
+tf_cluster = tf.train.ClusterSpec(
+    {"ps": [f"localhost:{_free_port()}"], "worker": [f"localhost:{_free_port()}"]}
+)
+tf_servers = [tf.distribute.Server(tf_cluster, job_name=job, task_index=0) for job in ("ps", "worker")]
 
 
 def build_model(graph: tf.Graph) -> dict:
@@ -100,7 +116,7 @@ def run_our_graph_on_tensorflow(key: str) -> dict:
     names = spec["names"]
     graph = import_graph(spec["path"])
     losses = []
-    with tf1.Session(server.target, graph=graph) as session:
+    with tf1.Session(tf_servers[1].target, graph=graph) as session:
         session.run(names["init"])
         for batch in BATCHES:
             feed = {names["feeds"][k]: v for k, v in batch.items()}
