@@ -1006,6 +1006,70 @@ def _unsorted_segment_sum_grad(op: Operation, grad: Tensor) -> list[Gradient | N
     return [ops.where(is_positive, gathered, ops.zeros_like(gathered)), None, None]
 
 
+@RegisterGradient("Cumprod")
+def _cumprod_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    x, axis = op.inputs
+    exclusive, reverse = _flag(op, "exclusive"), _flag(op, "reverse")
+
+    def running(op_type: str, value: Tensor, backwards: bool) -> Tensor:
+        attrs = {
+            **_t(value),
+            "Tidx": ops._type_attr(axis.datatype),
+            "exclusive": AttrValue(b=exclusive),
+            "reverse": AttrValue(b=backwards),
+        }
+        return _raw(op_type, [value, axis], attrs, value.datatype, value.shape)
+
+    prod = running("Cumprod", x, reverse)
+    out = running("Cumsum", ops.multiply(prod, grad), not reverse)
+    return [_raw("DivNoNan", [out, x], _t(x), x.datatype, x.shape), None]
+
+
+def _dynamic_stitch_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    count = len(op.inputs) // 2
+    indices = [ops.cast(t, np.int32) for t in op.inputs[:count]]
+    values: list[Gradient | None] = [ops.gather(grad, index) for index in indices]
+    return [*([None] * count), *values]
+
+
+RegisterGradient("DynamicStitch")(_dynamic_stitch_grad)
+RegisterGradient("ParallelDynamicStitch")(_dynamic_stitch_grad)
+
+
+@RegisterGradient("DynamicPartition")
+def _dynamic_partition_grad(op: Operation, *grads: Tensor) -> list[Gradient | None]:
+    data, partitions = op.inputs
+    count = int(op.get_attr("num_partitions"))
+    graph = get_default_graph()
+    prefix_shape = ops.shape(partitions)
+    original = ops.reshape(ops.range(ops.reduce_prod(prefix_shape)), prefix_shape)
+    with name_scope(None, "DynamicPartition") as scope:
+        positions = graph.create_op(
+            "DynamicPartition",
+            [original, partitions],
+            [_DT.DT_INT32] * count,
+            name=scope,
+            attrs={**_t(original), "num_partitions": AttrValue(i=count)},
+            shapes=[(None,)] * count,
+        ).outputs
+    with name_scope(None, "ParallelDynamicStitch") as scope:
+        stitched = graph.create_op(
+            "ParallelDynamicStitch",
+            [*positions, *grads],
+            [grads[0].datatype],
+            name=scope,
+            attrs={**_t(grads[0]), "N": AttrValue(i=count)},
+        ).outputs[0]
+    return [ops.reshape(stitched, ops.shape(data)), None]
+
+
+@RegisterGradient("MirrorPad")
+def _mirror_pad_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    x, paddings = op.inputs
+    attrs = {**_t(grad), "Tpaddings": ops._type_attr(paddings.datatype), "mode": op.node_def.attr["mode"]}
+    return [_raw("MirrorPadGrad", [grad, paddings], attrs, grad.datatype, x.shape), None]
+
+
 def _copied_attrs(op: Operation, names: tuple[str, ...]) -> dict[str, AttrValue]:
     node = op.node_def
     return {name: node.attr[name] for name in names if name in node.attr}

@@ -55,6 +55,8 @@ def _op(op_type: str, inputs: list[Any], outputs: int = 1, **attrs: Any) -> Any:
             values[key] = AttrValue(i=value)
         elif isinstance(value, float):
             values[key] = AttrValue(f=value)
+        elif isinstance(value, str):
+            values[key] = AttrValue(s=value.encode())
         elif isinstance(value, list):
             values[key] = AttrValue(list=AttrValue.ListValue(type=[graph_ops.as_datatype(v) for v in value]))
         else:
@@ -297,6 +299,27 @@ CASES: dict[str, Case] = {
     "avg_pool": Case(
         lambda x: _conv("AvgPool", [x], "SAME", [1, 2, 2, 1], ksize=[1, 3, 3, 1]), [_rand(1, 5, 4, 2)]
     ),
+    "cumprod": Case(lambda x: _op("Cumprod", [x, _i32(1)], Tidx=ds.int32), [_away_from_zero(2, 4)]),
+    "cumprod exclusive reverse": Case(
+        lambda x: _op("Cumprod", [x, _i32(0)], Tidx=ds.int32, exclusive=True, reverse=True),
+        [_away_from_zero(3, 2)],
+    ),
+    "dynamic_stitch": Case(
+        lambda x, y: _op("DynamicStitch", [_i32([0, 5]), _i32([[1, 3], [2, 4]]), x, y], N=2, T=ds.float64),
+        [_rand(2, 3), _rand(2, 2, 3, seed=1)],
+    ),
+    "parallel_dynamic_stitch": Case(
+        lambda x, y: _op("ParallelDynamicStitch", [_i32([1]), _i32([0, 2]), x, y], N=2, T=ds.float64),
+        [_rand(1, 2), _rand(2, 2, seed=1)],
+    ),
+    "dynamic_partition": Case(
+        lambda x: _op("DynamicPartition", [x, _i32([1, 0, 1, 2])], outputs=3, num_partitions=3),
+        [_rand(4, 2)],
+    ),
+    "mirror_pad": Case(
+        lambda x: _op("MirrorPad", [x, _i32([[1, 1], [0, 2]])], Tpaddings=ds.int32, mode="REFLECT"),
+        [_rand(3, 4)],
+    ),
     "unsorted_segment_sum": Case(
         lambda x: _op(
             "UnsortedSegmentSum", [x, _i32([0, 2, -1, 0]), _i32(3)], Tindices=ds.int32, Tnumsegments=ds.int32
@@ -504,15 +527,16 @@ def test_gated_gradients_and_matmul_attrs():
 
 
 def test_errors():
-    with ds.Graph().as_default() as g:
+    with ds.Graph().as_default():
         x = ds.placeholder(ds.float64, [3], name="x")
-        attrs = {
-            "T": graph_ops._type_attr(x.datatype),
-            "Tidx": graph_ops._type_attr(graph_ops.as_datatype(ds.int32)),
-        }
-        cumprod = g.create_op("Cumprod", [x, ds.constant(0)], [x.dtype], attrs=attrs, name="c").outputs[0]
-        with pytest.raises(LookupError, match=r"No gradient defined for operation 'c' \(op type: Cumprod\)"):
-            ds.gradients(ds.reduce_sum(cumprod), [x])
+        segment_max = _op(
+            "UnsortedSegmentMax", [x, _i32([0, 1, 0]), _i32(2)], Tindices=ds.int32, Tnumsegments=ds.int32
+        )
+        with pytest.raises(
+            LookupError,
+            match=r"No gradient defined for operation 'UnsortedSegmentMax' \(op type: UnsortedSegmentMax\)",
+        ):
+            ds.gradients(ds.reduce_sum(segment_max), [x])
         with pytest.raises(ValueError, match="Passed 2 grad_ys for 1 ys"):
             ds.gradients(x, [x], grad_ys=[x, x])
         with pytest.raises(TypeError, match="xs must be tensors or variables"):
