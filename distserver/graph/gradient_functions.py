@@ -990,20 +990,45 @@ def _gather_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
     return [IndexedSlices(values, _flat(indices, size), params_shape), None]
 
 
+def _gather_drop_negatives(
+    params: Tensor, ids: Tensor, clipped: Tensor | None = None, is_positive: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Rows `ids` of `params`, zeros for negative ids (rows a segment op dropped).
+
+    Returns the rows, the ids clipped at 0 and the mask of valid ids (broadcastable
+    to the rows), so a second call can reuse the last two, as TF's helper does.
+    """
+    if clipped is None:
+        clipped = ops.maximum(ids, ops.zeros_like(ids))
+    gathered = ops.gather(params, clipped)
+    if is_positive is None:
+        is_positive = ops.greater_equal(ids, ops.constant(np.array(0, dtype=ids.dtype)))
+        positive_shape = ops.shape(is_positive)
+        extra_rank = ops.reshape(ops.subtract(ops.rank(gathered), ops.rank(is_positive)), [-1])
+        extra_ones = ops.ones(extra_rank, dtype=positive_shape.dtype)
+        is_positive = ops.reshape(is_positive, ops.concat([positive_shape, extra_ones], 0))
+        is_positive = ops.logical_and(is_positive, ops.ones_like(is_positive))
+    return ops.where(is_positive, gathered, ops.zeros_like(gathered)), clipped, is_positive
+
+
 @RegisterGradient("UnsortedSegmentSum")
 def _unsorted_segment_sum_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
-    # Rows of segment id -1 (dropped by the sum) get no gradient.
-    ids = op.inputs[1]
-    clipped = ops.maximum(ids, ops.zeros_like(ids))
-    gathered = ops.gather(grad, clipped)
-    is_positive = ops.greater_equal(ids, ops.constant(np.array(0, dtype=ids.dtype)))
-    positive_shape = ops.shape(is_positive)
-    extra_ones = ops.ones(
-        ops.reshape(ops.subtract(ops.rank(gathered), ops.rank(is_positive)), [-1]), dtype=positive_shape.dtype
-    )
-    is_positive = ops.reshape(is_positive, ops.concat([positive_shape, extra_ones], 0))
-    is_positive = ops.logical_and(is_positive, ops.ones_like(is_positive))
-    return [ops.where(is_positive, gathered, ops.zeros_like(gathered)), None, None]
+    return [_gather_drop_negatives(grad, op.inputs[1])[0], None, None]
+
+
+def _unsorted_segment_min_or_max_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    # The gradient goes to the elements equal to their segment's result, shared equally.
+    data, ids, num_segments = op.inputs
+    gathered_outputs, clipped, is_positive = _gather_drop_negatives(op.outputs[0], ids)
+    is_selected = ops.logical_and(ops.equal(data, gathered_outputs), is_positive)
+    num_selected = unsorted_segment_sum(ops.cast(is_selected, grad.dtype), ids, num_segments)
+    weighted = ops.truediv(grad, num_selected)
+    gathered_grads = _gather_drop_negatives(weighted, ids, clipped, is_positive)[0]
+    return [ops.where(is_selected, gathered_grads, ops.zeros_like(gathered_grads)), None, None]
+
+
+RegisterGradient("UnsortedSegmentMax")(_unsorted_segment_min_or_max_grad)
+RegisterGradient("UnsortedSegmentMin")(_unsorted_segment_min_or_max_grad)
 
 
 @RegisterGradient("Cumprod")

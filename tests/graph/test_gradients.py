@@ -320,6 +320,21 @@ CASES: dict[str, Case] = {
         lambda x: _op("MirrorPad", [x, _i32([[1, 1], [0, 2]])], Tpaddings=ds.int32, mode="REFLECT"),
         [_rand(3, 4)],
     ),
+    "unsorted_segment_max": Case(
+        lambda x: _op(
+            "UnsortedSegmentMax", [x, _i32([1, 0, -1, 1]), _i32(2)], Tindices=ds.int32, Tnumsegments=ds.int32
+        ),
+        [_distinct(4, 2)],
+    ),
+    "unsorted_segment_min": Case(
+        lambda x: _op(
+            "UnsortedSegmentMin",
+            [x, _i32([[0, 1], [1, 0]]), _i32(2)],
+            Tindices=ds.int32,
+            Tnumsegments=ds.int32,
+        ),
+        [_distinct(2, 2, 3)],
+    ),
     "unsorted_segment_sum": Case(
         lambda x: _op(
             "UnsortedSegmentSum", [x, _i32([0, 2, -1, 0]), _i32(3)], Tindices=ds.int32, Tnumsegments=ds.int32
@@ -529,14 +544,14 @@ def test_gated_gradients_and_matmul_attrs():
 def test_errors():
     with ds.Graph().as_default():
         x = ds.placeholder(ds.float64, [3], name="x")
-        segment_max = _op(
-            "UnsortedSegmentMax", [x, _i32([0, 1, 0]), _i32(2)], Tindices=ds.int32, Tnumsegments=ds.int32
+        segment_prod = _op(
+            "UnsortedSegmentProd", [x, _i32([0, 1, 0]), _i32(2)], Tindices=ds.int32, Tnumsegments=ds.int32
         )
         with pytest.raises(
             LookupError,
-            match=r"No gradient defined for operation 'UnsortedSegmentMax' \(op type: UnsortedSegmentMax\)",
+            match=r"No gradient defined for operation 'UnsortedSegmentProd' \(op type: UnsortedSegmentProd\)",
         ):
-            ds.gradients(ds.reduce_sum(segment_max), [x])
+            ds.gradients(ds.reduce_sum(segment_prod), [x])
         with pytest.raises(ValueError, match="Passed 2 grad_ys for 1 ys"):
             ds.gradients(x, [x], grad_ys=[x, x])
         with pytest.raises(TypeError, match="xs must be tensors or variables"):
