@@ -119,9 +119,9 @@ class RegisterGradient:
 
     Example::
 
-        @RegisterGradient("Square")
-        def _square_grad(op, grad):
-            return [grad * (2.0 * op.inputs[0])]
+        @RegisterGradient("MyCube")  # an op type without a gradient yet
+        def _my_cube_grad(op, grad):
+            return [grad * 3.0 * op.inputs[0] * op.inputs[0]]
 
     Raises:
         KeyError: When the op type already has a gradient.
