@@ -187,6 +187,7 @@ for _op_type in (
     "Unique",
     "ListDiff",
     "InvertPermutation",
+    "ScatterNd",
     "VarIsInitializedOp",
     "VariableShape",
     "Const",
@@ -1029,6 +1030,53 @@ def _unsorted_segment_min_or_max_grad(op: Operation, grad: Tensor) -> list[Gradi
 
 RegisterGradient("UnsortedSegmentMax")(_unsorted_segment_min_or_max_grad)
 RegisterGradient("UnsortedSegmentMin")(_unsorted_segment_min_or_max_grad)
+
+
+@RegisterGradient("UnsortedSegmentProd")
+def _unsorted_segment_prod_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    # d(prod)/d(x) = prod / x, or the product of the other elements where x is 0;
+    # zero when a segment holds two zeros or more.
+    data, ids, num_segments = op.inputs
+    is_zero = ops.equal(data, _same_type_constant(0.0, data))
+    num_zeros = unsorted_segment_sum(ops.cast(is_zero, np.int32), ids, num_segments)
+    grad = ops.where(ops.greater(num_zeros, 1), ops.zeros_like(grad), grad)
+    non_zero_data = ops.where(is_zero, ops.ones_like(data), data)
+    attrs = {
+        **_t(data),
+        "Tindices": ops._type_attr(ids.datatype),
+        "Tnumsegments": ops._type_attr(num_segments.datatype),
+    }
+    non_zero_prod = _raw("UnsortedSegmentProd", [non_zero_data, ids, num_segments], attrs, data.datatype)
+    clipped = ops.maximum(ids, ops.zeros_like(ids))
+    gathered_prod = ops.gather(op.outputs[0], clipped)
+    gathered_non_zero_prod = ops.gather(non_zero_prod, clipped)
+    prod_divided_by_element = ops.truediv(gathered_prod, data)
+    partial = ops.where(is_zero, gathered_non_zero_prod, prod_divided_by_element)
+    gathered_grad = _gather_drop_negatives(grad, ids, clipped)[0]
+    return [ops.multiply(gathered_grad, partial), None, None]
+
+
+@RegisterGradient("TopKV2")
+def _top_k_grad(op: Operation, grad: Tensor, unused_indices_grad: Tensor | None) -> list[Gradient | None]:
+    # Scatter the gradients of the k values back to their positions (ScatterNd over
+    # the flattened input, as TF does).
+    x, indices = op.inputs[0], op.outputs[1]
+    in_shape = ops.shape(x)
+    indices_shape = ops.shape(indices)
+    indices_last = ops.gather(ops.cast(indices_shape, np.int64), ops.subtract(ops.size(indices_shape), 1))
+    indices_2d = ops.reshape(indices, ops.stack([ops.constant(np.int64(-1)), indices_last]))
+    in_last = ops.gather(ops.cast(in_shape, np.int64), ops.subtract(ops.size(in_shape), 1))
+    outer = ops.shape(indices_2d)[0]
+    offsets = ops.range(ops.constant(np.int64(0)), ops.multiply(ops.cast(outer, np.int64), in_last), in_last)
+    flat = ops.reshape(ops.add(indices_2d, ops.cast(ops.expand_dims(offsets, -1), np.int32)), [-1])
+    total = ops.reshape(ops.reduce_prod(in_shape), [1])
+    scattered = _raw(
+        "ScatterNd",
+        [ops.expand_dims(flat, -1), ops.reshape(grad, [-1]), total],
+        {**_t(grad), "Tindices": ops._type_attr(_DT.DT_INT32)},
+        grad.datatype,
+    )
+    return [ops.reshape(scattered, in_shape), ops.zeros([], np.int32)]
 
 
 @RegisterGradient("Cumprod")

@@ -79,6 +79,13 @@ def _conv(op_type: str, inputs: list[Any], padding: str, strides: list[int], **l
     return graph.create_op(op_type, inputs, [inputs[0].dtype], attrs=attrs).outputs[0]
 
 
+def _top_k(x: Any, k: int) -> Any:
+    graph = ds.get_default_graph()
+    attrs = {"T": graph_ops._type_attr(x.datatype), "sorted": AttrValue(b=True)}
+    op = graph.create_op("TopKV2", [x, ds.constant(np.int32(k))], [x.dtype, ds.int32], attrs=attrs)
+    return op.outputs[0]
+
+
 def _i32(values: Any) -> Any:
     return np.array(values, dtype=np.int32)
 
@@ -335,6 +342,16 @@ CASES: dict[str, Case] = {
         ),
         [_distinct(2, 2, 3)],
     ),
+    "unsorted_segment_prod": Case(
+        lambda x: _op(
+            "UnsortedSegmentProd",
+            [x, _i32([1, 0, -1, 1, 1]), _i32(2)],
+            Tindices=ds.int32,
+            Tnumsegments=ds.int32,
+        ),
+        [np.array([[0.5, 0.0], [1.5, -2.0], [3.0, 1.0], [0.0, 0.7], [-1.2, 0.9]])],
+    ),
+    "top_k": Case(lambda x: _top_k(x, 2), [_distinct(2, 3, 4)]),
     "unsorted_segment_sum": Case(
         lambda x: _op(
             "UnsortedSegmentSum", [x, _i32([0, 2, -1, 0]), _i32(3)], Tindices=ds.int32, Tnumsegments=ds.int32
@@ -544,14 +561,11 @@ def test_gated_gradients_and_matmul_attrs():
 def test_errors():
     with ds.Graph().as_default():
         x = ds.placeholder(ds.float64, [3], name="x")
-        segment_prod = _op(
-            "UnsortedSegmentProd", [x, _i32([0, 1, 0]), _i32(2)], Tindices=ds.int32, Tnumsegments=ds.int32
-        )
+        mirror_pad_grad = _op("MirrorPadGrad", [x, _i32([[1, 0]])], Tpaddings=ds.int32, mode="REFLECT")
         with pytest.raises(
-            LookupError,
-            match=r"No gradient defined for operation 'UnsortedSegmentProd' \(op type: UnsortedSegmentProd\)",
+            LookupError, match=r"No gradient defined for operation 'MirrorPadGrad' \(op type: MirrorPadGrad\)"
         ):
-            ds.gradients(ds.reduce_sum(segment_prod), [x])
+            ds.gradients(ds.reduce_sum(mirror_pad_grad), [x])
         with pytest.raises(ValueError, match="Passed 2 grad_ys for 1 ys"):
             ds.gradients(x, [x], grad_ys=[x, x])
         with pytest.raises(TypeError, match="xs must be tensors or variables"):
