@@ -9,6 +9,8 @@ The public API:
 * Clusters: `ClusterSpec`, `TFConfigClusterResolver`.
 * Graph building, TF 1.x style: `Graph`, `placeholder`, `constant`, `matmul`,
   `Variable`, `device`, ... (also importable as `distserver.graph`).
+* Training: `gradients` (autodiff) and `train` (TensorFlow's v1 optimizers,
+  `get_or_create_global_step`).
 * Security: `Security` (TLS, mutual TLS, a shared token).
 * Errors: `distserver.errors` (`OpError` and TensorFlow's 16 subclasses).
 """

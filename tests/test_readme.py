@@ -38,3 +38,12 @@ def test_readme_coordinator_example_runs(python_env):
 def test_coordinator_doc_example_trains(python_env):
     out = run_block(python_blocks("docs/coordinator.md")[0], python_env)
     assert out.splitlines() == ["[0, 1, 2]", "[ 2.  -1.   0.5]"]
+
+
+def test_training_doc_examples_run_and_print_what_they_say(python_env):
+    # Each snippet of docs/training.md runs; the text says what it prints.
+    snippets = python_blocks("docs/training.md")
+    expected = [["300", "[", "2.", "-1.", "0.5]", "True"], ["[1", "1", "3]", "(3,", "3)"]]
+    assert len(snippets) == len(expected)
+    for code, output in zip(snippets, expected, strict=True):
+        assert run_block(code, python_env).split() == output

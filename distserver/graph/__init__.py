@@ -3,7 +3,8 @@
 `Graph`, `Tensor`, `Operation`, scopes (`name_scope`, `device`,
 `control_dependencies`, `colocate_with`), op constructors with TensorFlow's names
 (`constant`, `placeholder`, `matmul`, `reduce_sum`, ...), resource `Variable`s and
-`replica_device_setter`. Graphs serialise (`Graph.as_graph_def`) to GraphDefs whose
+`replica_device_setter`; `gradients` (autodiff, `IndexedSlices` for gathers) and
+`train` (TensorFlow's v1 optimizers). Graphs serialise (`Graph.as_graph_def`) to GraphDefs whose
 nodes carry TensorFlow's op types and attrs, so a TensorFlow runtime can run them and
 distserver's kernels run TensorFlow's.
 

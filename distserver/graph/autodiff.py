@@ -111,15 +111,17 @@ _TAKES_SPARSE: set[str] = set()
 class RegisterGradient:
     """Decorator registering the gradient function of an op type (``tf.RegisterGradient``).
 
-    The function takes the forward `Operation` and one gradient per output (a `Tensor`,
-    an `IndexedSlices`, or zeros for outputs nothing depends on) and returns one
-    gradient (or `None`) per input.
+    The function takes the forward `Operation` and one gradient per output (a
+    `Tensor`, or zeros for outputs nothing depends on) and returns one gradient
+    (`Tensor`, `IndexedSlices` or `None`) per input. Sparse gradients arriving at
+    the op are made dense first, unless ``takes_indexed_slices=True`` (for ops that
+    pass them on unchanged, such as ``Identity``).
 
     Example::
 
-        @RegisterGradient("Square")
-        def _square_grad(op, grad):
-            return [grad * (2.0 * op.inputs[0])]
+        @RegisterGradient("MyCube")  # an op type without a gradient yet
+        def _my_cube_grad(op, grad):
+            return [grad * 3.0 * op.inputs[0] * op.inputs[0]]
 
     Raises:
         KeyError: When the op type already has a gradient.
@@ -278,21 +280,11 @@ class _Backprop:
     def run(
         self, ys: list[Tensor], xs: list[Tensor], grad_ys: list[Gradient], stops: list[Tensor | Operation]
     ) -> list[Gradient | None]:
-        consumers = _consumers(self.graph)
         from_ops = list(dict.fromkeys(x.op for x in xs))
-        reached = _reached_ops(from_ops, consumers)
-        between: set[Operation] = set()
-        between_list: list[Operation] = []
-        queue: collections.deque[Operation] = collections.deque(y.op for y in ys)
-        while queue:
-            op = queue.popleft()
-            if op in reached:
-                between.add(op)
-                between_list.append(op)
-                reached.discard(op)
-                queue.extend(t.op for t in op.inputs)
+        between = _between_ops(from_ops, [y.op for y in ys], _consumers(self.graph))
+        # An op is ready once every op between that consumes it has been visited.
         pending: dict[Operation, int] = collections.defaultdict(int)
-        for op in between_list:
+        for op in between:
             for t in op.inputs:
                 if t.op in between:
                     pending[t.op] += 1
@@ -390,6 +382,22 @@ def _consumers(graph: Graph) -> dict[Tensor, list[Operation]]:
         for t in op.inputs:
             result[t].append(op)
     return result
+
+
+def _between_ops(
+    from_ops: list[Operation], to_ops: list[Operation], consumers: dict[Tensor, list[Operation]]
+) -> dict[Operation, None]:
+    """The ops on a path from `from_ops` to `to_ops` (an ordered set)."""
+    reached = _reached_ops(from_ops, consumers)
+    between: dict[Operation, None] = {}
+    queue = collections.deque(to_ops)
+    while queue:
+        op = queue.popleft()
+        if op in reached:
+            between[op] = None
+            reached.discard(op)
+            queue.extend(t.op for t in op.inputs)
+    return between
 
 
 def _reached_ops(from_ops: Iterable[Operation], consumers: dict[Tensor, list[Operation]]) -> set[Operation]:

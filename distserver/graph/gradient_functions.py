@@ -144,6 +144,11 @@ def _conj(x: Tensor) -> Tensor:
     return x
 
 
+def _flag(op: Operation, name: str) -> bool:
+    # A bool attr, false when absent (its default in TensorFlow's op registry).
+    return name in op.node_def.attr and bool(op.get_attr(name))
+
+
 def _same_type_constant(value: float, like: Tensor) -> Tensor:
     return ops.constant(np.array(value, dtype=like.dtype))
 
@@ -180,6 +185,9 @@ for _op_type in (
     "BroadcastGradientArgs",
     "ConcatOffset",
     "Unique",
+    "ListDiff",
+    "InvertPermutation",
+    "ScatterNd",
     "VarIsInitializedOp",
     "VariableShape",
     "Const",
@@ -480,6 +488,61 @@ RegisterGradient("Max")(_min_or_max_grad)
 RegisterGradient("Min")(_min_or_max_grad)
 
 
+@RegisterGradient("Prod")
+def _prod_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    # The product of all other elements: exclusive cumulative products from both sides
+    # over the reduced axes (moved to the front and flattened), as TensorFlow computes it.
+    x, axes = op.inputs
+    graph = get_default_graph()
+    input_shape = ops.shape(x)
+    reduction_indices = ops.reshape(axes, [-1])
+    if not op.get_attr("keep_dims"):
+        grad = ops.reshape(grad, _reduced_shape(input_shape, axes))
+    grad = _raw(
+        "BroadcastTo",
+        [grad, input_shape],
+        {**_t(grad), "Tidx": ops._type_attr(input_shape.datatype)},
+        grad.datatype,
+        x.shape,
+    )
+    rank = ops.rank(x)
+    reduction_indices = ops.floormod(ops.add(reduction_indices, rank), rank)
+    reduced = ops.cast(reduction_indices, np.int32)
+    indices = ops.range(0, rank)
+    with name_scope(None, "ListDiff") as scope:
+        other = graph.create_op(
+            "ListDiff",
+            [indices, reduced],
+            [_DT.DT_INT32, _DT.DT_INT32],
+            name=scope,
+            attrs={"T": ops._type_attr(_DT.DT_INT32), "out_idx": ops._type_attr(_DT.DT_INT32)},
+            shapes=[(None,), (None,)],
+        ).outputs[0]
+    perm = ops.concat([reduced, other], 0)
+    reduced_count = ops.reduce_prod(ops.gather(input_shape, reduced))
+    other_count = ops.reduce_prod(ops.gather(input_shape, other))
+    permuted = ops.transpose(x, perm)
+    permuted_shape = ops.shape(permuted)
+    reshaped = ops.reshape(permuted, ops.stack([reduced_count, other_count]))
+
+    def cumprod(reverse: bool) -> Tensor:
+        attrs = {
+            **_t(reshaped),
+            "Tidx": ops._type_attr(_DT.DT_INT32),
+            "exclusive": AttrValue(b=True),
+            "reverse": AttrValue(b=reverse),
+        }
+        return _raw(
+            "Cumprod", [reshaped, ops.constant(np.int32(0))], attrs, reshaped.datatype, reshaped.shape
+        )
+
+    left, right = cumprod(False), cumprod(True)
+    y = ops.reshape(ops.multiply(_conj(left), _conj(right)), permuted_shape)
+    inverse = _raw("InvertPermutation", [perm], _t(perm), perm.datatype, perm.shape)
+    out = ops.multiply(grad, ops.transpose(y, inverse))
+    return [ops.reshape(out, input_shape), None]
+
+
 # --------------------------------------------------------------------------- shapes
 
 
@@ -613,7 +676,7 @@ def _gather_v2_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
     if axis_value == 0:
         values_shape = ops.concat([indices_size, params_shape[1:]], 0)
         values = ops.reshape(grad, values_shape)
-        flat_indices = ops.reshape(indices, indices_size)
+        flat_indices = _flat(indices, indices_size)
         return [IndexedSlices(values, flat_indices, params_shape), None, None]
     # Another axis: move it to the front, sum the rows by index, move it back.
     outer_shape = params_shape[:axis]
@@ -642,8 +705,15 @@ def _resource_gather_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
     size = ops.expand_dims(ops.size(indices), 0)
     values_shape = ops.concat([size, shape[1:]], 0)
     values = ops.reshape(grad, values_shape)
-    flat_indices = ops.reshape(indices, size)
+    flat_indices = _flat(indices, size)
     return [IndexedSlices(values, flat_indices, shape), None]
+
+
+def _flat(indices: Tensor, size: Tensor) -> Tensor:
+    flat = ops.reshape(indices, size)
+    if _fully_defined(indices.shape):
+        flat.set_shape((int(np.prod(_dims(indices.shape))),))
+    return flat
 
 
 def _variable_shape(op: Operation) -> Tensor:
@@ -665,6 +735,12 @@ def _softmax_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
     y = op.outputs[0]
     sum_channels = ops.reduce_sum(ops.multiply(grad, y), -1, keepdims=True)
     return [ops.multiply(ops.subtract(grad, sum_channels), y)]
+
+
+@RegisterGradient("LogSoftmax")
+def _log_softmax_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    softmax = ops.exp(op.outputs[0])
+    return [ops.subtract(grad, ops.multiply(ops.reduce_sum(grad, -1, keepdims=True), softmax))]
 
 
 def _broadcast_mul(vector: Tensor, matrix: Tensor) -> Tensor:
@@ -703,6 +779,415 @@ def _sparse_softmax_cross_entropy_grad(
     op: Operation, grad_loss: Tensor, grad_backprop: Tensor | None
 ) -> list[Gradient | None]:
     return [_broadcast_mul(grad_loss, op.outputs[1]), None]
+
+
+# --------------------------------------------------------------------------- other kernels we ship
+# Ops the graph API has no constructor for, which GraphDefs built elsewhere hold.
+
+
+def _grad_op(op_type: str, grad: Tensor, x: Tensor, **attrs: AttrValue) -> Tensor:
+    return _raw(op_type, [grad, x], {**_t(x), **attrs}, x.datatype, x.shape)
+
+
+@RegisterGradient("Relu6")
+def _relu6_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    return [_grad_op("Relu6Grad", grad, op.inputs[0])]
+
+
+@RegisterGradient("Elu")
+def _elu_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    return [_grad_op("EluGrad", grad, op.outputs[0])]
+
+
+@RegisterGradient("Selu")
+def _selu_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    return [_grad_op("SeluGrad", grad, op.outputs[0])]
+
+
+@RegisterGradient("Softplus")
+def _softplus_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    return [_grad_op("SoftplusGrad", grad, op.inputs[0])]
+
+
+@RegisterGradient("Softsign")
+def _softsign_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    return [_grad_op("SoftsignGrad", grad, op.inputs[0])]
+
+
+@RegisterGradient("LeakyRelu")
+def _leaky_relu_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    alpha = AttrValue(f=float(op.get_attr("alpha")))
+    return [_grad_op("LeakyReluGrad", grad, op.inputs[0], alpha=alpha)]
+
+
+@RegisterGradient("L2Loss")
+def _l2_loss_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    return [ops.multiply(op.inputs[0], grad)]
+
+
+@RegisterGradient("Log1p")
+def _log1p_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    x = op.inputs[0]
+    with get_default_graph().control_dependencies([grad]):
+        x = _conj(x)
+        one_plus_x = ops.add(_same_type_constant(1.0, x), x)
+        return [ops.multiply(grad, _raw("Reciprocal", [one_plus_x], _t(x), x.datatype, x.shape))]
+
+
+@RegisterGradient("Expm1")
+def _expm1_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    x = op.inputs[0]
+    with get_default_graph().control_dependencies([grad]):
+        return [ops.multiply(grad, ops.exp(_conj(x)))]
+
+
+@RegisterGradient("SquaredDifference")
+def _squared_difference_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    x, y = op.inputs
+    with get_default_graph().control_dependencies([grad]):
+        x_grad = ops.multiply(ops.multiply(_same_type_constant(2.0, grad), grad), ops.subtract(x, y))
+    return _binary_grads(op, x_grad, ops.negative(x_grad))
+
+
+@RegisterGradient("Div")
+def _div_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    if op.inputs[0].datatype not in FLOAT_DATATYPES | COMPLEX_DATATYPES:
+        return [None, None]  # integer division
+    return list(_real_div_grad(op, grad))
+
+
+def _no_nan_grads(op: Operation, grad: Tensor, op_type: str) -> tuple[Tensor, Tensor]:
+    x, y = op.inputs
+    if op_type == "MulNoNan":
+        return (
+            _raw("MulNoNan", [grad, y], _t(y), y.datatype),
+            _raw("MulNoNan", [x, grad], _t(x), x.datatype),
+        )
+    minus_x_over_y = _raw("DivNoNan", [ops.negative(x), y], _t(y), y.datatype)
+    return (
+        _raw("DivNoNan", [grad, y], _t(y), y.datatype),
+        ops.multiply(grad, _raw("DivNoNan", [minus_x_over_y, y], _t(y), y.datatype)),
+    )
+
+
+@RegisterGradient("DivNoNan")
+def _div_no_nan_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    return _binary_grads(op, *_no_nan_grads(op, grad, "DivNoNan"))
+
+
+@RegisterGradient("MulNoNan")
+def _mul_no_nan_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    return _binary_grads(op, *_no_nan_grads(op, grad, "MulNoNan"))
+
+
+@RegisterGradient("BiasAddV1")
+def _bias_add_v1_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    axes = ops.range(ops.subtract(ops.rank(grad), 1))
+    return [grad, ops.reduce_sum(grad, axes)]
+
+
+@RegisterGradient("IdentityN", takes_indexed_slices=True)
+def _identity_n_grad(op: Operation, *grads: Gradient) -> list[Gradient | None]:
+    return list(grads)
+
+
+@RegisterGradient("Unpack")
+def _unpack_grad(op: Operation, *grads: Tensor) -> list[Gradient | None]:
+    return [ops.stack(list(grads), axis=int(op.get_attr("axis")))]
+
+
+@RegisterGradient("Split")
+def _split_grad(op: Operation, *grads: Tensor) -> list[Gradient | None]:
+    return [None, ops.concat(list(grads), op.inputs[0])]
+
+
+@RegisterGradient("SplitV")
+def _split_v_grad(op: Operation, *grads: Tensor) -> list[Gradient | None]:
+    return [ops.concat(list(grads), op.inputs[2]), None, None]
+
+
+@RegisterGradient("Slice")
+def _slice_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    x, begin = op.inputs[0], op.inputs[1]
+    index_dtype = begin.dtype
+    rank = ops.rank(x)
+    slice_size = ops.shape(op.outputs[0], out_type=index_dtype)
+    shape = ops.stack([ops.cast(rank, index_dtype), ops.constant(np.array(1, dtype=index_dtype))])
+    before = ops.reshape(begin, shape)
+    after = ops.reshape(
+        ops.subtract(ops.subtract(ops.shape(x, out_type=index_dtype), slice_size), begin), shape
+    )
+    paddings = ops.concat([before, after], 1)
+    attrs = {**_t(grad), "Tpaddings": ops._type_attr(paddings.datatype)}
+    return [_raw("Pad", [grad, paddings], attrs, grad.datatype, x.shape), None, None]
+
+
+def _pad_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    x, paddings = op.inputs[0], op.inputs[1]
+    before = _raw(
+        "Slice",
+        [paddings, ops.constant(np.zeros(2, np.int32)), ops.stack([ops.rank(x), 1])],
+        {**_t(paddings), "Index": ops._type_attr(_DT.DT_INT32)},
+        paddings.datatype,
+    )
+    begin = ops.reshape(before, [-1])
+    sizes = ops.shape(x, out_type=begin.dtype)
+    attrs = {**_t(grad), "Index": ops._type_attr(begin.datatype)}
+    x_grad = _raw("Slice", [grad, begin, sizes], attrs, grad.datatype, x.shape)
+    rest: list[Gradient | None] = [None] * (len(op.inputs) - 1)
+    return [x_grad, *rest]
+
+
+RegisterGradient("Pad")(_pad_grad)
+RegisterGradient("PadV2")(_pad_grad)
+
+
+@RegisterGradient("ReverseV2")
+def _reverse_v2_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    axis = op.inputs[1]
+    attrs = {**_t(grad), "Tidx": ops._type_attr(axis.datatype)}
+    return [_raw("ReverseV2", [grad, axis], attrs, grad.datatype, grad.shape), None]
+
+
+@RegisterGradient("BroadcastTo")
+def _broadcast_to_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    x, shape = op.inputs
+    x_shape = ops.shape(x, out_type=shape.dtype)
+    reduction_axes = _broadcast_gradient_args(shape, x_shape)[1]
+    summed = ops.reduce_sum(grad, reduction_axes, keepdims=True)
+    return [ops.reshape(summed, x_shape), None]
+
+
+@RegisterGradient("Cumsum")
+def _cumsum_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    axis = op.inputs[1]
+    attrs = {
+        **_t(grad),
+        "Tidx": ops._type_attr(axis.datatype),
+        "exclusive": AttrValue(b=_flag(op, "exclusive")),
+        "reverse": AttrValue(b=not _flag(op, "reverse")),
+    }
+    return [_raw("Cumsum", [grad, axis], attrs, grad.datatype, grad.shape), None]
+
+
+@RegisterGradient("Select")
+def _select_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    condition, x = op.inputs[0], op.inputs[1]
+    zeros = ops.zeros_like(x)
+    return [
+        None,
+        _raw("Select", [condition, grad, zeros], _t(grad), grad.datatype, x.shape),
+        _raw("Select", [condition, zeros, grad], _t(grad), grad.datatype, x.shape),
+    ]
+
+
+@RegisterGradient("Gather")
+def _gather_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    params, indices = op.inputs
+    with get_default_graph().colocate_with(params.op):
+        params_shape = ops.cast(ops.shape(params, out_type=np.int64), np.int32)
+    size = ops.expand_dims(ops.size(indices), 0)
+    values = ops.reshape(grad, ops.concat([size, params_shape[1:]], 0))
+    return [IndexedSlices(values, _flat(indices, size), params_shape), None]
+
+
+def _gather_drop_negatives(
+    params: Tensor, ids: Tensor, clipped: Tensor | None = None, is_positive: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Rows `ids` of `params`, zeros for negative ids (rows a segment op dropped).
+
+    Returns the rows, the ids clipped at 0 and the mask of valid ids (broadcastable
+    to the rows), so a second call can reuse the last two, as TF's helper does.
+    """
+    if clipped is None:
+        clipped = ops.maximum(ids, ops.zeros_like(ids))
+    gathered = ops.gather(params, clipped)
+    if is_positive is None:
+        is_positive = ops.greater_equal(ids, ops.constant(np.array(0, dtype=ids.dtype)))
+        positive_shape = ops.shape(is_positive)
+        extra_rank = ops.reshape(ops.subtract(ops.rank(gathered), ops.rank(is_positive)), [-1])
+        extra_ones = ops.ones(extra_rank, dtype=positive_shape.dtype)
+        is_positive = ops.reshape(is_positive, ops.concat([positive_shape, extra_ones], 0))
+        is_positive = ops.logical_and(is_positive, ops.ones_like(is_positive))
+    return ops.where(is_positive, gathered, ops.zeros_like(gathered)), clipped, is_positive
+
+
+@RegisterGradient("UnsortedSegmentSum")
+def _unsorted_segment_sum_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    return [_gather_drop_negatives(grad, op.inputs[1])[0], None, None]
+
+
+def _unsorted_segment_min_or_max_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    # The gradient goes to the elements equal to their segment's result, shared equally.
+    data, ids, num_segments = op.inputs
+    gathered_outputs, clipped, is_positive = _gather_drop_negatives(op.outputs[0], ids)
+    is_selected = ops.logical_and(ops.equal(data, gathered_outputs), is_positive)
+    num_selected = unsorted_segment_sum(ops.cast(is_selected, grad.dtype), ids, num_segments)
+    weighted = ops.truediv(grad, num_selected)
+    gathered_grads = _gather_drop_negatives(weighted, ids, clipped, is_positive)[0]
+    return [ops.where(is_selected, gathered_grads, ops.zeros_like(gathered_grads)), None, None]
+
+
+RegisterGradient("UnsortedSegmentMax")(_unsorted_segment_min_or_max_grad)
+RegisterGradient("UnsortedSegmentMin")(_unsorted_segment_min_or_max_grad)
+
+
+@RegisterGradient("UnsortedSegmentProd")
+def _unsorted_segment_prod_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    # d(prod)/d(x) = prod / x, or the product of the other elements where x is 0;
+    # zero when a segment holds two zeros or more.
+    data, ids, num_segments = op.inputs
+    is_zero = ops.equal(data, _same_type_constant(0.0, data))
+    num_zeros = unsorted_segment_sum(ops.cast(is_zero, np.int32), ids, num_segments)
+    grad = ops.where(ops.greater(num_zeros, 1), ops.zeros_like(grad), grad)
+    non_zero_data = ops.where(is_zero, ops.ones_like(data), data)
+    attrs = {
+        **_t(data),
+        "Tindices": ops._type_attr(ids.datatype),
+        "Tnumsegments": ops._type_attr(num_segments.datatype),
+    }
+    non_zero_prod = _raw("UnsortedSegmentProd", [non_zero_data, ids, num_segments], attrs, data.datatype)
+    clipped = ops.maximum(ids, ops.zeros_like(ids))
+    gathered_prod = ops.gather(op.outputs[0], clipped)
+    gathered_non_zero_prod = ops.gather(non_zero_prod, clipped)
+    prod_divided_by_element = ops.truediv(gathered_prod, data)
+    partial = ops.where(is_zero, gathered_non_zero_prod, prod_divided_by_element)
+    gathered_grad = _gather_drop_negatives(grad, ids, clipped)[0]
+    return [ops.multiply(gathered_grad, partial), None, None]
+
+
+@RegisterGradient("TopKV2")
+def _top_k_grad(op: Operation, grad: Tensor, unused_indices_grad: Tensor | None) -> list[Gradient | None]:
+    # Scatter the gradients of the k values back to their positions (ScatterNd over
+    # the flattened input, as TF does).
+    x, indices = op.inputs[0], op.outputs[1]
+    in_shape = ops.shape(x)
+    indices_shape = ops.shape(indices)
+    indices_last = ops.gather(ops.cast(indices_shape, np.int64), ops.subtract(ops.size(indices_shape), 1))
+    indices_2d = ops.reshape(indices, ops.stack([ops.constant(np.int64(-1)), indices_last]))
+    in_last = ops.gather(ops.cast(in_shape, np.int64), ops.subtract(ops.size(in_shape), 1))
+    outer = ops.shape(indices_2d)[0]
+    offsets = ops.range(ops.constant(np.int64(0)), ops.multiply(ops.cast(outer, np.int64), in_last), in_last)
+    flat = ops.reshape(ops.add(indices_2d, ops.cast(ops.expand_dims(offsets, -1), np.int32)), [-1])
+    total = ops.reshape(ops.reduce_prod(in_shape), [1])
+    scattered = _raw(
+        "ScatterNd",
+        [ops.expand_dims(flat, -1), ops.reshape(grad, [-1]), total],
+        {**_t(grad), "Tindices": ops._type_attr(_DT.DT_INT32)},
+        grad.datatype,
+    )
+    return [ops.reshape(scattered, in_shape), ops.zeros([], np.int32)]
+
+
+@RegisterGradient("Cumprod")
+def _cumprod_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    x, axis = op.inputs
+    exclusive, reverse = _flag(op, "exclusive"), _flag(op, "reverse")
+
+    def running(op_type: str, value: Tensor, backwards: bool) -> Tensor:
+        attrs = {
+            **_t(value),
+            "Tidx": ops._type_attr(axis.datatype),
+            "exclusive": AttrValue(b=exclusive),
+            "reverse": AttrValue(b=backwards),
+        }
+        return _raw(op_type, [value, axis], attrs, value.datatype, value.shape)
+
+    prod = running("Cumprod", x, reverse)
+    out = running("Cumsum", ops.multiply(prod, grad), not reverse)
+    return [_raw("DivNoNan", [out, x], _t(x), x.datatype, x.shape), None]
+
+
+def _dynamic_stitch_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    count = len(op.inputs) // 2
+    indices = [ops.cast(t, np.int32) for t in op.inputs[:count]]
+    values: list[Gradient | None] = [ops.gather(grad, index) for index in indices]
+    return [*([None] * count), *values]
+
+
+RegisterGradient("DynamicStitch")(_dynamic_stitch_grad)
+RegisterGradient("ParallelDynamicStitch")(_dynamic_stitch_grad)
+
+
+@RegisterGradient("DynamicPartition")
+def _dynamic_partition_grad(op: Operation, *grads: Tensor) -> list[Gradient | None]:
+    data, partitions = op.inputs
+    count = int(op.get_attr("num_partitions"))
+    graph = get_default_graph()
+    prefix_shape = ops.shape(partitions)
+    original = ops.reshape(ops.range(ops.reduce_prod(prefix_shape)), prefix_shape)
+    with name_scope(None, "DynamicPartition") as scope:
+        positions = graph.create_op(
+            "DynamicPartition",
+            [original, partitions],
+            [_DT.DT_INT32] * count,
+            name=scope,
+            attrs={**_t(original), "num_partitions": AttrValue(i=count)},
+            shapes=[(None,)] * count,
+        ).outputs
+    with name_scope(None, "ParallelDynamicStitch") as scope:
+        stitched = graph.create_op(
+            "ParallelDynamicStitch",
+            [*positions, *grads],
+            [grads[0].datatype],
+            name=scope,
+            attrs={**_t(grads[0]), "N": AttrValue(i=count)},
+        ).outputs[0]
+    return [ops.reshape(stitched, ops.shape(data)), None]
+
+
+@RegisterGradient("MirrorPad")
+def _mirror_pad_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    x, paddings = op.inputs
+    attrs = {**_t(grad), "Tpaddings": ops._type_attr(paddings.datatype), "mode": op.node_def.attr["mode"]}
+    return [_raw("MirrorPadGrad", [grad, paddings], attrs, grad.datatype, x.shape), None]
+
+
+def _copied_attrs(op: Operation, names: tuple[str, ...]) -> dict[str, AttrValue]:
+    node = op.node_def
+    return {name: node.attr[name] for name in names if name in node.attr}
+
+
+_CONV_ATTRS = ("T", "strides", "padding", "explicit_paddings", "use_cudnn_on_gpu", "data_format", "dilations")
+_POOL_ATTRS = ("T", "ksize", "strides", "padding", "explicit_paddings", "data_format")
+
+
+@RegisterGradient("Conv2D")
+def _conv2d_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    x, kernel = op.inputs
+    with name_scope(None, "ShapeN") as scope:
+        shapes = (
+            get_default_graph()
+            .create_op(
+                "ShapeN",
+                [x, kernel],
+                [_DT.DT_INT32, _DT.DT_INT32],
+                name=scope,
+                attrs={"N": AttrValue(i=2), **_t(x), "out_type": ops._type_attr(_DT.DT_INT32)},
+                shapes=[(4,), (4,)],
+            )
+            .outputs
+        )
+    attrs = _copied_attrs(op, _CONV_ATTRS)
+    return [
+        _raw("Conv2DBackpropInput", [shapes[0], kernel, grad], attrs, grad.datatype, x.shape),
+        _raw("Conv2DBackpropFilter", [x, shapes[1], grad], attrs, grad.datatype, kernel.shape),
+    ]
+
+
+@RegisterGradient("MaxPool")
+def _max_pool_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    x = op.inputs[0]
+    attrs = _copied_attrs(op, _POOL_ATTRS)
+    return [_raw("MaxPoolGrad", [x, op.outputs[0], grad], attrs, grad.datatype, x.shape)]
+
+
+@RegisterGradient("AvgPool")
+def _avg_pool_grad(op: Operation, grad: Tensor) -> list[Gradient | None]:
+    x = op.inputs[0]
+    attrs = _copied_attrs(op, _POOL_ATTRS)
+    attrs.pop("explicit_paddings", None)  # AvgPoolGrad has none
+    return [_raw("AvgPoolGrad", [ops.shape(x), grad], attrs, grad.datatype, x.shape)]
 
 
 __all__: list[str] = ["to_dense"]

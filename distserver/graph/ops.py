@@ -1008,7 +1008,7 @@ def _reduce(
     if reduce_all:
         # Outside the op's scope, as TensorFlow's _ReductionDims builds it.
         x_rank = _rank(x.shape)
-        axis = constant(np.arange(x_rank, dtype=np.int32)) if x_rank else range(0, rank(x))
+        axis = constant(np.arange(x_rank, dtype=np.int32)) if x_rank is not None else range(0, rank(x))
     with name_scope(name, op_type, [x]) as scope:
         (x,) = _convert_inputs(op_type, [("input", x)], allowed=allowed)
         (axes,) = _convert_inputs(

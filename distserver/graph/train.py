@@ -102,7 +102,8 @@ def create_global_step(graph: Graph | None = None) -> Variable:
 def get_or_create_global_step(graph: Graph | None = None) -> Variable:
     """The graph's global step, created (see `create_global_step`) the first time."""
     graph = graph or get_default_graph()
-    return get_global_step(graph) or create_global_step(graph)
+    step = get_global_step(graph)
+    return create_global_step(graph) if step is None else step
 
 
 # --------------------------------------------------------------------------- optimizer base

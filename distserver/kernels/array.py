@@ -271,6 +271,23 @@ class InvertPermutationKernel(_TypedKernel):
         return [inverse]
 
 
+@register_kernel("ListDiff")
+class ListDiffKernel(_TypedKernel):
+    """out: the values of `x` not in `y` (in `x`'s order); idx: their positions in `x`."""
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        self.index_type = attr_type_in(self, "out_idx", INDEX_TYPES, default=INT32)
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        x, y = inputs
+        for name, value in (("x", x), ("y", y)):
+            if value.ndim != 1:
+                raise kernel_error(self, f"{name} should be a 1D vector, got shape {shape_str(value.shape)}")
+        keep = ~np.isin(x, y)
+        return [x[keep], np.flatnonzero(keep).astype(self.index_type)]
+
+
 @register_kernel("ExpandDims")
 class ExpandDimsKernel(_TypedKernel):
     runs_on_loop = True  # a view or the shape: no thread hop
@@ -915,6 +932,49 @@ class WhereKernel(_TypedKernel):
         return [np.argwhere(condition).astype(np.int64, copy=False)]
 
 
+@register_kernel("ScatterNd")
+class ScatterNdKernel(_TypedKernel):
+    """`(indices [..., K], updates, shape)` -> zeros of `shape` with `updates` added at
+    `indices` (each index names a slice of the last `rank - K` dimensions; repeats add up)."""
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        self.index_type = attr_type_in(self, "Tindices", INDEX_TYPES)
+
+    def output_nbytes(self, inputs: list[Any]) -> int:
+        return product_of(inputs[2]) * self.dtype.itemsize
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        indices, updates, shape_value = inputs
+        check_input_dtype(self, 1, updates, self.dtype)
+        shape = int_list(self, shape_value, "shape")
+        if any(size < 0 for size in shape):
+            raise kernel_error(self, f"shape must not have negative sizes, got {shape}")
+        if indices.ndim < 1 or indices.dtype not in INDEX_TYPES:
+            raise kernel_error(
+                self, f"indices must be an int tensor of rank >= 1, got {shape_str(indices.shape)}"
+            )
+        depth = indices.shape[-1]
+        expected = (*indices.shape[:-1], *shape[depth:])
+        if depth > len(shape) or updates.shape != expected:
+            raise kernel_error(
+                self,
+                f"Dimensions mismatch: indices {shape_str(indices.shape)}, updates "
+                f"{shape_str(updates.shape)}, shape {shape}",
+            )
+        flat = indices.reshape(-1, depth)
+        for k in range(depth):
+            bad = (flat[:, k] < 0) | (flat[:, k] >= shape[k])
+            if bad.any():
+                position = int(np.flatnonzero(bad)[0])
+                raise kernel_error(
+                    self, f"indices[{position}] = {flat[position].tolist()} does not index into shape {shape}"
+                )
+        result = np.zeros(shape, dtype=self.dtype)
+        np.add.at(result, tuple(flat[:, k] for k in range(depth)), updates.reshape(-1, *shape[depth:]))
+        return [result]
+
+
 @register_kernel("DynamicStitch", "ParallelDynamicStitch")
 class DynamicStitchKernel(OpKernel):
     """Interleaves `data` into one tensor: merged[indices[m][i, ...], ...] = data[m][i, ...].
@@ -1006,6 +1066,7 @@ __all__ = [
     "IdentityKernel",
     "IdentityNKernel",
     "InvertPermutationKernel",
+    "ListDiffKernel",
     "NoOpKernel",
     "OneHotKernel",
     "PackKernel",
@@ -1013,6 +1074,7 @@ __all__ = [
     "RangeKernel",
     "RankKernel",
     "ReshapeKernel",
+    "ScatterNdKernel",
     "SelectKernel",
     "SelectV2Kernel",
     "ShapeKernel",
