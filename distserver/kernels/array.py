@@ -58,6 +58,8 @@ class _TypedKernel(OpKernel):
 class ConstKernel(OpKernel):
     """Outputs the `value` attr; decoded once, returned read-only on every step."""
 
+    outputs_fixed = True
+
     def __init__(self, node: NodeDef) -> None:
         super().__init__(node)
         dtype = self.attr_type("dtype")
