@@ -36,7 +36,7 @@ from distserver.runtime.clients import WorkerClient
 from distserver.runtime.concurrency import decode_message_tensors
 from distserver.runtime.executor import Executor, StepContext
 from distserver.runtime.push import worker_returns
-from distserver.runtime.rendezvous import RendezvousTable
+from distserver.runtime.rendezvous import RendezvousTable, StepRendezvous
 from distserver.tensors import tensor_nbytes, to_tensor_proto
 
 logger = logging.getLogger(__name__)
@@ -102,6 +102,11 @@ class Worker:
             "CleanupGraph": self.cleanup_graph,
             "CleanupAll": self.cleanup_all,
         }
+
+    @property
+    def pool(self) -> concurrent.futures.Executor:
+        """The thread pool kernels with large inputs run in."""
+        return self._pool
 
     def service_handlers(self) -> dict[str, Callable[[Any], Awaitable[Message]]]:
         """WorkerService method name -> handler, for transports; `recv_tensor` is the tensor source."""
@@ -313,6 +318,30 @@ class Worker:
     def deliver(self, step_id: int, key: RendezvousKey, value: Any, is_dead: bool = False) -> None:
         """Put a value another task sent into this task's rendezvous (pushed values)."""
         self._rendezvous.find_or_create(step_id).send(key, value, is_dead)
+
+    # -- steps of other runtimes (EagerService component functions) -------------
+
+    def start_step(self, step_id: int) -> StepRendezvous:
+        """The rendezvous of step `step_id`, kept while the step runs here.
+
+        For steps that are not RunGraphs (a component function's `func_step_id`):
+        values they `_Send` to other tasks are served by this worker's RecvTensor,
+        and their `_Recv`s fetch from other tasks as RunGraph's do. End the step with
+        `step_finished` or `step_failed`; `cleanup_step` drops it at once.
+        """
+        return self._rendezvous.start(step_id)
+
+    def step_finished(self, step_id: int) -> None:
+        """The step ran to its end; it is dropped once every value for another task is served."""
+        self._rendezvous.release_if_done(step_id, set())
+
+    def step_failed(self, step_id: int, error: errors.OpError) -> None:
+        """The step failed: its pending and future receives get `error`."""
+        self._rendezvous.failed(step_id, error)
+
+    def cleanup_step(self, step_id: int) -> None:
+        """Drop the step now (TensorFlow's CleanupGraph / CleanupFunctionOp)."""
+        self._rendezvous.cleanup(step_id)
 
     async def _fetch_remote(self, step_id: int, key: RendezvousKey) -> tuple[Any, bool]:
         assert self._worker_client is not None
