@@ -351,6 +351,7 @@ def _load_builtin_kernels() -> None:
         import distserver.kernels.sendrecv
         import distserver.kernels.sparse
         import distserver.kernels.state
+        import distserver.kernels.stateless_random
         import distserver.kernels.strings
         import distserver.kernels.summary  # noqa: F401
 

@@ -85,14 +85,10 @@ def build_keras(strategy) -> tuple:
     import keras
 
     with strategy.scope():
-        # Zeros, then set_weights: Keras's default initializers run stateless random ops on
-        # the variable's ps, which distserver lacks (docs/tf-compat.md).
+        # Keras's initializers run stateless random ops on the variable's ps; set_weights
+        # below makes the start the same in every run (Keras draws fresh seeds).
         model = keras.Sequential(
-            [
-                keras.Input((FEATURES,)),
-                keras.layers.Dense(HIDDEN, activation="tanh", kernel_initializer="zeros"),
-                keras.layers.Dense(1, kernel_initializer="zeros"),
-            ]
+            [keras.Input((FEATURES,)), keras.layers.Dense(HIDDEN, activation="tanh"), keras.layers.Dense(1)]
         )
         optimizer = keras.optimizers.Adam(0.01)
         optimizer.build(model.trainable_variables)
