@@ -55,6 +55,9 @@ class WorkerSession:
     master_incarnation: int = 0
 
 
+# How long the first call to a peer may take (it is up: a RecvTensor to it follows).
+_MEET_PEER_SECONDS = 30.0
+
 # What to do about a session a restarted worker no longer knows.
 _RECREATE = (
     "What the session held on this task (variables, queues) is gone: close the session and "
@@ -89,6 +92,8 @@ class Worker:
         # clients' legacy path) share the task's resources.
         self._legacy_session = WorkerSession("", resources)
         self._graph_ids = itertools.count(1)
+        # Tasks this worker has called once (see `_fetch_remote`).
+        self._peers_met: set[str] = set()
         self._rendezvous = RendezvousTable(task_name, self._fetch_remote if worker_client else None)
         # WorkerService method -> proto-in, proto-out handler. RecvTensor is the data
         # plane: transports serve it from `recv_tensor` (the task's tensor source).
@@ -345,7 +350,15 @@ class Worker:
 
     async def _fetch_remote(self, step_id: int, key: RendezvousKey) -> tuple[Any, bool]:
         assert self._worker_client is not None
-        return await self._worker_client(key.src_task).recv_tensor(step_id, key, timeout=self._recv_timeout)
+        client = self._worker_client(key.src_task)
+        if key.src_task not in self._peers_met:
+            # Meet the peer with a control call first: from it the channel learns whether
+            # the peer is TensorFlow, whose servers end a connection that pings while a
+            # call waits silently, and a RecvTensor may wait long for a value not yet
+            # computed (the gradient a TensorFlow 2 worker computes for this ps).
+            await client.call("GetStatus", w.GetStatusRequest(), timeout=_MEET_PEER_SECONDS)
+            self._peers_met.add(key.src_task)
+        return await client.recv_tensor(step_id, key, timeout=self._recv_timeout)
 
     def abort_all_steps(self, error: errors.OpError) -> None:
         """Fail every pending receive (the server is stopping)."""
