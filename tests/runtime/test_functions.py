@@ -338,3 +338,28 @@ async def test_a_session_runs_calls_and_lowered_ifs():
             m.ExtendSessionRequest(session_handle=handle, graph_def=extension, current_graph_version=0)
         )
         assert (await master.run_step(handle, {"x:0": x}, ["again:0"], []))["again:0"] == 9
+
+
+def test_readers_of_a_variable_passed_to_a_function_are_placed_with_the_variable():
+    from distserver.runtime.placement import place
+
+    reader = function(
+        "reader",
+        [("v", DT_RESOURCE)],
+        [("y", DT_FLOAT)],
+        [
+            node("read", "ReadVariableOp", ["v"], dtype=DT_FLOAT),
+            node("neg", "Neg", ["read:value:0"], T=DT_FLOAT),
+        ],
+        {"y": "neg:y:0"},
+    )
+    ps, worker = "/job:ps/replica:0/task:0/device:CPU:0", "/job:worker/replica:0/task:0/device:CPU:0"
+    graph = [
+        node("v", "VarHandleOp", device="/job:ps/task:0", dtype=DT_FLOAT),
+        call("c", "reader", ["v"], device=worker),
+    ]
+    nodes = inline_functions(graph, library(reader))
+    place(nodes, devices=[ps, worker], client_device=worker)
+    devices = {n.name: n.device for n in nodes}
+    assert devices["c/v"] == devices["c/read"] == ps  # the handle's Identity and its reader
+    assert devices["c/neg"] == worker
