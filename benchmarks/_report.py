@@ -1,7 +1,8 @@
-"""Report formatting for the benchmarks: the markdown tables and verdicts of a run.
+"""The markdown tables and verdicts of a `bench_distributed.py` run.
 
-Measurement lives in `bench_distributed.py` / `bench_transports.py`; they hand their
-JSON-able report dicts to the functions here.
+Measurement lives in `distserver/bench/` (and `bench_distributed.py`, which hands its
+JSON-able report dicts to the functions here); the cell formatting is
+`distserver.bench.report`'s, re-exported here for the scripts.
 """
 
 from __future__ import annotations
@@ -9,42 +10,20 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from _shared import MiB
+from distserver.bench.report import fmt_mib, fmt_rate, fmt_time, load_cell, ok, size_label, verdict
+from distserver.bench.timing import MiB
 
-
-def size_label(nbytes: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", MiB), ("KiB", 1 << 10)):
-        if nbytes >= scale and nbytes % scale == 0:
-            return f"{nbytes // scale} {unit}"
-    return f"{nbytes} B"
-
-
-def fmt_time(seconds: float) -> str:
-    if seconds < 1e-3:
-        return f"{seconds * 1e6:.0f} µs"
-    if seconds < 1.0:
-        return f"{seconds * 1e3:.2f} ms"
-    return f"{seconds:.2f} s"
-
-
-def fmt_rate(mb_per_s: float) -> str:
-    if mb_per_s >= 100:
-        return f"{mb_per_s:,.0f}"
-    if mb_per_s >= 10:
-        return f"{mb_per_s:.1f}"
-    return f"{mb_per_s:.2f}"
-
-
-def fmt_mib(nbytes: float) -> str:
-    return f"{nbytes / MiB:,.0f} MiB"
-
-
-def ok(result: Any) -> bool:
-    return isinstance(result, dict) and "error" not in result
-
-
-def verdict(met: bool) -> str:
-    return "met" if met else "**missed**"
+__all__ = [
+    "fmt_mib",
+    "fmt_rate",
+    "fmt_time",
+    "load_cell",
+    "ok",
+    "size_label",
+    "summary_tables",
+    "tables",
+    "verdict",
+]
 
 
 def _header(report: dict[str, Any]) -> list[str]:
@@ -328,10 +307,6 @@ def summary_tables(reports: list[dict[str, Any]]) -> str:
             met = sum(_hwm(m) / size <= 3.0 for m in mems["ours"])
             out += ["", f"Ours met the ≤ 3x target in {met} of {n} runs."]
     return "\n".join(out)
-
-
-def load_cell(result: dict[str, Any]) -> str:
-    return f"{result['background_cpus']:.2f} / {result['steal_cpus']:.2f}"
 
 
 def _hwm(result: dict[str, Any]) -> int:

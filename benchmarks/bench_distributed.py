@@ -19,6 +19,10 @@ Around every timed block it reads CPU time and page faults of the ps, worker and
 client processes (``/proc/<pid>/stat``), and the machine's load from ``/proc/stat``
 (how much CPU other processes took meanwhile), to show where the time goes.
 
+The sides, the timing code and TensorFlow's side live in `distserver/bench/`
+(`sides.py`, `timing.py`, `tf_side.py`); this script runs them and prints the tables
+of `_report.py`.
+
 TensorFlow runs under its own Python (`_tfenv.py`: ``$DISTSERVER_TF_PYTHON``, else
 ``<repo>/.tfenv``, else it is created there); `--skip-tf`, or no TF environment,
 drops the TF columns. TensorFlow's gRPC server binds ``0.0.0.0``, so the TF processes
@@ -35,353 +39,45 @@ import argparse
 import contextlib
 import json
 import os
-import platform
-import select
 import signal
-import subprocess
 import sys
-import tempfile
 import time
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import _report
-import _shared
-import _tfenv
-from _shared import MiB
 
-import distserver as ds
-from distserver.protos.config_pb2 import ConfigProto
-from distserver.testing import LocalCluster
+from distserver.bench import timing as _shared
+from distserver.bench.sides import ClusterSide as OursSide
+from distserver.bench.sides import (
+    TFSide,
+    loadavg,
+    log,
+    machine_info,
+    measure,
+    parse_size,
+    parse_size_or_zero,
+)
+from distserver.bench.sides import find_tf as _find_tf
+from distserver.bench.tfenv import find_or_create
+from distserver.bench.timing import MiB
 
-HERE = Path(__file__).resolve().parent
-OPERATION_TIMEOUT_MS = 60_000
-TF_START_TIMEOUT_S = 120.0
-SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": MiB, "MB": MiB, "MIB": MiB}
-SIZE_UNITS["G"] = SIZE_UNITS["GB"] = SIZE_UNITS["GIB"] = 1 << 30
-
-
-# --------------------------------------------------------------------------- helpers
-
-
-def parse_size(text: str) -> int:
-    text = text.strip().upper()
-    digits = text.rstrip("KMGIB")
-    nbytes = int(digits) * SIZE_UNITS[text[len(digits) :]]
-    if nbytes < 4 or nbytes % 4:
-        raise argparse.ArgumentTypeError(f"size {text!r} must be a positive multiple of 4 bytes")
-    return nbytes
-
-
-def parse_size_or_zero(text: str) -> int:
-    return 0 if text.strip() == "0" else parse_size(text)
-
-
-def _version(dist: str) -> str:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return "not installed"
-
-
-def machine_info() -> dict[str, Any]:
-    model = "unknown"
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    return {
-        "nproc": len(os.sched_getaffinity(0)),
-        "cpu_model": model,
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-        "numpy": _version("numpy"),
-        "grpcio": _version("grpcio"),
-        "protobuf": _version("protobuf"),
-        "uvloop": _version("uvloop"),
-        "distserver": ds.__version__,
-        "loadavg_start": _loadavg(),
-    }
-
-
-def _loadavg() -> str:
-    with open("/proc/loadavg") as f:
-        return " ".join(f.read().split()[:3])
-
-
-def _kill_if_ours(pid: int, marker: str) -> None:
-    """SIGKILL `pid` only if it is still a process whose command line has `marker`."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if marker.encode() not in f.read():
-                return
-        os.kill(pid, signal.SIGKILL)
-    except (OSError, ProcessLookupError):
-        pass
-
-
-# --------------------------------------------------------------------------- our side
-
-
-class OursSide:
-    """distserver: a `LocalCluster` (ps + worker processes) and a `ds.Session` in this process."""
-
-    name = "ours"
-
-    def __init__(self) -> None:
-        self.cluster: LocalCluster | None = None
-        self.config = ConfigProto(operation_timeout_in_ms=OPERATION_TIMEOUT_MS)
-        self._prepared: _shared.Prepared | None = None
-        self.dead: str | None = None
-
-    def lost_process(self) -> str | None:
-        """Which of our task processes has exited, if any."""
-        if self.cluster is None:
-            return None
-        for task, proc in self.cluster.processes.items():
-            if proc.poll() is not None:
-                return f"our {task} exited ({proc.returncode})"
-        return None
-
-    def start(self) -> None:
-        self.stop()
-        self.cluster = LocalCluster({"ps": 1, "worker": 1}).start()
-
-    def stop(self) -> None:
-        with contextlib.suppress(Exception):
-            self.finish()
-        if self.cluster is not None:
-            self.cluster.stop()
-            self.cluster = None
-
-    @property
-    def pids(self) -> dict[str, int]:
-        assert self.cluster is not None
-        return {
-            "ps": self.cluster.process("ps").pid,
-            "worker": self.cluster.process("worker").pid,
-            "client": os.getpid(),
-        }
-
-    def memory(self) -> dict[str, Any]:
-        return {role: _shared.proc_memory(pid) for role, pid in self.pids.items()}
-
-    def prepare(self, kind: str, nbytes: int, warmup: int, deadline: float) -> None:
-        assert self.cluster is not None
-        self.finish()
-        self._prepared = _shared.Prepared(
-            ds,
-            self.config,
-            self.cluster.target("worker"),
-            kind,
-            nbytes=nbytes,
-            warmup=warmup,
-            pids=self.pids,
-            deadline=deadline,
-        )
-
-    def block(self, repeat: int, deadline: float, settle_ms: float = 0.0) -> dict[str, Any]:
-        assert self._prepared is not None
-        return self._prepared.block(repeat, deadline, settle_ms)
-
-    def finish(self) -> dict[str, Any]:
-        prepared, self._prepared = self._prepared, None
-        return prepared.finish() if prepared is not None else {}
-
-    def once(self, kind: str, nbytes: int, warmup: int, repeat: int, deadline: float) -> dict[str, Any]:
-        assert self.cluster is not None
-        return _shared.run_once(
-            ds,
-            self.config,
-            self.cluster.target("worker"),
-            kind,
-            nbytes=nbytes,
-            warmup=warmup,
-            repeat=repeat,
-            pids=self.pids,
-            deadline=deadline,
-        )
-
-
-# --------------------------------------------------------------------------- TensorFlow's side
-
-
-def netns_prefix() -> list[str] | None:
-    """A command prefix that runs a program in a new network namespace, or None."""
-    for prefix in (["unshare", "--net", "--"], ["unshare", "--net", "--map-root-user", "--"]):
-        try:
-            ok = subprocess.run([*prefix, "true"], capture_output=True, timeout=10, check=False)
-        except (OSError, subprocess.TimeoutExpired):
-            continue
-        if ok.returncode == 0:
-            return prefix
-    return None
-
-
-class TFSide:
-    """TensorFlow: `tf_side.py client` (TF's Python), which runs its own ps + worker servers."""
-
-    name = "tf"
-
-    def __init__(self, python: str, prefix: list[str], deadline: float) -> None:
-        self.python = python
-        self.prefix = prefix
-        self.deadline = deadline
-        self.proc: subprocess.Popen[str] | None = None
-        self.info: dict[str, Any] = {}
-        self._stderr: Any = None
-        self.dead: str | None = None
-
-    def lost_process(self) -> str | None:
-        """Which TF process (client, ps, worker) has exited, if any."""
-        if self.proc is None or self.proc.poll() is not None:
-            return "TF client exited"
-        for role, pid in self.pids.items():
-            if not _running(pid):
-                return f"TF {role} (pid {pid}) exited"
-        return None
-
-    def spawn(self) -> None:
-        """Start the client (it starts its servers); `wait_ready` collects it."""
-        self._stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed in stop()
-        command = [*self.prefix, self.python, str(HERE / "tf_side.py"), "client"]
-        if self.prefix:
-            command.append("--netns")
-        command += ["--deadline-s", f"{max(1.0, self.deadline - time.monotonic()):.0f}"]
-        self.proc = subprocess.Popen(
-            command,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._stderr,
-            text=True,
-            env=_tfenv.quiet_tf_env(),
-        )
-
-    def wait_ready(self) -> None:
-        self.info = json.loads(self._read_line("@@ready ", time.monotonic() + TF_START_TIMEOUT_S))
-
-    @property
-    def pids(self) -> dict[str, int]:
-        pids: dict[str, int] = self.info["pids"]
-        return pids
-
-    def call(self, op: str, **kwargs: Any) -> dict[str, Any]:
-        assert self.proc is not None
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"op": op, **kwargs}) + "\n")
-        self.proc.stdin.flush()
-        reply = json.loads(self._read_line("@@result ", self.deadline))
-        if not reply["ok"]:
-            raise RuntimeError(f"TF side: {reply['error']}")
-        result: dict[str, Any] = reply.get("result", {})
-        return result
-
-    def _read_line(self, prefix: str, deadline: float) -> str:
-        assert self.proc is not None
-        assert self.proc.stdout is not None
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise _shared.BudgetExceeded(f"TF side gave no {prefix.strip()} line in time")
-            readable, _, _ = select.select([self.proc.stdout], [], [], min(remaining, 1.0))
-            if readable:
-                line = self.proc.stdout.readline()
-                if line.startswith(prefix):
-                    return line[len(prefix) :]
-                if line:
-                    continue
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"TF side exited ({self.proc.returncode}):\n{self.stderr_tail()}")
-
-    def stderr_tail(self, lines: int = 15) -> str:
-        if self._stderr is None:
-            return ""
-        self._stderr.flush()
-        self._stderr.seek(0)
-        return "\n".join(self._stderr.read().strip().splitlines()[-lines:])
-
-    def restart(self) -> None:
-        self.info = self.call("restart")
-
-    def memory(self) -> dict[str, Any]:
-        return self.call("memory")
-
-    def prepare(self, kind: str, nbytes: int, warmup: int, deadline: float) -> None:
-        self.call("prepare", kind=kind, nbytes=nbytes, warmup=warmup)
-
-    def block(self, repeat: int, deadline: float, settle_ms: float = 0.0) -> dict[str, Any]:
-        return self.call("block", repeat=repeat, settle_ms=settle_ms)
-
-    def finish(self) -> dict[str, Any]:
-        return self.call("finish")
-
-    def once(self, kind: str, nbytes: int, warmup: int, repeat: int, deadline: float) -> dict[str, Any]:
-        return self.call("once", kind=kind, nbytes=nbytes, warmup=warmup, repeat=repeat)
-
-    def stop(self) -> None:
-        proc = self.proc
-        if proc is None:
-            return
-        servers = [pid for role, pid in self.info.get("pids", {}).items() if role != "client"]
-        if proc.poll() is None:
-            with contextlib.suppress(Exception):
-                self.call("quit")
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(timeout=5)
-        for pid in servers:  # they die with the client; this is the backstop
-            _kill_if_ours(pid, "tf_side.py")
-        for stream in (proc.stdin, proc.stdout, self._stderr):
-            if stream is not None:
-                with contextlib.suppress(OSError):
-                    stream.close()
-        self.proc = None
-
-
-def _running(pid: int) -> bool:
-    """`pid` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-# --------------------------------------------------------------------------- the run
+REPO = Path(__file__).resolve().parent.parent
+_log = log
+_loadavg = loadavg
+__all__ = ["OursSide", "TFSide", "machine_info", "measure", "parse_size"]
 
 
 def find_tf(args: argparse.Namespace) -> dict[str, Any]:
-    """Which TensorFlow to run, and how: python, command prefix, or why it is skipped."""
-    setup: dict[str, Any] = {"python": None, "prefix": [], "skipped": None, "machine": {}}
+    """Which TensorFlow to run, and how (`--skip-tf`, `--no-create-tfenv`, `--tf-allow-wildcard-bind`)."""
     if args.skip_tf:
-        setup["skipped"] = "--skip-tf"
-        return setup
-    try:
-        env = _tfenv.find_or_create(create=not args.no_create_tfenv, log=_log)
-    except _tfenv.TFUnavailable as exc:
-        setup["skipped"] = f"no TensorFlow environment: {exc}"
-        return setup
-    setup["machine"] = {"tensorflow": f"{env.tensorflow} ({env.source}: {env.python})", "tf_numpy": env.numpy}
-    prefix = netns_prefix()
-    if prefix is None:
-        if not args.tf_allow_wildcard_bind:
-            setup["skipped"] = (
-                "TensorFlow's server binds 0.0.0.0 and `unshare --net` is unavailable here "
-                "(pass --tf-allow-wildcard-bind to run it anyway)"
-            )
-            return setup
-        _log("WARNING: no network namespace; TF's servers will bind 0.0.0.0 (as TF always does)")
-        prefix = []
-    setup["python"], setup["prefix"] = env.python, prefix
-    return setup
+        return {"python": None, "prefix": [], "skipped": "--skip-tf", "machine": {}}
+    return _find_tf(
+        lambda: find_or_create(REPO, create=not args.no_create_tfenv, log=_log), args.tf_allow_wildcard_bind
+    )
+
+
+# --------------------------------------------------------------------------- the run
 
 
 def timing_params(args: argparse.Namespace) -> dict[str, Any]:
@@ -468,97 +164,6 @@ def repeat_for(nbytes: int, repeat: int | None) -> int:
     return 500 if nbytes <= MiB else 60
 
 
-def measure(
-    sides: list[Any],
-    kind: str,
-    nbytes: int,
-    warmup: int,
-    repeat: int,
-    args: argparse.Namespace,
-    deadline: float,
-) -> list[tuple[Any, dict[str, Any]]]:
-    """One benchmark on every side, timed in alternating blocks (A B, B A, A B, ...).
-
-    Each side first prepares (session, initialisation, warm-up); then the timed steps
-    are split into `--rounds` blocks and the sides take turns, so slow drifts in the
-    machine's load hit both alike. Every block starts with `--settle-ms` of untimed
-    steps (`_shared.settle`). A side that fails gets an error result.
-    """
-    what = f"{kind} {_report.size_label(nbytes)}" if nbytes else kind
-    dead = [side for side in sides if side.dead]
-    sides = [side for side in sides if not side.dead]
-    all_pids = {pid for side in sides for pid in side.pids.values()}
-    ours_before = _cpu_of(all_pids)
-    machine_before = _shared.machine_cpu()
-    errors: dict[str, str] = {}
-    blocks: dict[str, list[dict[str, Any]]] = {side.name: [] for side in sides}
-    finished: dict[str, dict[str, Any]] = {}
-    try:
-        for side in sides:
-            _attempt(errors, side, what, lambda s=side: s.prepare(kind, nbytes, warmup, deadline))
-        for i, count in enumerate(_shared.split_blocks(repeat, args.rounds)):
-            for side in sides if i % 2 == 0 else sides[::-1]:
-                if side.name not in errors:
-                    _attempt(
-                        errors,
-                        side,
-                        what,
-                        lambda s=side, n=count: blocks[s.name].append(s.block(n, deadline, args.settle_ms)),
-                    )
-    finally:
-        for side in sides:
-            try:
-                finished[side.name] = side.finish()
-            except _shared.BudgetExceeded:
-                raise
-            except Exception as exc:
-                errors.setdefault(side.name, f"{side.name} {what}: finish: {type(exc).__name__}: {exc}")
-    machine = {k: v - machine_before[k] for k, v in _shared.machine_cpu().items()}
-    ours_after = _cpu_of(all_pids)
-    # While this benchmark ran: busy CPUs of the whole machine, of processes other than
-    # the six of the benchmark (background load competing with both sides), and stolen
-    # by the hypervisor.
-    elapsed = max(1e-9, machine["total"]) / (os.cpu_count() or 1)
-    busy = machine["busy"] / elapsed
-    load = {
-        "machine_busy_cpus": busy,
-        "background_cpus": max(0.0, busy - (ours_after - ours_before) / elapsed),
-        "steal_cpus": machine["steal"] / elapsed,
-    }
-    out = [(side, {"error": f"{side.name} {what}: skipped, {side.dead}"}) for side in dead]
-    for side in sides:
-        if side.name in errors:
-            lost = side.lost_process()
-            if lost:  # the rest of the run would only wait for time-outs
-                side.dead = lost
-                _log(f"{lost}: no more {side.name} figures in this run")
-            out.append((side, {"error": errors[side.name]}))
-        else:
-            result = _shared.combine(blocks[side.name], finished[side.name])
-            out.append((side, {**result, **load}))
-    return out
-
-
-def _cpu_of(pids: set[int]) -> float:
-    """CPU seconds so far of the processes in `pids` that still exist."""
-    total = 0.0
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            total += _shared.proc_counters(pid)["cpu_s"]
-    return total
-
-
-def _attempt(errors: dict[str, str], side: Any, what: str, fn: Any) -> None:
-    try:
-        fn()
-    except _shared.BudgetExceeded:
-        raise
-    except Exception as exc:
-        message = f"{side.name} {what}: {type(exc).__name__}: {exc}"
-        _log(f"ERROR {message}")
-        errors[side.name] = message
-
-
 def _all_results(side_report: dict[str, Any]) -> list[dict[str, Any]]:
     results = [side_report["trivial"], side_report["trivial_var"], *side_report["recv"].values()]
     return [r for r in results if isinstance(r, dict)]
@@ -591,10 +196,6 @@ def _tf_failed(report: dict[str, Any], tf: TFSide, exc: Exception) -> None:
     _log(report["tf_skipped"])
     with contextlib.suppress(Exception):
         tf.stop()
-
-
-def _log(message: str) -> None:
-    print(f"[bench] {message}", file=sys.stderr, flush=True)
 
 
 # --------------------------------------------------------------------------- main

@@ -10,9 +10,11 @@ the scalar fetched, session target on the worker), on:
   be an error here, not a fast-looking gRPC figure;
 * ``memcpy``: ``np.copyto`` of the same bytes into a preallocated, already-faulted
   destination, in this process: the bandwidth ceiling of one copy;
-* ``TF``: TensorFlow's gRPC runtime (`tf_side.py`, in a network namespace with only
-  ``lo``), when a TensorFlow environment is available (`_tfenv.py`); otherwise the
-  TF column is skipped with the reason.
+* ``TF``: TensorFlow's gRPC runtime (`distserver/bench/tf_side.py`, in a network
+  namespace with only ``lo``), when a TensorFlow environment is available
+  (`_tfenv.py`); otherwise the TF column is skipped with the reason.
+
+The sides live in `distserver/bench/sides.py` (shared with `distserver bench`).
 
 Warm-up steps, then the timed steps in blocks (each after ``--settle-ms`` of untimed
 steps) that take turns between the transports (forward, then reverse order, ...), so
@@ -40,97 +42,15 @@ from pathlib import Path
 from typing import Any
 
 import _report
-import _shared
 import bench_distributed as bd
-import numpy as np
-from _shared import MiB
 
-from distserver.testing import LocalCluster
+from distserver.bench import timing as _shared
+from distserver.bench.sides import ClusterSide, MemcpySide
+from distserver.bench.timing import MiB
 
 DEFAULT_SIZES = [4 << 10, 64 << 10, 1 * MiB, 16 * MiB, 64 * MiB, 256 * MiB]
 BIG = 16 * MiB
 COLUMNS = [("grpc", "grpc"), ("verbs", "grpc+verbs"), ("memcpy", "memcpy"), ("tf", "TF gRPC")]
-
-
-# --------------------------------------------------------------------------- sides
-
-
-class ClusterSide(bd.OursSide):
-    """distserver over one protocol: a `LocalCluster` and a `ds.Session` here."""
-
-    def __init__(self, name: str, protocol: str, env: dict[str, str] | None = None) -> None:
-        super().__init__()
-        self.name, self.protocol, self.env = name, protocol, env or {}
-
-    def start(self) -> None:
-        self.stop()
-        self.cluster = LocalCluster({"ps": 1, "worker": 1}, protocol=self.protocol, env=self.env).start()
-
-
-class MemcpySide:
-    """``np.copyto`` of `nbytes` into a preallocated, pre-faulted array, in this process.
-
-    Speaks the side protocol of `bench_distributed.measure` (prepare, block, finish),
-    so it takes its turns in the same interleaved blocks as the transports.
-    """
-
-    name = "memcpy"
-    dead: str | None = None
-
-    def __init__(self) -> None:
-        self.src: np.ndarray | None = None
-        self.dst: np.ndarray | None = None
-        self.nbytes = 0
-        self.warmup = 0
-
-    @property
-    def pids(self) -> dict[str, int]:
-        return {"client": os.getpid()}
-
-    def lost_process(self) -> str | None:
-        return None
-
-    def prepare(self, kind: str, nbytes: int, warmup: int, deadline: float) -> None:
-        self.src = np.full(nbytes // 4, 1.0, dtype=np.float32)
-        self.dst = np.empty_like(self.src)
-        np.copyto(self.dst, self.src)  # faults every destination page in
-        self.nbytes, self.warmup = nbytes, warmup
-        for _ in range(warmup):
-            np.copyto(self.dst, self.src)
-
-    def block(self, repeat: int, deadline: float, settle_ms: float = 0.0) -> dict[str, Any]:
-        assert self.src is not None
-        assert self.dst is not None
-        src, dst = self.src, self.dst
-        _shared.settle(lambda: np.copyto(dst, src), settle_ms, deadline)
-        pid = os.getpid()
-        before = _shared.proc_counters(pid)
-        times = []
-        for _ in range(repeat):
-            _shared.check_deadline(deadline)
-            started = time.perf_counter()
-            np.copyto(dst, src)
-            times.append(time.perf_counter() - started)
-        after = _shared.proc_counters(pid)
-        return {"times_s": times, "counters": {"client": {k: after[k] - before[k] for k in before}}}
-
-    def finish(self) -> dict[str, Any]:
-        if self.src is None:
-            return {}
-        ok = bool(self.dst is not None and self.dst[0] == 1.0 and self.dst[-1] == 1.0)
-        self.src = self.dst = None
-        if not ok:
-            raise AssertionError("memcpy destination does not hold the source")
-        return {
-            "kind": "recv",
-            "nbytes": self.nbytes,
-            "warmup": self.warmup,
-            "init_s": 0.0,
-            "memory_after": {"client": _shared.proc_memory(os.getpid())},
-        }
-
-    def stop(self) -> None:
-        self.src = self.dst = None
 
 
 # --------------------------------------------------------------------------- run

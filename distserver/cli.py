@@ -4,10 +4,12 @@
     distserver serve                      # cluster and task from TF_CONFIG
     distserver status grpc://localhost:2222
     distserver local-cluster --ps 1 --workers 2
+    distserver bench --protocols grpc,grpc+verbs --sizes 4KiB,1MiB,64MiB --json out.json --plot out.png
 
 `serve` prints the server's target once it is serving and stops gracefully on
 SIGINT/SIGTERM. `status` lists the devices of the target's cluster and exits with
-status 1 and a one-line reason when the target cannot be reached.
+status 1 and a one-line reason when the target cannot be reached. `bench` measures
+tensor transfer by protocol (`distserver.bench`, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 
 from distserver import errors
 from distserver._process import die_with_parent, run
+from distserver.bench import command as bench_command
 from distserver.cluster import TFConfigClusterResolver
 from distserver.facade import Session
 from distserver.protos.master_pb2 import ListDevicesRequest
@@ -205,6 +208,15 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--ps", type=int, default=1)
     local.add_argument("--workers", type=int, default=2)
     local.add_argument("--protocol", default="grpc")
+
+    bench = commands.add_parser(
+        "bench",
+        help="measure tensor transfer by protocol: throughput, latency, concurrency (docs/benchmarks.md)",
+        description="Start local clusters (one OS process per task), or use --cluster/TF_CONFIG, and "
+        "measure RecvTensor and fetch throughput and step latency by size, and concurrency scaling, for "
+        "each protocol and baseline; print a table, optionally write JSON and a PNG plot.",
+    )
+    bench_command.add_arguments(bench)
     return parser
 
 
@@ -217,6 +229,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run(_serve(args))
         if args.command == "status":
             return run(_status(args))
+        if args.command == "bench":
+            return bench_command.main(args)
         return _local_cluster(args)
     except errors.OpError as exc:
         print(f"distserver {args.command}: {type(exc).__name__}: {exc.message}", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""Write tests/data/tf_checkpoint/model.*: a V2 checkpoint written by a real TensorFlow.
+"""Write tests/data/tf_checkpoint/{model,sliced}.*: V2 checkpoints written by a real TensorFlow.
 
 Run with the Python of a venv that has TensorFlow (not distserver's venv):
 
@@ -7,7 +7,8 @@ Run with the Python of a venv that has TensorFlow (not distserver's venv):
 tests/kernels/test_checkpoint.py restores every tensor with distserver's RestoreV2
 and checks the values against `golden_tensors()` of this file (keep both in sync:
 the test imports this module's `golden_tensors` without TensorFlow), then writes the
-same tensors with distserver's SaveV2 and compares the files byte for byte.
+same tensors with distserver's SaveV2 and compares the files byte for byte; `sliced`
+holds the slices of `golden_slices()` (partitioned variables), checked the same way.
 """
 
 from __future__ import annotations
@@ -49,6 +50,23 @@ def golden_tensors() -> list[tuple[str, Any]]:
     ]
 
 
+def golden_slices() -> list[tuple[str, str, Any]]:
+    """(name, shape_and_slice, numpy value of that slice), in the order they are saved."""
+    full = np.arange(15, dtype=np.float32).reshape(5, 3)
+    rows = np.arange(12, dtype=np.int64).reshape(4, 3)
+    text = np.array([b"a", b"bb", b"", b"dddd"], dtype=object)
+    return [
+        ("part", "5 3 0,3:0,3", full[:3]),
+        ("part", "5 3 3,2:0,3", full[3:]),
+        ("rows", "4 3 2,2:-", rows[2:]),
+        ("rows", "4 3 0,2:-", rows[:2]),
+        ("text", "4 0,1", text[:1]),
+        ("text", "4 1,3", text[1:]),
+        ("whole", "2 0,2", np.array([7.0, 8.0])),  # a slice covering its tensor: saved whole
+        ("plain", "", np.array(3, np.int32)),
+    ]
+
+
 def main() -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import tensorflow as tf
@@ -62,6 +80,11 @@ def main() -> None:
         tensor_names=list(names),
         shape_and_slices=[""] * len(names),
         tensors=tensors,
+    )
+    names, specs, values = zip(*golden_slices(), strict=True)
+    tensors = [tf.constant(v) if v.dtype != object else tf.constant(v.tolist(), tf.string) for v in values]
+    tf.raw_ops.SaveV2(
+        prefix=str(OUT / "sliced"), tensor_names=list(names), shape_and_slices=list(specs), tensors=tensors
     )
     print(f"wrote {sorted(p.name for p in OUT.iterdir())}")
 

@@ -41,6 +41,7 @@ from distserver.tensors import datatype_name
 
 if TYPE_CHECKING:
     from distserver.protos.node_def_pb2 import NodeDef
+    from distserver.protos.tensor_bundle_pb2 import BundleEntryProto
 
 ROOT_OPTION = "checkpoint_root"
 ROOT_FLAG = "--checkpoint-root"
@@ -120,28 +121,30 @@ def _string_vector(kernel: OpKernel, value: Any, what: str) -> list[str]:
 
 def parse_shape_and_slice(
     kernel: OpKernel, spec: str
-) -> tuple[tuple[int, ...], list[tuple[int, int]]] | None:
-    """`"d0 d1 ... start,length:...:-"` as (full shape, [(start, length)]); None for ""."""
+) -> tuple[tuple[int, ...], tensor_bundle.TensorSlice] | None:
+    """TensorFlow's `"d0 d1 ... <slice>"` (slice: "start,length" or "-" per dimension, ":"-joined)
+    as (full shape, slice); None for "" (the whole tensor).
+
+    Raises:
+        InvalidArgumentError: with TensorFlow's texts, naming the node.
+    """
     if not spec:
         return None
     parts = spec.split(" ")
+    if len(parts) < 2:
+        raise kernel_error(kernel, f"Need least two elements in shape_and_slice specification: {spec}")
     try:
-        shape = tuple(int(part) for part in parts[:-1])
-        extents = []
-        dims = parts[-1].split(":") if shape else []
-        for dim, text in zip(shape, dims, strict=True):
-            if text == "-":
-                extents.append((0, dim))
-                continue
-            start, length = (int(x) for x in text.split(","))
-            if start < 0 or length < 0 or start + length > dim:
-                raise ValueError(text)
-            extents.append((start, length))
-    except ValueError:
-        raise kernel_error(kernel, f"Unable to parse shape_and_slice: {spec!r}") from None
-    if any(d < 0 for d in shape):
-        raise kernel_error(kernel, f"Unable to parse shape_and_slice: {spec!r}")
-    return shape, extents
+        tensor_slice = tensor_bundle.TensorSlice.parse(parts[-1])
+        try:
+            shape = tuple(int(part) for part in parts[:-1])
+        except ValueError:
+            raise errors.InvalidArgumentError(f"Non numerical dimension in shape_and_slice: {spec}") from None
+        if any(d < 0 for d in shape):
+            raise errors.InvalidArgumentError(f"Negative dimension in shape_and_slice: {spec}")
+        tensor_slice.shape_in(shape)
+    except errors.OpError as exc:
+        raise errors.with_node(exc, kernel.name) from None
+    return shape, tensor_slice
 
 
 # --------------------------------------------------------------------------- save / restore
@@ -192,21 +195,17 @@ class SaveV2Kernel(_CheckpointKernel):
                     f"expected {datatype_name(datatype)}",
                 )
             parsed = parse_shape_and_slice(self, spec)
-            if parsed is not None:
-                shape, extents = parsed
-                whole = tuple(length for _, length in extents) == shape and all(s == 0 for s, _ in extents)
-                if not whole:
-                    raise kernel_error(
-                        self,
-                        f"SaveV2 of a slice ({name}: '{spec}', a partitioned variable) is not supported by "
-                        "distserver; save whole tensors",
-                        errors.UnimplementedError,
-                    )
-                if value.shape != shape:
-                    raise kernel_error(
-                        self, f"{name}: shape {shape_str(value.shape)} does not match its spec '{spec}'"
-                    )
-            entries.append((name, datatype, value))
+            if parsed is None:
+                entries.append(tensor_bundle.SavedTensor(name, datatype, value))
+                continue
+            full_shape, tensor_slice = parsed
+            if tensor_slice.shape_in(full_shape) != value.shape:
+                raise kernel_error(
+                    self,
+                    "Slice in shape_and_slice specification does not match the shape of the tensor to  "
+                    f"save: {spec}, tensor: {shape_str(value.shape)}",
+                )
+            entries.append(tensor_bundle.SavedTensor(name, datatype, value, full_shape, tensor_slice))
         path = resolve_path(self, ctx.checkpoint_root, prefix, verb="write")
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -224,7 +223,9 @@ class SaveV2Kernel(_CheckpointKernel):
 class RestoreV2Kernel(_CheckpointKernel):
     """Reads `tensor_names` from the V2 checkpoint `prefix`, one output per name.
 
-    A non-empty shape_and_slice reads that slice of a tensor saved whole.
+    A non-empty shape_and_slice reads that slice; a tensor saved in slices (a
+    partitioned variable) is put together from the saved slices that intersect the
+    one asked for, which must cover it.
     """
 
     def __init__(self, node: NodeDef) -> None:
@@ -256,15 +257,7 @@ class RestoreV2Kernel(_CheckpointKernel):
                         f"tensor_name = {name}; expected dtype {_tf_type_name(datatype)} does not equal "
                         f"restored dtype {_tf_type_name(entry.dtype)}",
                     )
-                if entry.slices:
-                    raise kernel_error(
-                        self,
-                        f"{name} was saved in slices (a partitioned variable): distserver restores only "
-                        "tensors saved whole",
-                        errors.UnimplementedError,
-                    )
-                value = reader.read_entry(name, entry)
-                outputs.append(self._slice(name, spec, value))
+                outputs.append(self._read(reader, name, spec, entry))
             return outputs
         except errors.OpError as exc:
             raise errors.with_node(exc, self.name) from None
@@ -273,18 +266,23 @@ class RestoreV2Kernel(_CheckpointKernel):
                 self, f"RestoreV2 cannot read {prefix}: {exc.strerror or exc}", errors.UnknownError
             ) from exc
 
-    def _slice(self, name: str, spec: str, value: np.ndarray) -> np.ndarray:
+    def _read(
+        self, reader: tensor_bundle.BundleReader, name: str, spec: str, entry: BundleEntryProto
+    ) -> np.ndarray:
         parsed = parse_shape_and_slice(self, spec)
         if parsed is None:
-            return value
-        shape, extents = parsed
-        if value.shape != shape:
+            if entry.slices:
+                return reader.read(name)
+            return reader.read_entry(name, entry)
+        shape, tensor_slice = parsed
+        stored = tuple(d.size for d in entry.shape.dim)
+        if stored != shape:
             raise kernel_error(
                 self,
                 f"tensor_name = {name}; shape in shape_and_slice spec {shape_str(shape)} does not match the "
-                f"shape stored in checkpoint: {shape_str(value.shape)}",
+                f"shape stored in checkpoint: {shape_str(stored)}",
             )
-        return np.ascontiguousarray(value[tuple(slice(s, s + n) for s, n in extents)])
+        return reader.read_slice(name, entry, tensor_slice)
 
 
 def _tf_type_name(datatype: int) -> str:

@@ -337,6 +337,7 @@ def _load_builtin_kernels() -> None:
     with _loading:
         if _loaded:
             return
+        import distserver.kernels.accumulators
         import distserver.kernels.array
         import distserver.kernels.checkpoint
         import distserver.kernels.control_flow
@@ -345,6 +346,7 @@ def _load_builtin_kernels() -> None:
         import distserver.kernels.math
         import distserver.kernels.nn
         import distserver.kernels.optimizers_extra
+        import distserver.kernels.optionals
         import distserver.kernels.queue
         import distserver.kernels.random
         import distserver.kernels.ref_variables

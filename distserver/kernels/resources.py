@@ -10,8 +10,9 @@ Every method is thread-safe: sync kernels run in worker threads while async ones
 on the event loop, and both reach the same manager.
 
 Resource types: `VariableResource` (resource variables, see `kernels.state`),
-`LegacyVariable` (TF 1.x reference variables, see `kernels.ref_variables`) and
-`FIFOQueue` (see `kernels.queue`).
+`LegacyVariable` (TF 1.x reference variables, see `kernels.ref_variables`),
+`FIFOQueue` (see `kernels.queue`) and the gradient accumulators of
+`kernels.accumulators`.
 """
 
 from __future__ import annotations

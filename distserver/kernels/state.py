@@ -255,6 +255,25 @@ class VarIsInitializedOpKernel(_VariableKernel):
         return [np.array(self._find(ctx, handle) is not None)]
 
 
+@register_kernel("DisableCopyOnRead")
+class DisableCopyOnReadKernel(_VariableKernel):
+    """Turns off TensorFlow's copy-on-read mode of a variable (the Saver runs it before reading
+    a partitioned resource variable). distserver never updates a variable's array in place
+    (see `VariableResource`), so there is no mode to turn off: this checks that the variable exists."""
+
+    is_stateful = True
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        handle = self._handle(ctx, inputs[0])
+        try:
+            resource = ctx.resources.lookup(handle.container, handle.name)
+        except errors.NotFoundError:
+            resource = None
+        if not isinstance(resource, VariableResource):
+            raise kernel_error(self, _missing_text(handle), errors.NotFoundError)
+        return []
+
+
 @register_kernel("DestroyResourceOp")
 class DestroyResourceOpKernel(_VariableKernel):
     """Deletes the resource a handle names (any resource type)."""

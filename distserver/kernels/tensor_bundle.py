@@ -14,6 +14,13 @@ A checkpoint `<prefix>` is:
   `BundleEntryProto`: dtype, shape, data file, offset, size and the masked CRC-32C
   of the bytes.
 
+A partitioned variable is saved in slices (`SavedTensor.slice`, TensorFlow's
+`BundleWriter::AddSlice`): the tensor's own entry holds its dtype, full shape and a
+`TensorSliceProto` per slice (no data), and each slice is an ordinary entry under
+`encode_slice_key(name, slice)` (TensorFlow's `EncodeTensorNameSlice`, an
+`OrderedCode` key that starts with a 0 byte). `BundleReader.read_slice` assembles
+any slice (the whole tensor included) from the stored slices that intersect it.
+
 A bundle written by one `write_bundle` has one data file; `merge_bundles` joins the
 bundles of a sharded save (one per device) into one index over their data files,
 renamed after the merged prefix, as TensorFlow's `MergeV2Checkpoints` does.
@@ -41,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import struct
 import uuid
@@ -52,6 +60,7 @@ import numpy as np
 from distserver import crc32c, errors
 from distserver.protos import types_pb2
 from distserver.protos.tensor_bundle_pb2 import BundleEntryProto, BundleHeaderProto
+from distserver.protos.tensor_slice_pb2 import TensorSliceProto
 from distserver.tensors import as_numpy_dtype, datatype_name, shape_from_proto, shape_to_proto
 
 # The bundle format's version: what TensorFlow writes and accepts.
@@ -277,6 +286,162 @@ def read_table(data: bytes) -> list[tuple[bytes, bytes]]:
     return items
 
 
+# --------------------------------------------------------------------------- slices
+
+FULL_EXTENT = -1  # TensorFlow's TensorSlice::kFullExtent: a length meaning "the whole dimension"
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSlice:
+    """A slice of a tensor (TensorFlow's `TensorSlice`): per dimension `(start, length)`.
+
+    `(0, FULL_EXTENT)` is the whole dimension, written "-" in a spec; an explicit
+    `(0, size)` covers it too but is kept as written, because it is part of the
+    slice's key in a checkpoint.
+    """
+
+    extents: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def full(cls, rank: int) -> TensorSlice:
+        return cls(((0, FULL_EXTENT),) * rank)
+
+    @classmethod
+    def parse(cls, text: str) -> TensorSlice:
+        """TensorFlow's slice syntax: "start,length" or "-" per dimension, joined by ":"."""
+        extents = []
+        for item in (part for part in text.split(":") if part):
+            if item == "-":
+                extents.append((0, FULL_EXTENT))
+                continue
+            numbers = [part for part in item.split(",") if part]
+            try:
+                start, length = (int(n) for n in numbers)
+            except ValueError:
+                raise errors.InvalidArgumentError(
+                    f"Expected a pair of numbers or '-' but got '{item}': string = {text}"
+                ) from None
+            if start < 0 or length <= 0:
+                raise errors.InvalidArgumentError(
+                    f"Expected non-negative start and positive length but got start = {start}, "
+                    f"length = {length}: string = {text}"
+                )
+            extents.append((start, length))
+        return cls(tuple(extents))
+
+    @classmethod
+    def from_proto(cls, proto: TensorSliceProto) -> TensorSlice:
+        return cls(
+            tuple((e.start, e.length) if e.HasField("length") else (0, FULL_EXTENT) for e in proto.extent)
+        )
+
+    def to_proto(self) -> TensorSliceProto:
+        proto = TensorSliceProto()
+        for start, length in self.extents:
+            extent = proto.extent.add()
+            if length != FULL_EXTENT:  # TensorFlow records only explicit extents
+                extent.start = start
+                extent.length = length
+        return proto
+
+    @property
+    def rank(self) -> int:
+        return len(self.extents)
+
+    def bounds(self, full_shape: Sequence[int]) -> list[tuple[int, int]]:
+        """`[start, stop)` per dimension within a tensor of `full_shape`."""
+        return [
+            (start, size if length == FULL_EXTENT else start + length)
+            for (start, length), size in zip(self.extents, full_shape, strict=True)
+        ]
+
+    def shape_in(self, full_shape: Sequence[int]) -> tuple[int, ...]:
+        """The shape of this slice of a tensor of `full_shape`.
+
+        Raises:
+            InvalidArgumentError: the ranks differ or an extent lies outside the tensor
+                (TensorFlow's texts).
+        """
+        if len(full_shape) != self.rank:
+            raise errors.InvalidArgumentError(
+                f"Mismatching ranks: shape = {_shape_text(full_shape)}, slice = {self}"
+            )
+        shape = []
+        for d, ((start, length), size) in enumerate(zip(self.extents, full_shape, strict=True)):
+            if length == FULL_EXTENT:
+                shape.append(size)
+            elif start + length > size:
+                raise errors.InvalidArgumentError(
+                    f"Extent in dimension {d} out of bounds: shape = {_shape_text(full_shape)}, "
+                    f"slice = {self}"
+                )
+            else:
+                shape.append(length)
+        return tuple(shape)
+
+    def covers(self, full_shape: Sequence[int]) -> bool:
+        return self.shape_in(full_shape) == tuple(full_shape)
+
+    def __str__(self) -> str:  # TensorFlow's TensorSlice::DebugString
+        return ":".join(
+            "-" if length == FULL_EXTENT and start == 0 else f"{start},{length}"
+            for start, length in self.extents
+        )
+
+
+def _shape_text(shape: Sequence[int]) -> str:
+    return "[" + ",".join(str(d) for d in shape) + "]"
+
+
+def _ordered_string(out: bytearray, text: bytes) -> None:
+    # OrderedCode::WriteString: 0x00 is escaped as 00 ff, 0xff as ff 00; then the separator 00 01.
+    for byte in text:
+        if byte == 0x00:
+            out += b"\x00\xff"
+        elif byte == 0xFF:
+            out += b"\xff\x00"
+        else:
+            out.append(byte)
+    out += b"\x00\x01"
+
+
+def _ordered_unsigned(out: bytearray, value: int) -> None:
+    # OrderedCode::WriteNumIncreasing: a length byte, then the big-endian bytes without leading zeros.
+    body = value.to_bytes((value.bit_length() + 7) // 8, "big")
+    out.append(len(body))
+    out += body
+
+
+# OrderedCode::WriteSignedNumIncreasing: header bits of the first two bytes, by encoded length.
+_SIGNED_HEADER = {1: (0x80, 0), 2: (0xC0, 0), 3: (0xE0, 0), 4: (0xF0, 0), 5: (0xF8, 0), 6: (0xFC, 0),
+                  7: (0xFE, 0), 8: (0xFF, 0), 9: (0xFF, 0x80), 10: (0xFF, 0xC0)}  # fmt: skip
+
+
+def _ordered_signed(out: bytearray, value: int) -> None:
+    magnitude = ~value if value < 0 else value
+    if magnitude < 64:
+        out.append((0x80 ^ value) & 0xFF)
+        return
+    length = magnitude.bit_length() // 7 + 1
+    raw = bytearray(value.to_bytes(10, "big", signed=True)[10 - length :])
+    first, second = _SIGNED_HEADER[length]
+    raw[0] ^= first
+    raw[1] ^= second
+    out += raw
+
+
+def encode_slice_key(name: str, tensor_slice: TensorSlice) -> bytes:
+    """The index key of one slice of tensor `name` (TensorFlow's `EncodeTensorNameSlice`)."""
+    out = bytearray()
+    _ordered_unsigned(out, 0)  # every slice key starts with a 0, before any tensor name
+    _ordered_string(out, name.encode())
+    _ordered_unsigned(out, tensor_slice.rank)
+    for start, length in tensor_slice.extents:
+        _ordered_signed(out, start)
+        _ordered_signed(out, length)
+    return bytes(out)
+
+
 # --------------------------------------------------------------------------- bundles
 
 
@@ -353,33 +518,78 @@ def _write_index(prefix: str, header: BundleHeaderProto, entries: dict[bytes, Bu
         write_table(file, items)
 
 
-def write_bundle(prefix: str, tensors: Sequence[tuple[str, int, np.ndarray]]) -> None:
-    """Write `tensors` ((name, DataType, value) triples) as the one-shard bundle `prefix`.
+@dataclasses.dataclass
+class SavedTensor:
+    """One tensor for `write_bundle`; with `slice`, `value` is that slice of a `full_shape` tensor."""
+
+    name: str
+    datatype: int
+    value: np.ndarray
+    full_shape: tuple[int, ...] | None = None
+    slice: TensorSlice | None = None
+
+
+def write_bundle(prefix: str, tensors: Sequence[tuple[str, int, np.ndarray] | SavedTensor]) -> None:
+    """Write `tensors` ((name, DataType, value) triples or `SavedTensor`s) as the one-shard bundle `prefix`.
+
+    Several slices of one tensor may be given (a partitioned variable); a slice that
+    covers its whole tensor is saved as the whole tensor, as TensorFlow does.
 
     The data file and the index are written under temporary names and renamed into
     place, the index last, so a reader never sees a half-written checkpoint.
 
     Raises:
-        InvalidArgumentError: two tensors have the same name.
+        InvalidArgumentError: two tensors (or two equal slices) have the same name, the
+            slices of one name disagree on dtype or full shape, or a slice does not fit.
         UnimplementedError: a tensor's type cannot be saved (resources, variants).
         OSError: the files cannot be written.
     """
     entries: dict[bytes, BundleEntryProto] = {}
     with _atomic_file(data_filename(prefix, 0, 1)) as file:
         shard = _Shard(file)
-        for name, datatype, value in tensors:
-            key = name.encode()
+        for item in tensors:
+            tensor = item if isinstance(item, SavedTensor) else SavedTensor(*item)
+            key = tensor.name.encode()
+            if tensor.slice is not None and tensor.full_shape is not None:
+                if tensor.slice.shape_in(tensor.full_shape) != tensor.value.shape:
+                    raise errors.InvalidArgumentError(
+                        f"Slice {tensor.slice} of {tensor.name} {_shape_text(tensor.full_shape)} does not "
+                        f"match the shape of the tensor to save: {_shape_text(tensor.value.shape)}"
+                    )
+                if not tensor.slice.covers(tensor.full_shape):
+                    _add_slice_entry(entries, tensor)
+                    key = encode_slice_key(tensor.name, tensor.slice)
             if key in entries:
-                raise errors.InvalidArgumentError(f"Adding duplicate key: {name}")
-            pieces, size, crc = _encode_tensor(value, datatype)
-            entry = BundleEntryProto(dtype=datatype, shard_id=0, offset=shard.size, size=size)  # type: ignore[arg-type]
-            entry.shape.CopyFrom(shape_to_proto(value.shape))
+                raise errors.InvalidArgumentError(f"Adding duplicate key: {tensor.name}")
+            pieces, size, crc = _encode_tensor(tensor.value, tensor.datatype)
+            entry = BundleEntryProto(dtype=tensor.datatype, shard_id=0, offset=shard.size, size=size)  # type: ignore[arg-type]
+            entry.shape.CopyFrom(shape_to_proto(tensor.value.shape))
             entry.crc32c = crc32c.mask(crc)
             for piece in pieces:
                 file.write(piece)
             shard.size += size
             entries[key] = entry
     _write_index(prefix, _header(1), entries)
+
+
+def _add_slice_entry(entries: dict[bytes, BundleEntryProto], tensor: SavedTensor) -> None:
+    """Record `tensor.slice` in the entry of the whole tensor (dtype, full shape, slices; no data)."""
+    assert tensor.slice is not None
+    assert tensor.full_shape is not None
+    key = tensor.name.encode()
+    entry = entries.get(key)
+    if entry is None:
+        entry = entries[key] = BundleEntryProto(dtype=tensor.datatype)  # type: ignore[arg-type]
+        entry.shape.CopyFrom(shape_to_proto(tensor.full_shape))
+    elif not entry.slices:
+        raise errors.InvalidArgumentError(f"Adding duplicate key: {tensor.name}")
+    elif entry.dtype != tensor.datatype or tuple(d.size for d in entry.shape.dim) != tensor.full_shape:
+        raise errors.InvalidArgumentError(
+            f"The slices of {tensor.name} disagree: {datatype_name(entry.dtype)} "
+            f"{_shape_text([d.size for d in entry.shape.dim])} and {datatype_name(tensor.datatype)} "
+            f"{_shape_text(tensor.full_shape)}"
+        )
+    entry.slices.append(tensor.slice.to_proto())
 
 
 class BundleReader:
@@ -429,7 +639,11 @@ class BundleReader:
 
     def entry(self, name: str) -> BundleEntryProto:
         """The index entry of `name`; NotFoundError when there is none."""
-        raw = self._entries.get(name.encode())
+        return self.entry_for_key(name.encode(), name)
+
+    def entry_for_key(self, key: bytes, name: str) -> BundleEntryProto:
+        """The index entry under `key` (a tensor's name, or a slice's key); `name` is for messages."""
+        raw = self._entries.get(key)
         if raw is None:
             raise errors.NotFoundError(f"Key {name} not found in checkpoint")
         entry: BundleEntryProto = _parse(BundleEntryProto, raw, index_filename(self.prefix), f"entry {name}")
@@ -441,13 +655,81 @@ class BundleReader:
         return data_filename(self.prefix, shard, self.header.num_shards)
 
     def read(self, name: str) -> np.ndarray:
-        """The value saved as `name` (a whole tensor, not a slice)."""
+        """The whole tensor saved as `name` (put together from its slices if it was saved in slices)."""
         entry = self.entry(name)
         if entry.slices:
-            raise errors.UnimplementedError(
-                f"{name} was saved in slices (a partitioned variable): distserver restores only whole tensors"
-            )
+            return self.read_slice(name, entry, TensorSlice.full(len(entry.shape.dim)))
         return self.read_entry(name, entry)
+
+    def read_slice(self, name: str, entry: BundleEntryProto, wanted: TensorSlice) -> np.ndarray:
+        """The slice `wanted` of tensor `name` (whose entry is `entry`), from whatever slices were saved.
+
+        Raises:
+            InvalidArgumentError: the saved slices do not cover `wanted` (TensorFlow's
+                "Does not have sufficient slices" text), or `wanted` does not fit the tensor.
+            DataLossError: the saved slices are inconsistent (overlapping, outside the tensor).
+        """
+        full_shape = tuple(d.size for d in entry.shape.dim)
+        shape = wanted.shape_in(full_shape)
+        window = wanted.bounds(full_shape)
+        # Saved slices and, for a tensor saved whole, its entry (slices' entries are read later).
+        stored: list[tuple[TensorSlice, BundleEntryProto | None]] = []
+        if not entry.slices:
+            stored.append((TensorSlice.full(len(full_shape)), entry))
+        else:
+            for proto in entry.slices:
+                saved = TensorSlice.from_proto(proto)
+                try:
+                    saved.shape_in(full_shape)
+                except errors.InvalidArgumentError as exc:
+                    raise errors.DataLossError(
+                        f"{name}: a saved slice does not fit the tensor: {exc.message}"
+                    ) from None
+                stored.append((saved, None))
+        pieces: list[tuple[TensorSlice, BundleEntryProto | None, list[tuple[int, int]]]] = []
+        covered = 0
+        for saved, saved_entry in stored:
+            overlap = _intersect(window, saved.bounds(full_shape))
+            if overlap is None:
+                continue
+            for other, _, earlier in pieces:
+                if _intersect(earlier, saved.bounds(full_shape)) is not None:
+                    raise errors.DataLossError(f"{name}: overlapping saved slices {other} and {saved}")
+            covered += math.prod(stop - start for start, stop in overlap)
+            pieces.append((saved, saved_entry, saved.bounds(full_shape)))
+        if covered != math.prod(shape):
+            raise errors.InvalidArgumentError(
+                f"Does not have sufficient slices for partitioned tensor {name} to restore in "
+                f"slice_spec: {wanted}"
+            )
+        if len(pieces) == 1 and pieces[0][2] == window:  # exactly one saved slice: no copy
+            saved, saved_entry, _ = pieces[0]
+            return self._read_saved_slice(name, saved, saved_entry, shape)
+        out = np.empty(
+            shape, dtype=as_numpy_dtype(entry.dtype) if entry.dtype != types_pb2.DT_STRING else object
+        )
+        for saved, saved_entry, bounds in pieces:
+            value = self._read_saved_slice(
+                name, saved, saved_entry, tuple(stop - start for start, stop in bounds)
+            )
+            overlap = _intersect(window, bounds)
+            assert overlap is not None
+            target = tuple(slice(lo - w0, hi - w0) for (lo, hi), (w0, _) in zip(overlap, window, strict=True))
+            source = tuple(slice(lo - b0, hi - b0) for (lo, hi), (b0, _) in zip(overlap, bounds, strict=True))
+            out[target] = value[source]
+        return out
+
+    def _read_saved_slice(
+        self, name: str, saved: TensorSlice, saved_entry: BundleEntryProto | None, shape: tuple[int, ...]
+    ) -> np.ndarray:
+        if saved_entry is None:
+            saved_entry = self.entry_for_key(encode_slice_key(name, saved), f"{name} (slice {saved})")
+        value = self.read_entry(name, saved_entry)
+        if value.shape != shape:
+            raise errors.DataLossError(
+                f"{name}: slice {saved} holds shape {_shape_text(value.shape)}, expected {_shape_text(shape)}"
+            )
+        return value
 
     def read_entry(self, name: str, entry: BundleEntryProto) -> np.ndarray:
         shape = tuple(d.size for d in entry.shape.dim)
@@ -482,6 +764,14 @@ class BundleReader:
                 f"bytes {crc}"
             )
         return value.reshape(shape)
+
+
+def _intersect(a: Sequence[tuple[int, int]], b: Sequence[tuple[int, int]]) -> list[tuple[int, int]] | None:
+    """The common part of two boxes of `[start, stop)` bounds; None when it is empty."""
+    common = [(max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b, strict=True)]
+    if any(start >= stop for start, stop in common):
+        return None
+    return common
 
 
 def _decode_strings(data: bytes, count: int, name: str) -> tuple[np.ndarray, int]:
@@ -562,7 +852,7 @@ def plan_merge(
         num_shards += header.num_shards
         for raw_key in reader._entries:
             name = raw_key.decode("utf-8", "replace")
-            entry = reader.entry(name)
+            entry = reader.entry_for_key(raw_key, name)
             existing = entries.get(raw_key)
             if existing is not None:
                 if not existing.slices or not entry.slices:
@@ -610,10 +900,14 @@ def commit_merge(plan: MergePlan, merged_prefix: str) -> None:
 
 __all__ = [
     "BUNDLE_VERSION",
+    "FULL_EXTENT",
     "BundleReader",
     "MergePlan",
+    "SavedTensor",
+    "TensorSlice",
     "commit_merge",
     "data_filename",
+    "encode_slice_key",
     "index_filename",
     "merge_bundles",
     "plan_merge",

@@ -27,8 +27,10 @@ from distserver import errors
 from distserver.devices import task_of_device
 from distserver.kernels import has_kernel
 from distserver.kernels.ref_variables import REF_OUTPUT_OPS
+from distserver.protos.function_pb2 import FunctionDef
 from distserver.protos.graph_pb2 import GraphDef
 from distserver.protos.node_def_pb2 import NodeDef
+from distserver.runtime.functions import has_function_calls, index_library, inline_functions
 from distserver.runtime.names import parse_input, sendrecv_key
 from distserver.runtime.partition import partition
 from distserver.runtime.placement import place
@@ -106,8 +108,16 @@ def build_plan(
     )
 
 
-def import_graph(graph_def: GraphDef, existing: Mapping[str, NodeDef]) -> dict[str, NodeDef]:
+def import_graph(
+    graph_def: GraphDef,
+    existing: Mapping[str, NodeDef],
+    functions: Mapping[str, FunctionDef] | None = None,
+) -> dict[str, NodeDef]:
     """The nodes of `graph_def`, checked against the graph so far and copied, ready to add.
+
+    Function calls are inlined first (`functions.inline_functions`), from `functions`
+    (the session's library with `graph_def.library` added: `index_library`), so the
+    session's graph holds only ops with kernels and may be placed across tasks.
 
     Refused, with TensorFlow's texts, when: an op has no kernel (`check_kernels`); a
     node name repeats, or is in `existing` already; an input names no node; the
@@ -118,9 +128,18 @@ def import_graph(graph_def: GraphDef, existing: Mapping[str, NodeDef]) -> dict[s
         UnimplementedError: ops without a kernel.
         InvalidArgumentError: the other faults, naming a node.
     """
-    check_kernels(graph_def)
+    if functions is None:
+        functions = index_library(graph_def.library)
+    graph_nodes: Sequence[NodeDef] = graph_def.node
+    if has_function_calls(graph_def.node, functions):
+        graph_nodes = inline_functions(graph_def.node, functions)
+        inlined = GraphDef()
+        inlined.node.extend(graph_nodes)
+        check_kernels(inlined)
+    else:
+        check_kernels(graph_def)
     nodes: dict[str, NodeDef] = {}
-    for node in graph_def.node:
+    for node in graph_nodes:
         if node.name in existing:
             raise errors.InvalidArgumentError(
                 f"Node '{node.name}' is already in the graph; ExtendSession may only add new nodes",
@@ -166,11 +185,11 @@ def import_graph(graph_def: GraphDef, existing: Mapping[str, NodeDef]) -> dict[s
     return nodes
 
 
-# Ops that call graph functions: what TF 2.x control flow (`tf.cond`/`tf.while_loop` with
-# control flow v2) and `tf.function` put into a graph.
+# Ops that call graph functions which distserver does not inline (function calls and
+# If/StatelessIf are inlined by `functions.inline_functions`): what TF 2.x
+# `tf.while_loop`/`tf.switch_case` put into a graph.
 _FUNCTION_CALL_OPS = frozenset(
-    {"If", "StatelessIf", "While", "StatelessWhile", "Case", "StatelessCase", "PartitionedCall",
-     "StatefulPartitionedCall", "SymbolicGradient", "RemoteCall"}
+    {"While", "StatelessWhile", "Case", "StatelessCase", "SymbolicGradient", "RemoteCall"}
 )  # fmt: skip
 # Ops of TF 1.x control flow (tf.cond / tf.while_loop without control flow v2).
 # The loop ops of control flow v1 (conditionals, Switch/Merge, have kernels).
@@ -207,11 +226,11 @@ def check_kernels(graph_def: GraphDef) -> None:
         f"{', '.join(parts)}. The supported ops are listed in docs/tf-compat.md "
         "(distserver.kernels.registered_ops())."
     )
-    # distserver's FunctionDefLibrary keeps the functions as unknown fields only.
-    if graph_def.library.ByteSize() or not _FUNCTION_CALL_OPS.isdisjoint(unsupported):
+    if not _FUNCTION_CALL_OPS.isdisjoint(unsupported):
         message += (
-            " Graph functions (tf.function, control flow v2) are not supported: build the graph "
-            "with tf.compat.v1.disable_v2_behavior() (or disable_control_flow_v2())."
+            " Loops and switch_case of control flow v2 (While, Case) are not supported yet "
+            "(tf.function calls and tf.cond are): build the graph with "
+            "tf.compat.v1.disable_v2_behavior() (or disable_control_flow_v2()) where it has none."
         )
     if not _LOOP_OPS.isdisjoint(unsupported):
         message += " Loops of control flow v1 (tf.while_loop) are not supported; tf.cond is."
@@ -253,7 +272,81 @@ def read_refs_late(nodes: list[NodeDef]) -> None:
             nodes[position].input[i] = read.name
             added.append(read)
     nodes.extend(added)
+    _read_snapshots_after_updates(nodes, by_name)
     _fetch_refs_after_their_users(nodes, by_name)
+
+
+_VARIABLE_OPS = frozenset({"VariableV2", "Variable"})
+
+
+def _read_snapshots_after_updates(nodes: list[NodeDef], by_name: Mapping[str, NodeDef]) -> None:
+    """A node that follows an in-place update of a variable reads its snapshot after the update.
+
+    `tf.compat.v1` turns a reference variable into its snapshot `v/read` (an
+    `Identity` of the reference). TensorFlow's Identity forwards the variable's
+    buffer, which `AssignAdd`, `Assign*`'s in-place forms and the `Apply*` ops change
+    in place, so a consumer of the snapshot that runs after such an update sees the
+    new value: SyncReplicasOptimizer's tokens, `fill(n, global_step)` ordered after
+    the update that increments the global step, rely on it. Here the snapshot is a
+    copy taken when it runs; a consumer that (transitively) follows an update of the
+    same variable gets its own read of the variable, placed with the variable, that
+    waits for those updates. Consumers that do not follow an update are left alone.
+    """
+    updaters: dict[str, list[str]] = {}
+    for node in nodes:
+        if node.op in REF_OUTPUT_OPS and node.op not in _VARIABLE_OPS and node.input:
+            source = by_name.get(parse_input(node.input[0])[0])
+            if source is not None and source.op in _VARIABLE_OPS:
+                updaters.setdefault(source.name, []).append(node.name)
+    snapshots: dict[str, list[NodeDef]] = {}
+    for node in nodes:
+        if node.op == "Identity" and len(node.input) == 1 and parse_input(node.input[0])[0] in updaters:
+            snapshots.setdefault(parse_input(node.input[0])[0], []).append(node)
+    if not snapshots:
+        return
+    users: dict[str, list[int]] = {}
+    for position, node in enumerate(nodes):
+        for text in node.input:
+            users.setdefault(parse_input(text)[0], []).append(position)
+    added: list[NodeDef] = []
+    for variable, reads in snapshots.items():
+        followers: dict[int, list[str]] = {}  # node position -> the updates it follows
+        for update in updaters[variable]:
+            for position in _descendants(update, users, nodes):
+                followers.setdefault(position, []).append(update)
+        for snapshot in reads:
+            for position in users.get(snapshot.name, []):
+                after = followers.get(position)
+                node = nodes[position]
+                if not after:
+                    continue
+                for i, text in enumerate(node.input):
+                    if text.startswith("^") or parse_input(text)[0] != snapshot.name:
+                        continue
+                    read = NodeDef(
+                        name=f"{node.name}/_late_read_{i}", op="Identity", device=by_name[variable].device
+                    )
+                    read.input.extend([snapshot.input[0], *(f"^{update}" for update in sorted(set(after)))])
+                    if nodes[position] is by_name.get(node.name):  # the session's own NodeDef: change a copy
+                        node = NodeDef()
+                        node.CopyFrom(nodes[position])
+                        nodes[position] = node
+                    node.input[i] = read.name
+                    added.append(read)
+    nodes.extend(added)
+
+
+def _descendants(start: str, users: Mapping[str, list[int]], nodes: Sequence[NodeDef]) -> set[int]:
+    """Positions of the nodes that depend on `start` (data or control), transitively."""
+    seen: set[int] = set()
+    pending = list(users.get(start, []))
+    while pending:
+        position = pending.pop()
+        if position in seen:
+            continue
+        seen.add(position)
+        pending.extend(users.get(nodes[position].name, []))
+    return seen
 
 
 def _fetch_refs_after_their_users(nodes: list[NodeDef], by_name: Mapping[str, NodeDef]) -> None:

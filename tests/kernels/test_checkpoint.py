@@ -141,6 +141,29 @@ def test_files_are_byte_for_byte_tensorflows(make_node, ckpt_ctx, root):
         assert (root / name).read_bytes() == (GOLDEN / name).read_bytes(), name
 
 
+def test_slices_tensorflow_saved_restore_and_our_files_are_byte_for_byte_tensorflows(
+    make_node, ckpt_ctx, root
+):
+    slices = _golden_module().golden_slices()
+    save(
+        make_node, ckpt_ctx, root / "sliced", [(n, v) for n, _, v in slices], [spec for _, spec, _ in slices]
+    )
+    for name in ("sliced.index", "sliced.data-00000-of-00001"):
+        assert (root / name).read_bytes() == (GOLDEN / name).read_bytes(), name
+    (root / "tf").mkdir()
+    for path in GOLDEN.glob("sliced.*"):
+        shutil.copy(path, root / "tf" / path.name)
+    part, rows, text, whole, middle = restore(
+        make_node, ckpt_ctx, "tf/sliced", ["part", "rows", "text", "whole", "rows"],
+        [np.float32, np.int64, object, np.float64, np.int64], ["", "", "", "", "4 3 1,2:1,2"],
+    )  # fmt: skip
+    np.testing.assert_array_equal(part, np.arange(15, dtype=np.float32).reshape(5, 3))
+    np.testing.assert_array_equal(rows, np.arange(12).reshape(4, 3))
+    assert text.tolist() == [b"a", b"bb", b"", b"dddd"]
+    np.testing.assert_array_equal(whole, [7.0, 8.0])
+    np.testing.assert_array_equal(middle, [[4, 5], [7, 8]])
+
+
 def test_index_table_reads_back(make_node, ckpt_ctx, root):
     tensors = [("b", np.arange(3, dtype=np.int32)), ("a", strings(b"xy", b"z")), ("c", np.ones((2, 2)))]
     save(make_node, ckpt_ctx, root / "m", tensors)
@@ -220,10 +243,104 @@ def test_restore_errors(make_node, ckpt_ctx, root):
 def test_save_errors(make_node, ckpt_ctx, root):
     with pytest.raises(errors.InvalidArgumentError, match="duplicate key: v"):
         save(make_node, ckpt_ctx, root / "m", [("v", np.zeros(1)), ("v", np.zeros(1))])
-    with pytest.raises(errors.UnimplementedError, match="partitioned variable"):
-        save(make_node, ckpt_ctx, root / "m", [("v", np.zeros(2))], ["4 0,2"])
+    with pytest.raises(errors.InvalidArgumentError, match="does not match the shape of the tensor to  save"):
+        save(make_node, ckpt_ctx, root / "m", [("v", np.zeros(3))], ["4 0,2"])
+    with pytest.raises(errors.InvalidArgumentError, match="Extent in dimension 0 out of bounds"):
+        save(make_node, ckpt_ctx, root / "m", [("v", np.zeros(2))], ["4 3,2"])
+    with pytest.raises(errors.InvalidArgumentError, match="Mismatching ranks"):
+        save(make_node, ckpt_ctx, root / "m", [("v", np.zeros(2))], ["4 2 0,2"])
+    with pytest.raises(errors.InvalidArgumentError, match="Expected a pair of numbers or '-'"):
+        save(make_node, ckpt_ctx, root / "m", [("v", np.zeros(2))], ["4 0;2"])
+    with pytest.raises(errors.InvalidArgumentError, match="Need least two elements"):
+        save(make_node, ckpt_ctx, root / "m", [("v", np.zeros(2))], ["0,2"])
+    with pytest.raises(errors.InvalidArgumentError, match="duplicate key: v"):
+        save(make_node, ckpt_ctx, root / "m", [("v", np.zeros(2)), ("v", np.zeros(2))], ["4 0,2", "4 0,2"])
+    with pytest.raises(errors.InvalidArgumentError, match="duplicate key: v"):
+        save(make_node, ckpt_ctx, root / "m", [("v", np.zeros(4)), ("v", np.zeros(2))], ["", "4 0,2"])
+    with pytest.raises(errors.InvalidArgumentError, match="The slices of v disagree"):
+        save(make_node, ckpt_ctx, root / "m", [("v", np.zeros(2)), ("v", np.zeros(2))], ["4 0,2", "5 2,2"])
     assert not (root / "m.index").exists()
     assert [p for p in os.listdir(root) if "tempstate" in p] == []
+
+
+# --------------------------------------------------------------------------- slices (partitioned variables)
+
+
+def test_slice_keys_are_tensorflows():
+    # Bytes of the keys TensorFlow 2.21 wrote for fixed_size_partitioner(2) over a [5, 3] variable.
+    assert (
+        tb.encode_slice_key("v", tb.TensorSlice.parse("0,3:0,3")) == b"\x00v\x00\x01\x01\x02\x80\x83\x80\x83"
+    )
+    assert (
+        tb.encode_slice_key("v", tb.TensorSlice.parse("3,2:0,3")) == b"\x00v\x00\x01\x01\x02\x83\x82\x80\x83"
+    )
+    # A full extent is (0, -1); a 0 byte in a name is escaped; multi-byte signed numbers.
+    assert tb.encode_slice_key("a", tb.TensorSlice.parse("-")) == b"\x00a\x00\x01\x01\x01\x80\x7f"
+    assert tb.encode_slice_key("\x00\xff", tb.TensorSlice(((64, 100000),))) == (
+        b"\x00" + b"\x00\xff" + b"\xc3\xbf" + b"\x00\x01" + b"\x01\x01" + b"\xc0\x40" + b"\xe1\x86\xa0"
+    )
+
+
+def test_partitioned_variable_saved_in_slices_and_restored_any_way(make_node, ckpt_ctx, root):
+    full = np.arange(15, dtype=np.float32).reshape(5, 3)
+    save(make_node, ckpt_ctx, root / "m", [("v", full[:3]), ("v", full[3:]), ("w", np.ones(2, np.float32))],
+         ["5 3 0,3:0,3", "5 3 3,2:0,3", ""])  # fmt: skip
+    items = dict(tb.read_table((root / "m.index").read_bytes()))
+    entry = BundleEntryProto.FromString(items[b"v"])
+    assert [tb.TensorSlice.from_proto(p) for p in entry.slices] == [
+        tb.TensorSlice(((0, 3), (0, 3))),
+        tb.TensorSlice(((3, 2), (0, 3))),
+    ]
+    assert entry.size == 0  # metadata only
+    assert [d.size for d in entry.shape.dim] == [5, 3]
+    assert tb.encode_slice_key("v", tb.TensorSlice.parse("3,2:0,3")) in items
+    # The stored slices, the whole tensor, and slices across the stored ones.
+    specs = ["5 3 0,3:0,3", "", "5 3 -:-", "5 3 1,3:1,2", "5 3 4,1:-"]
+    parts = restore(make_node, ckpt_ctx, root / "m", ["v"] * len(specs), [np.float32] * len(specs), specs)
+    for part, expected in zip(parts, [full[:3], full, full, full[1:4, 1:3], full[4:]], strict=True):
+        np.testing.assert_array_equal(part, expected)
+    # A partitioning into 3 restores from a checkpoint saved with 2.
+    thirds = restore(make_node, ckpt_ctx, root / "m", ["v"] * 3, [np.float32] * 3,
+                     ["5 3 0,2:0,3", "5 3 2,2:0,3", "5 3 4,1:0,3"])  # fmt: skip
+    np.testing.assert_array_equal(np.concatenate(thirds), full)
+    with pytest.raises(errors.InvalidArgumentError, match="shape in shape_and_slice spec \\[6,3\\]"):
+        restore(make_node, ckpt_ctx, root / "m", ["v"], [np.float32], ["6 3 0,3:0,3"])
+
+
+def test_missing_slices_are_refused(make_node, ckpt_ctx, root):
+    full = np.arange(8, dtype=np.float64).reshape(4, 2)
+    save(make_node, ckpt_ctx, root / "m", [("v", full[:2])], ["4 2 0,2:-"])
+    (first,) = restore(make_node, ckpt_ctx, root / "m", ["v"], [np.float64], ["4 2 0,1:-"])
+    np.testing.assert_array_equal(first, full[:1])
+    with pytest.raises(
+        errors.InvalidArgumentError,
+        match="Does not have sufficient slices for partitioned tensor v to restore in slice_spec: 1,2:-",
+    ):
+        restore(make_node, ckpt_ctx, root / "m", ["v"], [np.float64], ["4 2 1,2:-"])
+    with pytest.raises(errors.InvalidArgumentError, match=r"sufficient slices .* slice_spec: -:-"):
+        restore(make_node, ckpt_ctx, root / "m", ["v"], [np.float64])
+
+
+def test_sharded_save_of_slices_merges_their_entries(make_node, ckpt_ctx, root):
+    full = np.arange(6, dtype=np.int64).reshape(3, 2)
+    save(
+        make_node,
+        ckpt_ctx,
+        root / "p0",
+        [("v", full[:1]), ("s", strings(b"a", b"b"))],
+        ["3 2 0,1:0,2", "4 0,2"],
+    )
+    save(
+        make_node,
+        ckpt_ctx,
+        root / "p1",
+        [("v", full[1:]), ("s", strings(b"c", b"d"))],
+        ["3 2 1,2:0,2", "4 2,2"],
+    )
+    run(make_node, ckpt_ctx, "MergeV2Checkpoints", strings(b"p0", b"p1"), string_scalar("merged"))
+    v, s = restore(make_node, ckpt_ctx, root / "merged", ["v", "s"], [np.int64, object])
+    np.testing.assert_array_equal(v, full)
+    assert s.tolist() == [b"a", b"b", b"c", b"d"]
 
 
 # --------------------------------------------------------------------------- sharded saves

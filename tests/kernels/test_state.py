@@ -356,3 +356,12 @@ def test_lookup_or_create_creates_once_under_contention():
         thread.join()
     assert len(created) == 1
     assert all(r is results[0] for r in results)
+
+
+def test_disable_copy_on_read_needs_the_variable_and_changes_nothing(run_op, new_context):
+    ctx = new_context()
+    handle = np.array(ResourceHandle(ctx.device, "", "v"), dtype=object)
+    with pytest.raises(errors.NotFoundError, match=r"Resource localhost/v/.* does not exist"):
+        run_op("DisableCopyOnRead", handle, ctx=ctx)
+    ctx.resources.create("", "v", VariableResource(np.float32))
+    assert run_op("DisableCopyOnRead", handle, ctx=ctx) == []

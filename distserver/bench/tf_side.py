@@ -1,4 +1,7 @@
-"""TensorFlow's side of `bench_distributed.py`; runs under TensorFlow's Python.
+"""TensorFlow's side of the benchmarks (`distserver bench`, `benchmarks/bench_*.py`).
+
+Runs as a script under TensorFlow's Python, which has no distserver: it imports its
+sibling file `timing.py` (standard library only) directly, never the package.
 
 Two modes:
 
@@ -17,10 +20,10 @@ Two modes:
     (fresh servers, new pids), ``{"op": "quit"}``.
     The session is a `tf.compat.v1.Session` on the worker's target, so the master
     runs on the worker, exactly as in our side. The graphs and the timing loop come
-    from `_shared.py`, the same code our side runs.
+    from `timing.py`, the same code our side runs.
 
 TensorFlow's gRPC server always binds ``0.0.0.0:<port>`` (hard-coded in
-grpc_server_lib.cc). To keep everything on loopback, `bench_distributed.py` starts
+grpc_server_lib.cc). To keep everything on loopback, `sides.TFSide` starts
 the client under ``unshare --net`` (a network namespace with only ``lo``) and passes
 ``--netns``: the client brings ``lo`` up, checks that it is the only interface, and
 its servers inherit the namespace.
@@ -45,7 +48,8 @@ import time
 import traceback
 from typing import Any
 
-import _shared
+# This file's directory is sys.path[0] when it runs as a script.
+import timing  # type: ignore[import-not-found, unused-ignore]
 
 READY = "@@ready "
 RESULT = "@@result "
@@ -208,7 +212,7 @@ def client(netns: bool, deadline_s: float) -> None:
             return {"pids": pids(), "tensorflow": tf.__version__, "netns": netns, "interfaces": interfaces}
 
         _emit(READY, ready())
-        prepared: _shared.Prepared | None = None
+        prepared: timing.Prepared | None = None
         for _ in range(MAX_COMMANDS):
             line = sys.stdin.readline()
             if not line:
@@ -224,9 +228,7 @@ def client(netns: bool, deadline_s: float) -> None:
                     if prepared is not None:
                         prepared.finish()
                         prepared = None
-                    prepared = _shared.Prepared(
-                        api, config, target, **command, pids=pids(), deadline=deadline
-                    )
+                    prepared = timing.Prepared(api, config, target, **command, pids=pids(), deadline=deadline)
                     result: Any = {"init_s": prepared.init_s}
                 elif op == "block":
                     if prepared is None:
@@ -237,9 +239,9 @@ def client(netns: bool, deadline_s: float) -> None:
                         raise RuntimeError("finish before prepare")
                     result, prepared = prepared.finish(), None
                 elif op == "once":
-                    result = _shared.run_once(api, config, target, **command, pids=pids(), deadline=deadline)
+                    result = timing.run_once(api, config, target, **command, pids=pids(), deadline=deadline)
                 elif op == "memory":
-                    result = {role: _shared.proc_memory(pid) for role, pid in pids().items()}
+                    result = {role: timing.proc_memory(pid) for role, pid in pids().items()}
                 elif op == "restart":
                     cluster.stop()
                     cluster.start()
