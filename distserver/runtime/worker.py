@@ -356,8 +356,13 @@ class Worker:
             # the peer is TensorFlow, whose servers end a connection that pings while a
             # call waits silently, and a RecvTensor may wait long for a value not yet
             # computed (the gradient a TensorFlow 2 worker computes for this ps).
-            await client.call("GetStatus", w.GetStatusRequest(), timeout=_MEET_PEER_SECONDS)
-            self._peers_met.add(key.src_task)
+            # Best effort: the fetch below reports a peer that is really gone, and a first
+            # call to a TensorFlow server can fail on its call stream (it has none).
+            try:
+                await client.call("GetStatus", w.GetStatusRequest(), timeout=_MEET_PEER_SECONDS)
+                self._peers_met.add(key.src_task)
+            except errors.OpError as exc:
+                logger.debug("GetStatus to %s before its first RecvTensor failed: %s", key.src_task, exc)
         return await client.recv_tensor(step_id, key, timeout=self._recv_timeout)
 
     def abort_all_steps(self, error: errors.OpError) -> None:

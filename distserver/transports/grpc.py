@@ -86,6 +86,8 @@ _MESSAGE_LIMITS = [
 # "too many pings"), so a channel that finds a TensorFlow peer drops keepalive
 # (`GrpcChannel._to_foreign_peer`).
 # Both can be set through the environment of every process of the cluster.
+# How long calls in flight on a connection a channel replaced may take to finish.
+_RETIRED_CHANNEL_GRACE = 60.0
 KEEPALIVE_ENV = "DISTSERVER_KEEPALIVE_MS"
 KEEPALIVE_TIMEOUT_ENV = "DISTSERVER_KEEPALIVE_TIMEOUT_MS"
 
@@ -601,7 +603,8 @@ class GrpcChannel(Channel):
             try:
                 await old_path.close()
             finally:
-                await old_channel.close(grace=None)
+                # grace: a RecvTensor still waiting there finishes (None would cancel it).
+                await old_channel.close(grace=_RETIRED_CHANNEL_GRACE)
 
         self._retired.append(asyncio.ensure_future(retire()))
 
