@@ -40,23 +40,30 @@ import dataclasses
 import itertools
 import logging
 import random
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 from google.protobuf.message import Message
 
 from distserver import errors
+from distserver.devices import RendezvousKey
 from distserver.kernels.registry import create_kernel
 from distserver.kernels.resources import ResourceManager
+from distserver.kernels.sendrecv import RECV_PUSHED_ATTR
 from distserver.protos import eager_service_pb2 as e
+from distserver.protos.attr_value_pb2 import AttrValue
 from distserver.protos.cluster_pb2 import ClusterDef
+from distserver.protos.device_attributes_pb2 import DeviceAttributes
 from distserver.protos.function_pb2 import FunctionDef, FunctionDefLibrary
+from distserver.protos.graph_pb2 import GraphDef
 from distserver.protos.node_def_pb2 import NodeDef
 from distserver.protos.tensor_pb2 import TensorProto
 from distserver.protos.tensorflow_server_pb2 import ServerDef
 from distserver.runtime.concurrency import decode_message_tensors
-from distserver.runtime.executor import StepContext, run_kernel
+from distserver.runtime.executor import Executor, StepContext, run_kernel
+from distserver.runtime.functions import has_function_calls, index_library, inline_functions, instantiate
+from distserver.runtime.names import int64_attr
 from distserver.runtime.rendezvous import StepRendezvous
 from distserver.runtime.worker import Worker
 from distserver.tensors import ResourceHandle, shape_to_proto, to_tensor_proto
@@ -218,6 +225,13 @@ class EagerContext:
                 "context may have on this task: the client is not removing the functions it no longer runs"
             )
         self.functions[name] = _Registered(definition, library)
+
+    def library_for(self, name: str) -> dict[str, FunctionDef]:
+        """The functions a call of registered function `name` may use: every registered
+        one, and the library it was registered with."""
+        library = {key: found.definition for key, found in self.functions.items()}
+        library.update(index_library(self.functions[name].library))
+        return library
 
     def remove(self, name: str) -> None:
         found = self.functions.get(name)
@@ -541,8 +555,11 @@ class EagerService:
         instance = context.instances.get((operation.name, attrs))
         if instance is None:
             instance = FunctionInstance(
-                registered.definition, registered.library, operation, self._worker.task_name
-            )
+                operation.name, context.library_for(operation.name), operation.attrs,
+                self._worker.device, self._worker.task_name,
+            )  # fmt: skip
+            if len(context.instances) >= self._max_functions:
+                context.instances.clear()  # calls with ever new attrs must not grow it without end
             context.instances[(operation.name, attrs)] = instance
         inline = iter(inline_values)
         args = [self._input(context, item, inline) for item in operation.op_inputs]
@@ -560,23 +577,104 @@ class EagerService:
         return outputs
 
 
-# -- function instantiation ----------------------------------------------------------------
-# FunctionDef -> runnable graph comes from runtime/functions.py (branch `functions`);
-# this class adapts it to component functions.
+# -- component functions ---------------------------------------------------------------
+# A call's arguments and results travel through the step's rendezvous under keys local
+# to this device: each `_Arg` of the instantiated body becomes a `_Recv` of argument i,
+# each `_Retval` a `_Send` of result i. The executor then runs the body like a graph
+# partition, and the values the function exchanges with other tasks use the same
+# rendezvous.
+
+_ARG_TENSOR = "__distserver_arg_{}"
+_RETVAL_TENSOR = "__distserver_retval_{}"
 
 
 class FunctionInstance:
-    """A registered function instantiated for one set of attrs, ready to run many times."""
+    """A registered function instantiated for one set of attrs, ready to run many times.
+
+    Raises (from the constructor):
+        UnimplementedError: a node placed on another task (TensorFlow partitions a
+            multi-device function on the caller), or an op distserver lacks.
+        InvalidArgumentError: a malformed FunctionDef (`functions.instantiate`).
+    """
 
     def __init__(
-        self, definition: FunctionDef, library: FunctionDefLibrary, operation: e.Operation, task: str
+        self,
+        name: str,
+        library: Mapping[str, FunctionDef],
+        attrs: Mapping[str, AttrValue],
+        device: DeviceAttributes,
+        task: str,
     ) -> None:
-        raise errors.UnimplementedError(
-            f"Function '{definition.signature.name}': distserver cannot run functions yet"
-        )
+        self.name = name
+        body = instantiate(library, name, attrs)
+        nodes: Sequence[NodeDef] = body.graph_def.node
+        if has_function_calls(nodes, library):
+            nodes = inline_functions(nodes, library)
+        graph = GraphDef()
+        self._arg_keys: list[RendezvousKey] = []
+        self._ret_keys: list[RendezvousKey] = []
+        for node in nodes:
+            if node.device and not _on_task(node.device, task):
+                raise errors.UnimplementedError(
+                    f"Function '{name}' places node '{node.name}' on {node.device}: distserver runs "
+                    f"functions whose nodes are all on this task ({task}); TensorFlow partitions "
+                    "multi-device functions on the caller"
+                )
+            if node.op == "_Arg":
+                key = _local_key(device, _ARG_TENSOR.format(node.attr["index"].i))
+                graph.node.append(_arg_as_recv(node, key, device.incarnation))
+                self._arg_keys.append(key)
+            elif node.op == "_Retval":
+                key = _local_key(device, _RETVAL_TENSOR.format(node.attr["index"].i))
+                graph.node.append(_retval_as_send(node, key, device.incarnation))
+                self._ret_keys.append(key)
+            else:
+                graph.node.append(node)
+        self._executor = Executor(graph)
 
     async def run(self, ctx: StepContext, args: list[Any]) -> list[Any]:
-        raise NotImplementedError
+        """Run one call in `ctx`'s step: bind `args`, run the body, return the results."""
+        if len(args) != len(self._arg_keys):
+            raise errors.InvalidArgumentError(
+                f"Function '{self.name}' takes {len(self._arg_keys)} arguments, the call gives {len(args)}"
+            )
+        for key, value in zip(self._arg_keys, args, strict=True):
+            ctx.rendezvous.send(key, value)
+        await self._executor.run(ctx)
+        results = []
+        for i, key in enumerate(self._ret_keys):
+            value, is_dead = await ctx.rendezvous.recv_local(key)
+            if is_dead:
+                raise errors.InvalidArgumentError(f"Function '{self.name}': Retval[{i}] does not have value")
+            results.append(value)
+        return results
+
+
+def _local_key(device: DeviceAttributes, tensor_name: str) -> RendezvousKey:
+    return RendezvousKey(device.name, device.incarnation, device.name, tensor_name)
+
+
+def _sendrecv_attrs(node: NodeDef, key: RendezvousKey, incarnation: int) -> None:
+    node.attr["send_device"].s = key.src_device.encode()
+    node.attr["recv_device"].s = key.dst_device.encode()
+    node.attr["send_device_incarnation"].i = int64_attr(incarnation)
+    node.attr["tensor_name"].s = key.tensor_name.encode()
+
+
+def _arg_as_recv(arg: NodeDef, key: RendezvousKey, incarnation: int) -> NodeDef:
+    node = NodeDef(name=arg.name, op="_Recv", device=key.dst_device)
+    node.attr["tensor_type"].CopyFrom(arg.attr["T"])
+    _sendrecv_attrs(node, key, incarnation)
+    node.attr[RECV_PUSHED_ATTR].b = True  # the call delivers it; never fetched from elsewhere
+    return node
+
+
+def _retval_as_send(retval: NodeDef, key: RendezvousKey, incarnation: int) -> NodeDef:
+    node = NodeDef(name=retval.name, op="_Send", device=key.src_device)
+    node.input.extend(retval.input)
+    node.attr["T"].CopyFrom(retval.attr["T"])
+    _sendrecv_attrs(node, key, incarnation)
+    return node
 
 
 def _tensors_of(queue: Sequence[e.QueueItem]) -> list[TensorProto]:

@@ -19,13 +19,16 @@ import pytest
 
 import distserver as ds
 from distserver import errors
+from distserver.devices import RendezvousKey
 from distserver.protos import eager_service_pb2 as e
 from distserver.protos import types_pb2
 from distserver.protos.attr_value_pb2 import AttrValue
+from distserver.protos.function_pb2 import FunctionDef
 from distserver.protos.remote_tensor_handle_pb2 import RemoteTensorHandle
 from distserver.protos.services import EAGER_SERVICE
 from distserver.protos.tensor_pb2 import TensorProto
 from distserver.runtime.eager import ANONYMOUS_NAME, EagerService
+from distserver.runtime.names import int64_attr
 from distserver.server import AsyncServer
 from distserver.tensors import from_tensor_proto, to_tensor_proto
 from distserver.transports import Channel, get_transport
@@ -286,3 +289,134 @@ async def test_streaming_enqueue_answers_each_request_in_order(ps):
         assert "Op ID: 99" in (failed.value.details() or "")
     assert [len(r.queue_response) for r in responses] == [2, 1, 1]
     assert [d.size for d in responses[2].queue_response[0].shape[0].dim] == []
+
+
+# --------------------------------------------------------------------------- component functions
+
+WORKER = "/job:worker/replica:0/task:0/device:CPU:0"
+
+
+def send_node(fdef: FunctionDef, name: str, source: str, tensor_name: str, incarnation: int) -> None:
+    """A `_Send` to the worker, as a TensorFlow worker's partitioner writes it."""
+    node = fdef.node_def.add(name=name, op="_Send", device=PS)
+    node.input.append(source)
+    node.attr["tensor_name"].s = tensor_name.encode()
+    node.attr["send_device"].s = PS.encode()
+    node.attr["send_device_incarnation"].i = int64_attr(incarnation)
+    node.attr["recv_device"].s = WORKER.encode()
+    node.attr["T"].type = types_pb2.DT_FLOAT
+
+
+def read_and_send_function(incarnation: int) -> FunctionDef:
+    """The ps part of a step: read a variable (argument 0), send it, return its double."""
+    fdef = FunctionDef()
+    fdef.signature.name = "__inference_step_46_partitioned_1"
+    fdef.signature.input_arg.add(name="read_resource", type=types_pb2.DT_RESOURCE)
+    fdef.signature.output_arg.add(name="doubled", type=types_pb2.DT_FLOAT)
+    read = fdef.node_def.add(name="MatMul/ReadVariableOp", op="ReadVariableOp", device=PS)
+    read.input.append("read_resource")
+    read.attr["dtype"].type = types_pb2.DT_FLOAT
+    send_node(fdef, "MatMul/ReadVariableOp/_1", "MatMul/ReadVariableOp:value:0", "edge_5_read", incarnation)
+    double = fdef.node_def.add(name="add", op="AddV2", device=PS)
+    double.input.extend(["MatMul/ReadVariableOp:value:0", "MatMul/ReadVariableOp:value:0"])
+    double.attr["T"].type = types_pb2.DT_FLOAT
+    fdef.ret["doubled"] = "add:z:0"
+    return fdef
+
+
+def run_function_request(fdef: FunctionDef, op_id: int, step_id: int, *inputs: tuple[int, int]):
+    request = e.RunComponentFunctionRequest(context_id=CONTEXT)
+    request.operation.CopyFrom(operation(op_id, fdef.signature.name, *inputs).operation)
+    request.operation.is_function = request.operation.is_component_function = True
+    request.operation.func_step_id = step_id
+    return request
+
+
+async def test_a_component_function_reads_a_variable_sends_it_and_returns_a_handle(ps):
+    server, channel = ps
+    incarnation = server.worker.device.incarnation
+    await call(channel, "CreateContext", create_request(server))
+    fdef = read_and_send_function(incarnation)
+    register = e.QueueItem()
+    register.register_function.function_def.CopyFrom(fdef)
+    register.register_function.is_component_function = True
+    value = np.array([[1.5], [-2.0]], np.float32)
+    await enqueue(channel, var_handle(1), send_tensor(2, value), register)
+    await enqueue(channel, operation(3, "AssignVariableOp", (1, 0), (2, 0), dtype=float_dtype()))
+    step_id = -6087184663275065486
+    key = RendezvousKey(PS, incarnation, WORKER, "edge_5_read")
+    # The worker may ask for the value before the function runs (the trace shows it).
+    early = asyncio.ensure_future(channel.recv_tensor(step_id, key, timeout=30))
+    response = await call(channel, "RunComponentFunction", run_function_request(fdef, 9, step_id, (1, 0)))
+    sent, is_dead = await early
+    assert not is_dead
+    np.testing.assert_array_equal(sent, value)
+    assert [d.size for d in response.shape[0].dim] == [2, 1]
+    assert not response.tensor  # the output stays here, as handle (9, 0)
+    echoed = await enqueue(channel, operation(-1, "Identity", (9, 0), T=float_dtype()))
+    np.testing.assert_array_equal(from_tensor_proto(echoed.queue_response[0].tensor[0]), value * 2)
+    cleanup = e.QueueItem()
+    cleanup.cleanup_function.step_id = step_id
+    await enqueue(channel, cleanup)
+    # Output numbers chosen by the caller; no op id: the values come back.
+    response = await call(channel, "RunComponentFunction", run_function_request(fdef, -1, 11, (1, 0)))
+    np.testing.assert_array_equal(from_tensor_proto(response.tensor[0]), value * 2)
+    await channel.recv_tensor(11, key, timeout=30)
+    request = run_function_request(fdef, 12, 13, (1, 0))
+    request.output_num.append(4)
+    await call(channel, "RunComponentFunction", request)
+    await channel.recv_tensor(13, key, timeout=30)
+    await enqueue(channel, decref(12, 4))
+
+
+async def test_function_registration_is_counted_and_a_different_body_is_refused(ps):
+    server, channel = ps
+    await call(channel, "CreateContext", create_request(server))
+    fdef = read_and_send_function(server.worker.device.incarnation)
+    register = e.QueueItem()
+    register.register_function.function_def.CopyFrom(fdef)
+    await enqueue(channel, register, register)
+    other = e.QueueItem()
+    other.register_function.function_def.CopyFrom(fdef)
+    other.register_function.function_def.ret["doubled"] = "MatMul/ReadVariableOp:value:0"
+    with pytest.raises(
+        errors.InvalidArgumentError, match="a different function with the same name already exists"
+    ):
+        await enqueue(channel, other)
+    remove = e.QueueItem()
+    remove.remove_function.function_name = fdef.signature.name
+    await enqueue(channel, remove)
+    await enqueue(channel, var_handle(1))
+    await enqueue(channel, remove)  # the second registration
+    with pytest.raises(errors.NotFoundError, match="is neither a type of a primitive operation"):
+        await call(channel, "RunComponentFunction", run_function_request(fdef, 2, 3, (1, 0)))
+    with pytest.raises(errors.InvalidArgumentError, match="Tried to remove non-existent function"):
+        await enqueue(channel, remove)
+
+
+async def test_a_failing_component_function_fails_its_receivers_and_names_the_node(ps):
+    server, channel = ps
+    incarnation = server.worker.device.incarnation
+    await call(channel, "CreateContext", create_request(server))
+    fdef = read_and_send_function(incarnation)
+    register = e.QueueItem()
+    register.register_function.function_def.CopyFrom(fdef)
+    await enqueue(channel, var_handle(1), register)  # a variable never assigned
+    key = RendezvousKey(PS, incarnation, WORKER, "edge_5_read")
+    waiting = asyncio.ensure_future(channel.recv_tensor(21, key, timeout=30))
+    with pytest.raises(errors.FailedPreconditionError, match="MatMul/ReadVariableOp"):
+        await call(channel, "RunComponentFunction", run_function_request(fdef, 2, 21, (1, 0)))
+    with pytest.raises(errors.FailedPreconditionError):
+        await waiting
+
+
+async def test_a_function_with_nodes_on_another_task_is_refused(ps):
+    server, channel = ps
+    await call(channel, "CreateContext", create_request(server))
+    fdef = read_and_send_function(server.worker.device.incarnation)
+    fdef.node_def[0].device = WORKER
+    register = e.QueueItem()
+    register.register_function.function_def.CopyFrom(fdef)
+    await enqueue(channel, var_handle(1), register)
+    with pytest.raises(errors.UnimplementedError, match="places node 'MatMul/ReadVariableOp' on /job:worker"):
+        await call(channel, "RunComponentFunction", run_function_request(fdef, 2, 3, (1, 0)))
