@@ -32,10 +32,12 @@ from distserver import errors
 from distserver.cluster import ClusterSpec, local_address, make_server_def, validate_cluster
 from distserver.devices import full_device_name, task_name
 from distserver.kernels.resources import ResourceManager
+from distserver.protos.cluster_pb2 import ClusterDef
 from distserver.protos.device_attributes_pb2 import DeviceAttributes
-from distserver.protos.services import MASTER_SERVICE, WORKER_SERVICE
+from distserver.protos.services import EAGER_SERVICE, MASTER_SERVICE, WORKER_SERVICE
 from distserver.protos.tensorflow_server_pb2 import ServerDef
 from distserver.runtime.clients import RemoteWorker, WorkerClient
+from distserver.runtime.eager import EagerService
 from distserver.runtime.master import DEFAULT_SESSION_GC_SECONDS, Master
 from distserver.runtime.worker import Worker
 from distserver.security import Security, from_environment
@@ -147,6 +149,9 @@ class AsyncServer:
         self._listener: Listener | None = None
         self._channels: dict[str, Channel] = {}
         self._worker_clients: dict[str, WorkerClient] = {}
+        # Tasks this server's cluster lacks, learned from TensorFlow 2 clients'
+        # eager contexts (their ServerDef names the whole cluster): task -> address.
+        self._learned_addresses: dict[str, str] = {}
         self._port: int | None = None
         self._bind_lock: asyncio.Lock | None = None
         self._stopped: asyncio.Event | None = None
@@ -155,6 +160,7 @@ class AsyncServer:
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.worker: Worker | None = None
         self.master: Master | None = None
+        self.eager: EagerService | None = None
 
     # -- properties -------------------------------------------------------------------
 
@@ -221,6 +227,7 @@ class AsyncServer:
             self._build_runtime()
             assert self.master is not None
             assert self.worker is not None
+            assert self.eager is not None
             if not self._serve:
                 return
             host = "[::]" if self._listen_everywhere else self._host
@@ -229,6 +236,7 @@ class AsyncServer:
                 {
                     MASTER_SERVICE: self.master.service_handlers(),
                     WORKER_SERVICE: self.worker.service_handlers(),
+                    EAGER_SERVICE: self.eager.service_handlers(),
                 },
                 self.worker.recv_tensor,
                 security=self._security,
@@ -255,6 +263,7 @@ class AsyncServer:
             worker_client=self._worker_client,
             checkpoint_root=self._checkpoint_root,
         )
+        self.eager = EagerService(worker=self.worker, on_cluster=self._learn_cluster)
         tasks = [
             task_name(job, index) for job in self._cluster.jobs for index in self._cluster.task_indices(job)
         ]
@@ -271,12 +280,44 @@ class AsyncServer:
         """The client of `task`'s worker, over a channel made on first use."""
         client = self._worker_clients.get(task)
         if client is None:
-            job, index = _split_task(task)
-            address = self._cluster.task_address(job, index)
+            address = self._learned_addresses.get(task)
+            if address is None:
+                job, index = _split_task(task)
+                address = self._cluster.task_address(job, index)
             channel = self._transport.connect(address, security=self._security)
             self._channels[task] = channel
             client = self._worker_clients[task] = RemoteWorker(channel)
         return client
+
+    def _learn_cluster(self, cluster: ClusterDef) -> None:
+        """Take the addresses of the tasks an eager context's cluster names and ours lacks.
+
+        Raises:
+            InvalidArgumentError: the context gives a task of our cluster another address
+                (this server would reach a different process than its client does).
+        """
+        learned = {}
+        for job in cluster.job:
+            for index, address in job.tasks.items():
+                task = task_name(job.name, index)
+                if task == self._task:
+                    continue
+                known = self._learned_addresses.get(task)
+                if (
+                    known is None
+                    and job.name in self._cluster.jobs
+                    and index in self._cluster.task_indices(job.name)
+                ):
+                    known = self._cluster.task_address(job.name, index)
+                if known is None:
+                    learned[task] = address
+                elif known != address:
+                    raise errors.InvalidArgumentError(
+                        f"The eager context's cluster gives {task} the address {address}, but this "
+                        f"server ({self._task}) knows it as {known}: start the server with the same "
+                        "cluster as the TensorFlow client's"
+                    )
+        self._learned_addresses.update(learned)
 
     async def start(self) -> None:
         """Bind (if needed) and start serving. Idempotent.
@@ -337,6 +378,8 @@ class AsyncServer:
                 await self._listener.stop(grace)
             if self.master is not None:
                 await self.master.close()
+            if self.eager is not None:
+                self.eager.close()
             if self.worker is not None:
                 self.worker.abort_all_steps(errors.CancelledError("The server is stopping"))
             for channel in self._channels.values():

@@ -61,6 +61,7 @@ TF_PROTO_PACKAGES = [
 TF_NATIVE_ONLY_FILES = [
     "tensorflow/core/protobuf/master.proto",
     "tensorflow/core/protobuf/worker.proto",
+    "tensorflow/core/protobuf/eager_service.proto",
 ]
 
 TYPE_NAMES = {

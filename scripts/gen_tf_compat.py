@@ -31,6 +31,7 @@ GROUPS = {
     "ref_variables": "TF 1.x reference variables",
     "queue": "Queues",
     "accumulators": "Conditional accumulators (SyncReplicasOptimizer)",
+    "optionals": "Optionals (control flow v2 gradients)",
     "sendrecv": "Runtime (inserted by the master)",
 }
 

@@ -350,12 +350,14 @@ def _load_builtin_kernels() -> None:
         import distserver.kernels.math
         import distserver.kernels.nn
         import distserver.kernels.optimizers_extra
+        import distserver.kernels.optionals
         import distserver.kernels.queue
         import distserver.kernels.random
         import distserver.kernels.ref_variables
         import distserver.kernels.sendrecv
         import distserver.kernels.sparse
         import distserver.kernels.state
+        import distserver.kernels.stateless_random
         import distserver.kernels.strings
         import distserver.kernels.summary  # noqa: F401
 

@@ -22,15 +22,50 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from distserver.protos import attr_value_pb2 as distserver_dot_protos_dot_attr__value__pb2
+from distserver.protos import node_def_pb2 as distserver_dot_protos_dot_node__def__pb2
+from distserver.protos import op_def_pb2 as distserver_dot_protos_dot_op__def__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n distserver/protos/function.proto\x12\ndistserver\"\x14\n\x12\x46unctionDefLibraryb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n distserver/protos/function.proto\x12\ndistserver\x1a\"distserver/protos/attr_value.proto\x1a distserver/protos/node_def.proto\x1a\x1e\x64istserver/protos/op_def.proto\"\xa8\x01\n\x12\x46unctionDefLibrary\x12)\n\x08\x66unction\x18\x01 \x03(\x0b\x32\x17.distserver.FunctionDef\x12)\n\x08gradient\x18\x02 \x03(\x0b\x32\x17.distserver.GradientDef\x12<\n\x14registered_gradients\x18\x03 \x03(\x0b\x32\x1e.distserver.RegisteredGradient\"\xc4\x06\n\x0b\x46unctionDef\x12$\n\tsignature\x18\x01 \x01(\x0b\x32\x11.distserver.OpDef\x12/\n\x04\x61ttr\x18\x05 \x03(\x0b\x32!.distserver.FunctionDef.AttrEntry\x12\x36\n\x08\x61rg_attr\x18\x07 \x03(\x0b\x32$.distserver.FunctionDef.ArgAttrEntry\x12P\n\x16resource_arg_unique_id\x18\x08 \x03(\x0b\x32\x30.distserver.FunctionDef.ResourceArgUniqueIdEntry\x12%\n\x08node_def\x18\x03 \x03(\x0b\x32\x13.distserver.NodeDef\x12-\n\x03ret\x18\x04 \x03(\x0b\x32 .distserver.FunctionDef.RetEntry\x12<\n\x0b\x63ontrol_ret\x18\x06 \x03(\x0b\x32\'.distserver.FunctionDef.ControlRetEntry\x1a\x42\n\tAttrEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12$\n\x05value\x18\x02 \x01(\x0b\x32\x15.distserver.AttrValue:\x02\x38\x01\x1a\x88\x01\n\x08\x41rgAttrs\x12\x38\n\x04\x61ttr\x18\x01 \x03(\x0b\x32*.distserver.FunctionDef.ArgAttrs.AttrEntry\x1a\x42\n\tAttrEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12$\n\x05value\x18\x02 \x01(\x0b\x32\x15.distserver.AttrValue:\x02\x38\x01\x1aP\n\x0c\x41rgAttrEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12/\n\x05value\x18\x02 \x01(\x0b\x32 .distserver.FunctionDef.ArgAttrs:\x02\x38\x01\x1a:\n\x18ResourceArgUniqueIdEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a*\n\x08RetEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a\x31\n\x0f\x43ontrolRetEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01J\x04\x08\x02\x10\x03\";\n\x0bGradientDef\x12\x15\n\rfunction_name\x18\x01 \x01(\t\x12\x15\n\rgradient_func\x18\x02 \x01(\t\"G\n\x12RegisteredGradient\x12\x15\n\rgradient_func\x18\x01 \x01(\t\x12\x1a\n\x12registered_op_type\x18\x02 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'distserver.protos.function_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FUNCTIONDEFLIBRARY']._serialized_start=48
-  _globals['_FUNCTIONDEFLIBRARY']._serialized_end=68
+  _globals['_FUNCTIONDEF_ATTRENTRY']._loaded_options = None
+  _globals['_FUNCTIONDEF_ATTRENTRY']._serialized_options = b'8\001'
+  _globals['_FUNCTIONDEF_ARGATTRS_ATTRENTRY']._loaded_options = None
+  _globals['_FUNCTIONDEF_ARGATTRS_ATTRENTRY']._serialized_options = b'8\001'
+  _globals['_FUNCTIONDEF_ARGATTRENTRY']._loaded_options = None
+  _globals['_FUNCTIONDEF_ARGATTRENTRY']._serialized_options = b'8\001'
+  _globals['_FUNCTIONDEF_RESOURCEARGUNIQUEIDENTRY']._loaded_options = None
+  _globals['_FUNCTIONDEF_RESOURCEARGUNIQUEIDENTRY']._serialized_options = b'8\001'
+  _globals['_FUNCTIONDEF_RETENTRY']._loaded_options = None
+  _globals['_FUNCTIONDEF_RETENTRY']._serialized_options = b'8\001'
+  _globals['_FUNCTIONDEF_CONTROLRETENTRY']._loaded_options = None
+  _globals['_FUNCTIONDEF_CONTROLRETENTRY']._serialized_options = b'8\001'
+  _globals['_FUNCTIONDEFLIBRARY']._serialized_start=151
+  _globals['_FUNCTIONDEFLIBRARY']._serialized_end=319
+  _globals['_FUNCTIONDEF']._serialized_start=322
+  _globals['_FUNCTIONDEF']._serialized_end=1158
+  _globals['_FUNCTIONDEF_ATTRENTRY']._serialized_start=710
+  _globals['_FUNCTIONDEF_ATTRENTRY']._serialized_end=776
+  _globals['_FUNCTIONDEF_ARGATTRS']._serialized_start=779
+  _globals['_FUNCTIONDEF_ARGATTRS']._serialized_end=915
+  _globals['_FUNCTIONDEF_ARGATTRS_ATTRENTRY']._serialized_start=710
+  _globals['_FUNCTIONDEF_ARGATTRS_ATTRENTRY']._serialized_end=776
+  _globals['_FUNCTIONDEF_ARGATTRENTRY']._serialized_start=917
+  _globals['_FUNCTIONDEF_ARGATTRENTRY']._serialized_end=997
+  _globals['_FUNCTIONDEF_RESOURCEARGUNIQUEIDENTRY']._serialized_start=999
+  _globals['_FUNCTIONDEF_RESOURCEARGUNIQUEIDENTRY']._serialized_end=1057
+  _globals['_FUNCTIONDEF_RETENTRY']._serialized_start=1059
+  _globals['_FUNCTIONDEF_RETENTRY']._serialized_end=1101
+  _globals['_FUNCTIONDEF_CONTROLRETENTRY']._serialized_start=1103
+  _globals['_FUNCTIONDEF_CONTROLRETENTRY']._serialized_end=1152
+  _globals['_GRADIENTDEF']._serialized_start=1160
+  _globals['_GRADIENTDEF']._serialized_end=1219
+  _globals['_REGISTEREDGRADIENT']._serialized_start=1221
+  _globals['_REGISTEREDGRADIENT']._serialized_end=1292
 # @@protoc_insertion_point(module_scope)

@@ -1,21 +1,27 @@
-"""The RPC methods of TensorFlow's MasterService and WorkerService.
+"""The RPC methods of TensorFlow's MasterService, WorkerService and EagerService.
 
-TensorFlow serves them at `/tensorflow.MasterService/<Method>` and
+TensorFlow serves them at `/tensorflow.MasterService/<Method>`,
 `/tensorflow.WorkerService/<Method>` (hand-registered paths; its .proto package is
-`tensorflow.grpc`, which generated stubs would get wrong). Every transport builds
-its handlers and stubs from these tables, so names and message types live in one
-place.
+`tensorflow.grpc`, which generated stubs would get wrong) and
+`/tensorflow.eager.EagerService/<Method>`. Every transport builds its handlers and
+stubs from these tables, so names and message types live in one place.
+
+The tables list unary methods. `STREAMING_METHODS` names the bidirectional
+streams, each served by the handler of a unary method, message by message
+(EagerService/StreamingEnqueue is a stream of Enqueue calls).
 """
 
 from __future__ import annotations
 
 from google.protobuf.message import Message
 
+from distserver.protos import eager_service_pb2 as e
 from distserver.protos import master_pb2 as m
 from distserver.protos import worker_pb2 as w
 
 MASTER_SERVICE = "tensorflow.MasterService"
 WORKER_SERVICE = "tensorflow.WorkerService"
+EAGER_SERVICE = "tensorflow.eager.EagerService"
 
 MethodTable = dict[str, tuple[type[Message], type[Message]]]
 
@@ -51,7 +57,24 @@ WORKER_METHODS: MethodTable = {
     "CompleteInstance": (w.CompleteInstanceRequest, w.CompleteInstanceResponse),
 }
 
-SERVICES: dict[str, MethodTable] = {MASTER_SERVICE: MASTER_METHODS, WORKER_SERVICE: WORKER_METHODS}
+EAGER_METHODS: MethodTable = {
+    "CreateContext": (e.CreateContextRequest, e.CreateContextResponse),
+    "UpdateContext": (e.UpdateContextRequest, e.UpdateContextResponse),
+    "Enqueue": (e.EnqueueRequest, e.EnqueueResponse),
+    "WaitQueueDone": (e.WaitQueueDoneRequest, e.WaitQueueDoneResponse),
+    "RunComponentFunction": (e.RunComponentFunctionRequest, e.RunComponentFunctionResponse),
+    "KeepAlive": (e.KeepAliveRequest, e.KeepAliveResponse),
+    "CloseContext": (e.CloseContextRequest, e.CloseContextResponse),
+}
+
+SERVICES: dict[str, MethodTable] = {
+    MASTER_SERVICE: MASTER_METHODS,
+    WORKER_SERVICE: WORKER_METHODS,
+    EAGER_SERVICE: EAGER_METHODS,
+}
+
+# Bidirectional streams: (service, stream method) -> the unary method that serves each message.
+STREAMING_METHODS: dict[tuple[str, str], str] = {(EAGER_SERVICE, "StreamingEnqueue"): "Enqueue"}
 
 
 def snake_case(method: str) -> str:

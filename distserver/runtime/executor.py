@@ -295,6 +295,19 @@ class Executor:
             raise first_error(group_error) from None
 
 
+async def run_kernel(kernel: OpKernel, ctx: StepContext, inputs: list[Any]) -> list[Any]:
+    """Run one kernel outside a graph (an eager op), where the executor would run it:
+    inline, as a task for asynchronous kernels, or in `ctx.pool` when it is large."""
+    if kernel.is_async:
+        return await _guard(kernel, kernel.compute_async(ctx, inputs))
+    node = _Node(
+        0, kernel, [], [], 0, sizes_its_output=type(kernel).output_nbytes is not OpKernel.output_nbytes
+    )
+    if ctx.pool is not None and _belongs_in_a_thread(node, inputs):
+        return await asyncio.get_running_loop().run_in_executor(ctx.pool, _compute, kernel, ctx, inputs)
+    return _compute(kernel, ctx, inputs)
+
+
 # The outputs of a node that was not computed because an input was dead: each is DEAD
 # (an identity, not a value: the node's output count is not needed).
 _DEAD_OUTPUTS: list[Any] = []

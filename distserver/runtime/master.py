@@ -32,11 +32,13 @@ from distserver.protos import worker_pb2 as w
 from distserver.protos.config_pb2 import CallableOptions, ConfigProto, RunMetadata, RunOptions
 from distserver.protos.debug_pb2 import StepStats
 from distserver.protos.device_attributes_pb2 import DeviceAttributes
+from distserver.protos.function_pb2 import FunctionDef
 from distserver.protos.graph_pb2 import GraphDef
 from distserver.protos.node_def_pb2 import NodeDef
 from distserver.protos.tensor_pb2 import TensorProto
 from distserver.runtime.clients import WorkerClient
 from distserver.runtime.concurrency import decode_message_tensors, gather_all
+from distserver.runtime.functions import index_library
 from distserver.runtime.names import canonical_tensor_name
 from distserver.runtime.plan import build_plan, import_graph
 from distserver.runtime.worker import Worker
@@ -99,6 +101,8 @@ class MasterSession:
     tasks: list[str]
     devices: list[DeviceAttributes]
     nodes: dict[str, NodeDef] = field(default_factory=dict)
+    functions: dict[str, FunctionDef] = field(default_factory=dict)
+    """The graph's function library so far (calls are inlined when a graph arrives)."""
     version: int = 0
     plans: dict[tuple[Any, ...], asyncio.Future[_RegisteredPlan]] = field(default_factory=dict)
     callables: dict[int, _Callable] = field(default_factory=dict)
@@ -236,7 +240,7 @@ class Master:
                 "ClusterSpec propagation (ConfigProto.cluster_def) is not supported by distserver; "
                 "start the servers with the full cluster instead."
             )
-        nodes = await asyncio.to_thread(import_graph, request.graph_def, {})
+        functions, nodes = await asyncio.to_thread(_import, request.graph_def, {}, {})
         tasks = self._filtered_tasks(list(config.device_filters))
         devices = await self._devices(tasks, self._connect_timeout(config))
         handle = f"{random.getrandbits(64):016x}"
@@ -253,6 +257,7 @@ class Master:
             tasks=tasks,
             devices=devices,
             nodes=nodes,
+            functions=functions,
             last_used=asyncio.get_running_loop().time(),
         )
         self._sessions[handle] = session
@@ -266,12 +271,15 @@ class Master:
                 f"Current version is {session.version} but caller expected {request.current_graph_version}."
             )
         version = session.version
-        nodes = await asyncio.to_thread(import_graph, request.graph_def, session.nodes)
+        functions, nodes = await asyncio.to_thread(
+            _import, request.graph_def, session.nodes, session.functions
+        )
         if session.version != version:  # another ExtendSession came first
             raise errors.AbortedError(
                 f"Current version is {session.version} but caller expected {request.current_graph_version}."
             )
         session.nodes.update(nodes)
+        session.functions = functions
         session.version += 1
         return m.ExtendSessionResponse(new_graph_version=session.version)
 
@@ -668,6 +676,14 @@ class Master:
         session = self._session(request.session_handle)
         session.callables.pop(request.handle, None)
         return m.ReleaseCallableResponse()
+
+
+def _import(
+    graph_def: GraphDef, nodes: Mapping[str, NodeDef], functions: Mapping[str, FunctionDef]
+) -> tuple[dict[str, FunctionDef], dict[str, NodeDef]]:
+    """The session's library with the graph's added, and the graph's nodes (`import_graph`)."""
+    library = index_library([*functions.values(), *graph_def.library.function])
+    return library, import_graph(graph_def, nodes, library)
 
 
 def _datatype(value: Any) -> int:

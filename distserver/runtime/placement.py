@@ -82,10 +82,36 @@ def _colocation_targets(node: NodeDef, by_name: dict[str, NodeDef]) -> tuple[lis
     resources = []
     if node.op not in _SEND_RECV:
         for text in node.input:
-            src, _, is_control = parse_input(text)
-            if not is_control and src in by_name and by_name[src].op in RESOURCE_PRODUCERS:
-                resources.append(src)
+            src, port, is_control = parse_input(text)
+            if not is_control:
+                producer = _resource_producer(src, port, by_name)
+                if producer is not None:
+                    resources.append(producer)
     return classes, resources
+
+
+# Ops that pass a value through unchanged (output k is input k, or input 0): a resource
+# handle keeps its device through them. Inlined functions put an `Identity` per argument
+# and an `IdentityN` per call between a variable and its readers; lowered `If`s a `Switch`.
+_PASS_THROUGH = frozenset({"Identity", "IdentityN", "Switch"})
+
+
+def _resource_producer(src: str, port: int, by_name: dict[str, NodeDef]) -> str | None:
+    """The resource-producing node whose handle output `src:port` is, through pass-throughs."""
+    seen: set[str] = set()
+    while src in by_name and src not in seen:
+        seen.add(src)
+        node = by_name[src]
+        if node.op in RESOURCE_PRODUCERS:
+            return src
+        if node.op not in _PASS_THROUGH:
+            return None
+        data = [text for text in node.input if not text.startswith("^")]
+        index = port if node.op == "IdentityN" else 0
+        if index >= len(data):
+            return None
+        src, port, _ = parse_input(data[index])
+    return None
 
 
 def place(

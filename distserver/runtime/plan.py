@@ -27,8 +27,10 @@ from distserver import errors
 from distserver.devices import task_of_device
 from distserver.kernels import has_kernel
 from distserver.kernels.ref_variables import REF_OUTPUT_OPS
+from distserver.protos.function_pb2 import FunctionDef
 from distserver.protos.graph_pb2 import GraphDef
 from distserver.protos.node_def_pb2 import NodeDef
+from distserver.runtime.functions import has_function_calls, index_library, inline_functions
 from distserver.runtime.names import parse_input, sendrecv_key
 from distserver.runtime.partition import partition
 from distserver.runtime.placement import place
@@ -106,8 +108,16 @@ def build_plan(
     )
 
 
-def import_graph(graph_def: GraphDef, existing: Mapping[str, NodeDef]) -> dict[str, NodeDef]:
+def import_graph(
+    graph_def: GraphDef,
+    existing: Mapping[str, NodeDef],
+    functions: Mapping[str, FunctionDef] | None = None,
+) -> dict[str, NodeDef]:
     """The nodes of `graph_def`, checked against the graph so far and copied, ready to add.
+
+    Function calls are inlined first (`functions.inline_functions`), from `functions`
+    (the session's library with `graph_def.library` added: `index_library`), so the
+    session's graph holds only ops with kernels and may be placed across tasks.
 
     Refused, with TensorFlow's texts, when: an op has no kernel (`check_kernels`); a
     node name repeats, or is in `existing` already; an input names no node; the
@@ -118,9 +128,18 @@ def import_graph(graph_def: GraphDef, existing: Mapping[str, NodeDef]) -> dict[s
         UnimplementedError: ops without a kernel.
         InvalidArgumentError: the other faults, naming a node.
     """
-    check_kernels(graph_def)
+    if functions is None:
+        functions = index_library(graph_def.library)
+    graph_nodes: Sequence[NodeDef] = graph_def.node
+    if has_function_calls(graph_def.node, functions):
+        graph_nodes = inline_functions(graph_def.node, functions)
+        inlined = GraphDef()
+        inlined.node.extend(graph_nodes)
+        check_kernels(inlined)
+    else:
+        check_kernels(graph_def)
     nodes: dict[str, NodeDef] = {}
-    for node in graph_def.node:
+    for node in graph_nodes:
         if node.name in existing:
             raise errors.InvalidArgumentError(
                 f"Node '{node.name}' is already in the graph; ExtendSession may only add new nodes",
@@ -166,11 +185,11 @@ def import_graph(graph_def: GraphDef, existing: Mapping[str, NodeDef]) -> dict[s
     return nodes
 
 
-# Ops that call graph functions: what TF 2.x control flow (`tf.cond`/`tf.while_loop` with
-# control flow v2) and `tf.function` put into a graph.
+# Ops that call graph functions which distserver does not inline (function calls and
+# If/StatelessIf are inlined by `functions.inline_functions`): what TF 2.x
+# `tf.while_loop`/`tf.switch_case` put into a graph.
 _FUNCTION_CALL_OPS = frozenset(
-    {"If", "StatelessIf", "While", "StatelessWhile", "Case", "StatelessCase", "PartitionedCall",
-     "StatefulPartitionedCall", "SymbolicGradient", "RemoteCall"}
+    {"While", "StatelessWhile", "Case", "StatelessCase", "SymbolicGradient", "RemoteCall"}
 )  # fmt: skip
 # Ops of TF 1.x control flow (tf.cond / tf.while_loop without control flow v2).
 # The loop ops of control flow v1 (conditionals, Switch/Merge, have kernels).
@@ -207,11 +226,11 @@ def check_kernels(graph_def: GraphDef) -> None:
         f"{', '.join(parts)}. The supported ops are listed in docs/tf-compat.md "
         "(distserver.kernels.registered_ops())."
     )
-    # distserver's FunctionDefLibrary keeps the functions as unknown fields only.
-    if graph_def.library.ByteSize() or not _FUNCTION_CALL_OPS.isdisjoint(unsupported):
+    if not _FUNCTION_CALL_OPS.isdisjoint(unsupported):
         message += (
-            " Graph functions (tf.function, control flow v2) are not supported: build the graph "
-            "with tf.compat.v1.disable_v2_behavior() (or disable_control_flow_v2())."
+            " Loops and switch_case of control flow v2 (While, Case) are not supported yet "
+            "(tf.function calls and tf.cond are): build the graph with "
+            "tf.compat.v1.disable_v2_behavior() (or disable_control_flow_v2()) where it has none."
         )
     if not _LOOP_OPS.isdisjoint(unsupported):
         message += " Loops of control flow v1 (tf.while_loop) are not supported; tf.cond is."

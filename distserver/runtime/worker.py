@@ -36,7 +36,7 @@ from distserver.runtime.clients import WorkerClient
 from distserver.runtime.concurrency import decode_message_tensors
 from distserver.runtime.executor import Executor, StepContext
 from distserver.runtime.push import worker_returns
-from distserver.runtime.rendezvous import RendezvousTable
+from distserver.runtime.rendezvous import RendezvousTable, StepRendezvous
 from distserver.tensors import tensor_nbytes, to_tensor_proto
 
 logger = logging.getLogger(__name__)
@@ -54,6 +54,9 @@ class WorkerSession:
     master_task: str = ""
     master_incarnation: int = 0
 
+
+# How long the first call to a peer may take (it is up: a RecvTensor to it follows).
+_MEET_PEER_SECONDS = 30.0
 
 # What to do about a session a restarted worker no longer knows.
 _RECREATE = (
@@ -89,6 +92,8 @@ class Worker:
         # clients' legacy path) share the task's resources.
         self._legacy_session = WorkerSession("", resources)
         self._graph_ids = itertools.count(1)
+        # Tasks this worker has called once (see `_fetch_remote`).
+        self._peers_met: set[str] = set()
         self._rendezvous = RendezvousTable(task_name, self._fetch_remote if worker_client else None)
         # WorkerService method -> proto-in, proto-out handler. RecvTensor is the data
         # plane: transports serve it from `recv_tensor` (the task's tensor source).
@@ -102,6 +107,11 @@ class Worker:
             "CleanupGraph": self.cleanup_graph,
             "CleanupAll": self.cleanup_all,
         }
+
+    @property
+    def pool(self) -> concurrent.futures.Executor:
+        """The thread pool kernels with large inputs run in."""
+        return self._pool
 
     def service_handlers(self) -> dict[str, Callable[[Any], Awaitable[Message]]]:
         """WorkerService method name -> handler, for transports; `recv_tensor` is the tensor source."""
@@ -314,9 +324,46 @@ class Worker:
         """Put a value another task sent into this task's rendezvous (pushed values)."""
         self._rendezvous.find_or_create(step_id).send(key, value, is_dead)
 
+    # -- steps of other runtimes (EagerService component functions) -------------
+
+    def start_step(self, step_id: int) -> StepRendezvous:
+        """The rendezvous of step `step_id`, kept while the step runs here.
+
+        For steps that are not RunGraphs (a component function's `func_step_id`):
+        values they `_Send` to other tasks are served by this worker's RecvTensor,
+        and their `_Recv`s fetch from other tasks as RunGraph's do. End the step with
+        `step_finished` or `step_failed`; `cleanup_step` drops it at once.
+        """
+        return self._rendezvous.start(step_id)
+
+    def step_finished(self, step_id: int) -> None:
+        """The step ran to its end; it is dropped once every value for another task is served."""
+        self._rendezvous.release_if_done(step_id, set())
+
+    def step_failed(self, step_id: int, error: errors.OpError) -> None:
+        """The step failed: its pending and future receives get `error`."""
+        self._rendezvous.failed(step_id, error)
+
+    def cleanup_step(self, step_id: int) -> None:
+        """Drop the step now (TensorFlow's CleanupGraph / CleanupFunctionOp)."""
+        self._rendezvous.cleanup(step_id)
+
     async def _fetch_remote(self, step_id: int, key: RendezvousKey) -> tuple[Any, bool]:
         assert self._worker_client is not None
-        return await self._worker_client(key.src_task).recv_tensor(step_id, key, timeout=self._recv_timeout)
+        client = self._worker_client(key.src_task)
+        if key.src_task not in self._peers_met:
+            # Meet the peer with a control call first: from it the channel learns whether
+            # the peer is TensorFlow, whose servers end a connection that pings while a
+            # call waits silently, and a RecvTensor may wait long for a value not yet
+            # computed (the gradient a TensorFlow 2 worker computes for this ps).
+            # Best effort: the fetch below reports a peer that is really gone, and a first
+            # call to a TensorFlow server can fail on its call stream (it has none).
+            try:
+                await client.call("GetStatus", w.GetStatusRequest(), timeout=_MEET_PEER_SECONDS)
+                self._peers_met.add(key.src_task)
+            except errors.OpError as exc:
+                logger.debug("GetStatus to %s before its first RecvTensor failed: %s", key.src_task, exc)
+        return await client.recv_tensor(step_id, key, timeout=self._recv_timeout)
 
     def abort_all_steps(self, error: errors.OpError) -> None:
         """Fail every pending receive (the server is stopping)."""

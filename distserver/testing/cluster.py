@@ -51,6 +51,9 @@ class LocalCluster:
         start_timeout: Seconds each start attempt may take.
         serve_args: More `distserver serve` options for every task (e.g. the
             security options `--tls-cert F ... --auth-token-file F`).
+        served_jobs: The jobs this cluster starts processes for (default: all). The
+            other jobs get addresses in `cluster` but no process: something else
+            serves them (TensorFlow servers, in a mixed cluster).
 
     Use as a context manager, or call `start()` and `stop()`.
     """
@@ -64,8 +67,13 @@ class LocalCluster:
         env: Mapping[str, str] | None = None,
         start_timeout: float = 60.0,
         serve_args: Sequence[str] = (),
+        served_jobs: Sequence[str] | None = None,
     ) -> None:
         self.jobs = dict(jobs or {"ps": 1, "worker": 2})
+        self.served_jobs = list(self.jobs if served_jobs is None else served_jobs)
+        unknown = sorted(set(self.served_jobs) - set(self.jobs))
+        if unknown:
+            raise ValueError(f"served_jobs names jobs the cluster lacks: {unknown}")
         self.protocol = protocol
         self.host = host
         self.env = dict(env or {})
@@ -119,6 +127,8 @@ class LocalCluster:
         self._env = env
         cluster_json = json.dumps(self.cluster)
         for job, addresses in self.cluster.items():
+            if job not in self.served_jobs:
+                continue
             for index in range(len(addresses)):
                 command = [
                     sys.executable, "-m", "distserver", "serve",

@@ -49,7 +49,7 @@ from google.protobuf.message import Message
 
 from distserver import errors
 from distserver.devices import RendezvousKey, parse_rendezvous_key
-from distserver.protos.services import SERVICES, WORKER_SERVICE
+from distserver.protos.services import SERVICES, STREAMING_METHODS, WORKER_SERVICE
 from distserver.protos.worker_pb2 import RecvTensorRequest
 from distserver.security import Security
 from distserver.tensors import tensor_nbytes
@@ -86,6 +86,8 @@ _MESSAGE_LIMITS = [
 # "too many pings"), so a channel that finds a TensorFlow peer drops keepalive
 # (`GrpcChannel._to_foreign_peer`).
 # Both can be set through the environment of every process of the cluster.
+# How long calls in flight on a connection a channel replaced may take to finish.
+_RETIRED_CHANNEL_GRACE = 60.0
 KEEPALIVE_ENV = "DISTSERVER_KEEPALIVE_MS"
 KEEPALIVE_TIMEOUT_ENV = "DISTSERVER_KEEPALIVE_TIMEOUT_MS"
 
@@ -200,6 +202,23 @@ def _wrap(
         except Exception as exc:
             await _abort(context, exc, fn)
         raise AssertionError("unreachable: context.abort raises")
+
+    return handle
+
+
+def _wrap_stream(
+    fn: Callable[[Any], Awaitable[Any]], request_cls: type[Message]
+) -> Callable[[AsyncIterator[bytes], grpc.aio.ServicerContext[Any, Any]], AsyncIterator[Any]]:
+    # A bidirectional stream of calls to one unary handler: each request message is
+    # answered in order; the first error ends the stream with its status.
+    async def handle(
+        requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[Any]:
+        try:
+            async for data in requests:
+                yield await fn(parse_request(request_cls, data))
+        except Exception as exc:
+            await _abort(context, exc, fn)
 
     return handle
 
@@ -584,7 +603,8 @@ class GrpcChannel(Channel):
             try:
                 await old_path.close()
             finally:
-                await old_channel.close(grace=None)
+                # grace: a RecvTensor still waiting there finishes (None would cancel it).
+                await old_channel.close(grace=_RETIRED_CHANNEL_GRACE)
 
         self._retired.append(asyncio.ensure_future(retire()))
 
@@ -672,6 +692,8 @@ async def serve(
     * every method of `services` at TensorFlow's unary paths and, for distserver
       peers, on the call stream (`call_stream`); a method a handler lacks answers
       UNIMPLEMENTED;
+    * the bidirectional streams of `STREAMING_METHODS` whose unary method a
+      service of `services` has (EagerService/StreamingEnqueue);
     * RecvTensor (unary, and the chunk stream) from `tensors`;
     * `extra_handlers` (generic RPC handlers), for transports built on this one.
 
@@ -699,6 +721,14 @@ async def serve(
             rpc_handlers[method] = grpc.unary_unary_rpc_method_handler(
                 _wrap(fn, request_cls), request_deserializer=_raw, response_serializer=_serialize
             )
+        for (stream_service, stream_method), unary_method in STREAMING_METHODS.items():
+            unary_fn = handler.get(unary_method)
+            if stream_service == service and unary_fn is not None:
+                rpc_handlers[stream_method] = grpc.stream_stream_rpc_method_handler(
+                    _wrap_stream(unary_fn, SERVICES[service][unary_method][0]),
+                    request_deserializer=_raw,
+                    response_serializer=_serialize,
+                )
         if service == WORKER_SERVICE and tensors is not None:
             unary, stream = _recv_tensor_handlers(tensors)
             rpc_handlers["RecvTensor"] = unary

@@ -63,7 +63,7 @@ def test_check_kernels_names_every_unsupported_op_and_a_node():
 @pytest.mark.parametrize(
     ("op", "hint"),
     [
-        ("StatelessIf", "disable_v2_behavior"),
+        ("StatelessWhile", "disable_v2_behavior"),
         ("Enter", "Loops of control flow v1 (tf.while_loop) are not supported"),
     ],
 )

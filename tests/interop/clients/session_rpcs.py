@@ -125,7 +125,7 @@ with cond_graph.as_default():
     p = tf1.placeholder(tf.bool, [])
     chosen = tf.cond(p, lambda: tf.constant(1.0), lambda: tf.constant(2.0))
     with tf1.Session(target) as sess:
-        checks.run("error_control_flow_v2", lambda: sess.run(chosen, {p: True}))
+        checks.run("control_flow_v2", lambda: sess.run(chosen, {p: True}))
 
 checks.run("reset", lambda: tf1.Session.reset(target))
 checks.emit()
