@@ -662,6 +662,41 @@ class StridedSliceKernel(_TypedKernel):
 # --------------------------------------------------------------------------- selection and gathering
 
 
+@register_kernel("StridedSliceGrad")
+class StridedSliceGradKernel(StridedSliceKernel):
+    """`(shape, begin, end, strides, dy)`: zeros of `shape` with `dy` where StridedSlice read.
+
+    The gradient of `StridedSlice` (what `tf.gradients` of `x[i]` builds); the same
+    masks select the same elements, which receive `dy`.
+    """
+
+    runs_on_loop = False  # allocates the full input shape
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        shape_value, begin_value, end_value, strides_value, dy = inputs
+        if shape_value.ndim != 1:
+            raise kernel_error(self, f"shape must be a vector, got shape {shape_str(shape_value.shape)}")
+        shape = int_list(self, shape_value, "shape")
+        if any(d < 0 for d in shape):
+            raise kernel_error(self, f"shape must not have negative dimensions, got {shape}")
+        spec = (begin_value, end_value, strides_value)
+        if any(v.ndim != 1 for v in spec) or not begin_value.size == end_value.size == strides_value.size:
+            raise kernel_error(self, "Expected begin, end, and strides to be 1D equal size tensors")
+        begin, end, strides = (
+            int_list(self, v, name) for v, name in zip(spec, ("begin", "end", "strides"), strict=True)
+        )
+        out = np.zeros(shape, dtype=self.dtype)
+        view = out[self._index(tuple(shape), begin, end, strides)]
+        dy = np.asarray(dy, dtype=self.dtype)
+        if dy.size != np.size(view):
+            raise kernel_error(
+                self,
+                f"dy has shape {shape_str(dy.shape)}, but the slice has shape {shape_str(np.shape(view))}",
+            )
+        out[self._index(tuple(shape), begin, end, strides)] = dy.reshape(np.shape(view))
+        return [out]
+
+
 @register_kernel("Select")
 class SelectKernel(_TypedKernel):
     """TF1 `where(c, t, e)`: c is a scalar, has t's shape, or is a vector over t's rows."""
@@ -961,6 +996,7 @@ __all__ = [
     "SizeKernel",
     "SliceKernel",
     "SqueezeKernel",
+    "StridedSliceGradKernel",
     "StridedSliceKernel",
     "TileKernel",
     "TransposeKernel",

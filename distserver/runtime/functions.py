@@ -41,6 +41,8 @@ CALL_OPS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
 IF_OPS = frozenset({"If", "StatelessIf"})
 INLINED_OPS = CALL_OPS | IF_OPS
 """Ops that `inline_functions` rewrites away; they have no kernel of their own."""
+WHILE_OPS = frozenset({"While", "StatelessWhile"})
+"""Ops that stay in the graph and call functions at run time (kernels/functional.py)."""
 
 MAX_NESTING = 32
 """Deepest chain of calls inside calls that is inlined."""
@@ -520,3 +522,30 @@ def _merged_device(device: str, caller: DeviceSpec | None) -> str:
     if not device:
         return caller.to_string()
     return caller.make_merged_spec(device).to_string()
+
+
+def loop_bodies(nodes: Iterable[NodeDef], library: Mapping[str, FunctionDef]) -> dict[str, list[NodeDef]]:
+    """The functions `While` nodes call (their `cond` and `body`, and those of loops
+    inside them), each instantiated and inlined: function name -> its nodes.
+
+    The master runs it when a graph arrives, so that a loop whose body is malformed
+    or uses an op without a kernel is refused before any step.
+
+    Raises:
+        The errors of `instantiate` and `inline_functions`.
+    """
+    found: dict[str, list[NodeDef]] = {}
+    pending = [node.attr[attr].func for node in nodes if node.op in WHILE_OPS for attr in ("cond", "body")]
+    while pending:
+        function = pending.pop()
+        if function.name in found:
+            continue
+        body = instantiate(library, function.name, function.attr)
+        found[function.name] = inline_functions(body.graph_def.node, library)
+        pending.extend(
+            node.attr[attr].func
+            for node in found[function.name]
+            if node.op in WHILE_OPS
+            for attr in ("cond", "body")
+        )
+    return found

@@ -546,6 +546,7 @@ class Master:
             client_device=self._local_device(session).name,
             master_task=self.task_name,
             allow_soft_placement=session.config.allow_soft_placement,
+            functions=session.functions,
         )
         feed_keys = set(plan.feed_keys.values())
         fetch_keys = set(plan.fetch_keys.values())

@@ -30,7 +30,13 @@ from distserver.kernels.ref_variables import REF_OUTPUT_OPS
 from distserver.protos.function_pb2 import FunctionDef
 from distserver.protos.graph_pb2 import GraphDef
 from distserver.protos.node_def_pb2 import NodeDef
-from distserver.runtime.functions import has_function_calls, index_library, inline_functions
+from distserver.runtime.functions import (
+    WHILE_OPS,
+    has_function_calls,
+    index_library,
+    inline_functions,
+    loop_bodies,
+)
 from distserver.runtime.names import parse_input, sendrecv_key
 from distserver.runtime.partition import partition
 from distserver.runtime.placement import place
@@ -66,6 +72,7 @@ def build_plan(
     client_device: str,
     master_task: str,
     allow_soft_placement: bool = False,
+    functions: Mapping[str, FunctionDef] | None = None,
 ) -> StepPlan:
     """Plan one step signature.
 
@@ -78,6 +85,8 @@ def build_plan(
         client_device: The master's device (feeds and fetches go through it).
         master_task: The master's task.
         allow_soft_placement: ConfigProto's option, for placement.
+        functions: The session's function library; a partition with a `While` gets
+            all of it (the loop's kernel calls its functions at run time).
 
     Raises:
         InvalidArgumentError, NotFoundError: unknown feeds, fetches or targets, or
@@ -100,6 +109,10 @@ def build_plan(
     read_refs_late(step.nodes)
     move_client_endpoints(step, incarnations.__getitem__)
     graphs = partition(step.nodes, incarnation=incarnations.__getitem__)
+    if functions:
+        for graph in graphs.values():
+            if any(node.op in WHILE_OPS for node in graph.node):
+                graph.library.function.extend(functions.values())
     return StepPlan(
         graphs=graphs,
         feed_keys=step.feed_keys,
@@ -138,6 +151,10 @@ def import_graph(
         check_kernels(inlined)
     else:
         check_kernels(graph_def)
+    for body in loop_bodies(graph_nodes, functions).values():
+        checked = GraphDef()
+        checked.node.extend(body)
+        check_kernels(checked)
     nodes: dict[str, NodeDef] = {}
     for node in graph_nodes:
         if node.name in existing:
@@ -185,12 +202,10 @@ def import_graph(
     return nodes
 
 
-# Ops that call graph functions which distserver does not inline (function calls and
-# If/StatelessIf are inlined by `functions.inline_functions`): what TF 2.x
-# `tf.while_loop`/`tf.switch_case` put into a graph.
-_FUNCTION_CALL_OPS = frozenset(
-    {"While", "StatelessWhile", "Case", "StatelessCase", "SymbolicGradient", "RemoteCall"}
-)  # fmt: skip
+# Ops that call graph functions which distserver neither inlines (function calls and
+# If/StatelessIf: `functions.inline_functions`) nor runs (While: kernels/functional.py):
+# what TF 2.x `tf.switch_case` puts into a graph.
+_FUNCTION_CALL_OPS = frozenset({"Case", "StatelessCase", "SymbolicGradient", "RemoteCall"})
 # Ops of TF 1.x control flow (tf.cond / tf.while_loop without control flow v2).
 # The loop ops of control flow v1 (conditionals, Switch/Merge, have kernels).
 _LOOP_OPS = frozenset(
@@ -228,8 +243,8 @@ def check_kernels(graph_def: GraphDef) -> None:
     )
     if not _FUNCTION_CALL_OPS.isdisjoint(unsupported):
         message += (
-            " Loops and switch_case of control flow v2 (While, Case) are not supported yet "
-            "(tf.function calls and tf.cond are): build the graph with "
+            " Case (tf.switch_case under control flow v2) is not supported yet "
+            "(tf.function calls, tf.cond and tf.while_loop are): build the graph with "
             "tf.compat.v1.disable_v2_behavior() (or disable_control_flow_v2()) where it has none."
         )
     if not _LOOP_OPS.isdisjoint(unsupported):
