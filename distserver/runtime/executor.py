@@ -75,6 +75,7 @@ class StepContext:
     # The graph's functions (functional ops call them), and the call this context runs.
     functions: FunctionLibraryRuntime | None = None
     frame: FunctionFrame | None = None
+    call_depth: int = 0
 
     async def call_function(self, function: NameAttrList, args: list[Any]) -> list[Any]:
         """Run `function` of the graph's library on `args` in this step (`KernelContext`)."""
@@ -109,9 +110,16 @@ class FunctionLibraryRuntime:
         return found
 
     async def call(self, ctx: StepContext, function: NameAttrList, args: list[Any]) -> list[Any]:
+        if ctx.call_depth >= MAX_CALL_DEPTH:
+            raise errors.InvalidArgumentError(
+                f"Function calls nest deeper than {MAX_CALL_DEPTH} (calling '{function.name}'): "
+                "a loop body that runs a loop over itself?"
+            )
         executor, num_results = self._executor(function)
         frame = FunctionFrame(args=list(args), retvals=[_NO_RESULT] * num_results)
-        await executor.run(dataclasses.replace(ctx, frame=frame, functions=self))
+        await executor.run(
+            dataclasses.replace(ctx, frame=frame, functions=self, call_depth=ctx.call_depth + 1)
+        )
         for index, value in enumerate(frame.retvals):
             if value is _NO_RESULT or value is DEAD:
                 raise errors.InvalidArgumentError(
@@ -121,6 +129,8 @@ class FunctionLibraryRuntime:
 
 
 _NO_RESULT = object()
+# Deepest chain of function calls (loops in loop bodies) one step may make.
+MAX_CALL_DEPTH = 64
 
 
 @dataclass

@@ -202,10 +202,9 @@ def import_graph(
     return nodes
 
 
-# Ops that call graph functions which distserver neither inlines (function calls and
-# If/StatelessIf: `functions.inline_functions`) nor runs (While: kernels/functional.py):
-# what TF 2.x `tf.switch_case` puts into a graph.
-_FUNCTION_CALL_OPS = frozenset({"Case", "StatelessCase", "SymbolicGradient", "RemoteCall"})
+# Ops that call graph functions which distserver neither inlines (function calls, If,
+# Case: `functions.inline_functions`) nor runs (While: kernels/functional.py).
+_FUNCTION_CALL_OPS = frozenset({"SymbolicGradient", "RemoteCall"})
 # Ops of TF 1.x control flow (tf.cond / tf.while_loop without control flow v2).
 # The loop ops of control flow v1 (conditionals, Switch/Merge, have kernels).
 _LOOP_OPS = frozenset(
@@ -243,9 +242,8 @@ def check_kernels(graph_def: GraphDef) -> None:
     )
     if not _FUNCTION_CALL_OPS.isdisjoint(unsupported):
         message += (
-            " Case (tf.switch_case under control flow v2) is not supported yet "
-            "(tf.function calls, tf.cond and tf.while_loop are): build the graph with "
-            "tf.compat.v1.disable_v2_behavior() (or disable_control_flow_v2()) where it has none."
+            " SymbolicGradient and RemoteCall are not supported (tf.function calls, tf.cond, "
+            "tf.switch_case and tf.while_loop are)."
         )
     if not _LOOP_OPS.isdisjoint(unsupported):
         message += " Loops of control flow v1 (tf.while_loop) are not supported; tf.cond is."

@@ -180,3 +180,26 @@ async def test_a_loop_whose_body_is_malformed_is_refused_when_the_graph_arrives(
     graph.node[1].attr["body"].CopyFrom(func_attr("missing"))
     with pytest.raises(errors.NotFoundError, match="'missing' is not defined"):
         await master.create_session(m.CreateSessionRequest(graph_def=graph))
+
+
+async def test_a_loop_body_that_loops_over_itself_is_stopped_at_a_depth(master):
+    selfish = function(
+        "selfish",
+        [("i", DT_INT32), ("total", DT_FLOAT), ("n", DT_INT32)],
+        [("i2", DT_INT32), ("total2", DT_FLOAT), ("n2", DT_INT32)],
+        [while_node("again", ["i", "total", "n"], "less", "selfish", [DT_INT32, DT_FLOAT, DT_INT32])],
+        {"i2": "again:output:0", "total2": "again:output:1", "n2": "n"},
+    )
+    graph = GraphDef()
+    graph.library.function.extend([LESS, selfish])
+    graph.node.extend(
+        [
+            scalar("zero", 0, DT_INT32),
+            scalar("zerof", 0.0, DT_FLOAT),
+            scalar("n", 1, DT_INT32),
+            while_node("w", ["zero", "zerof", "n"], "less", "selfish", [DT_INT32, DT_FLOAT, DT_INT32]),
+        ]
+    )
+    handle = (await master.create_session(m.CreateSessionRequest(graph_def=graph))).session_handle
+    with pytest.raises(errors.InvalidArgumentError, match="nest deeper than 64"):
+        await master.run_step(handle, {}, ["w:0"], [])
