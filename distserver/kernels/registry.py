@@ -366,6 +366,7 @@ def _load_builtin_kernels() -> None:
         import distserver.kernels.checkpoint
         import distserver.kernels.control_flow
         import distserver.kernels.conv
+        import distserver.kernels.datasets
         import distserver.kernels.functional
         import distserver.kernels.lookup
         import distserver.kernels.math

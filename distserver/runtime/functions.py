@@ -609,28 +609,37 @@ def _merged_device(device: str, caller: DeviceSpec | None) -> str:
     return caller.make_merged_spec(device).to_string()
 
 
-def loop_bodies(nodes: Iterable[NodeDef], library: Mapping[str, FunctionDef]) -> dict[str, list[NodeDef]]:
-    """The functions `While` nodes call (their `cond` and `body`, and those of loops
-    inside them), each instantiated and inlined: function name -> its nodes.
+def function_attrs(node: NodeDef) -> list[NameAttrList]:
+    """The functions a node's attrs name (a loop's cond and body, a dataset's map function, ...)."""
+    found = []
+    for value in node.attr.values():
+        if value.HasField("func"):
+            found.append(value.func)
+        elif value.HasField("list"):
+            found.extend(value.list.func)
+    return found
 
-    The master runs it when a graph arrives, so that a loop whose body is malformed
-    or uses an op without a kernel is refused before any step.
+
+def runtime_functions(
+    nodes: Iterable[NodeDef], library: Mapping[str, FunctionDef]
+) -> dict[str, list[NodeDef]]:
+    """The functions that nodes left after inlining call at run time (`While`'s cond and
+    body, `MapDataset`'s function, `OneShotIterator`'s dataset factory, and those they
+    call in turn), each instantiated and inlined: function name -> its nodes.
+
+    The master runs it when a graph arrives, so that a body that is malformed or uses
+    an op without a kernel is refused before any step.
 
     Raises:
         The errors of `instantiate` and `inline_functions`.
     """
     found: dict[str, list[NodeDef]] = {}
-    pending = [node.attr[attr].func for node in nodes if node.op in WHILE_OPS for attr in ("cond", "body")]
+    pending = [function for node in nodes for function in function_attrs(node)]
     while pending:
         function = pending.pop()
         if function.name in found:
             continue
         body = instantiate(library, function.name, function.attr)
         found[function.name] = inline_functions(body.graph_def.node, library)
-        pending.extend(
-            node.attr[attr].func
-            for node in found[function.name]
-            if node.op in WHILE_OPS
-            for attr in ("cond", "body")
-        )
+        pending.extend(called for node in found[function.name] for called in function_attrs(node))
     return found

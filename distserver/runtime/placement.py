@@ -43,6 +43,9 @@ RESOURCE_PRODUCERS = frozenset(
         "ConditionalAccumulator",
         "SparseConditionalAccumulator",
         "ResourceConditionalAccumulator",
+        # tf.data iterators: GetNext and MakeIterator run where the iterator is.
+        "IteratorV2",
+        "OneShotIterator",
     }
 )
 

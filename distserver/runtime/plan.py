@@ -31,11 +31,10 @@ from distserver.protos.function_pb2 import FunctionDef
 from distserver.protos.graph_pb2 import GraphDef
 from distserver.protos.node_def_pb2 import NodeDef
 from distserver.runtime.functions import (
-    WHILE_OPS,
     has_function_calls,
     index_library,
     inline_functions,
-    loop_bodies,
+    runtime_functions,
 )
 from distserver.runtime.names import parse_input, sendrecv_key
 from distserver.runtime.partition import partition
@@ -85,8 +84,9 @@ def build_plan(
         client_device: The master's device (feeds and fetches go through it).
         master_task: The master's task.
         allow_soft_placement: ConfigProto's option, for placement.
-        functions: The session's function library; a partition with a `While` gets
-            all of it (the loop's kernel calls its functions at run time).
+        functions: The function library every partition gets, for the nodes that call
+            functions at run time (`While`, and `IteratorGetNext` over a dataset whose
+            map function another step's graph named); None when no node does.
 
     Raises:
         InvalidArgumentError, NotFoundError: unknown feeds, fetches or targets, or
@@ -111,8 +111,7 @@ def build_plan(
     graphs = partition(step.nodes, incarnation=incarnations.__getitem__)
     if functions:
         for graph in graphs.values():
-            if any(node.op in WHILE_OPS for node in graph.node):
-                graph.library.function.extend(functions.values())
+            graph.library.function.extend(functions.values())
     return StepPlan(
         graphs=graphs,
         feed_keys=step.feed_keys,
@@ -151,7 +150,7 @@ def import_graph(
         check_kernels(inlined)
     else:
         check_kernels(graph_def)
-    for body in loop_bodies(graph_nodes, functions).values():
+    for body in runtime_functions(graph_nodes, functions).values():
         checked = GraphDef()
         checked.node.extend(body)
         check_kernels(checked)
