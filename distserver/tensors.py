@@ -6,7 +6,8 @@ A tensor value in distserver is a numpy array (0-d for a scalar):
 * DT_STRING tensors are object arrays of `bytes`;
 * DT_RESOURCE tensors are object arrays of `ResourceHandle` (one handle, 0-d, for a
   variable);
-* DT_VARIANT tensors are object arrays of `VariantTensorDataProto`.
+* DT_VARIANT tensors are object arrays of `VariantTensorDataProto`, or of values with a
+  `to_variant_proto()` method (kernels' variants, such as TensorLists), encoded by it.
 
 `to_tensor_proto` writes numeric tensors as `tensor_content` (the raw little-endian,
 row-major buffer, as TensorFlow's `AsProtoTensorContent` does), strings as
@@ -547,7 +548,7 @@ def _infer_datatype(array: NDArray[Any]) -> int:
     first = elements[0]
     if isinstance(first, ResourceHandle | ResourceHandleProto):
         return _DT.DT_RESOURCE
-    if isinstance(first, VariantTensorDataProto):
+    if isinstance(first, VariantTensorDataProto) or hasattr(first, "to_variant_proto"):
         return _DT.DT_VARIANT
     if isinstance(first, bytes | str):
         return _DT.DT_STRING
@@ -590,6 +591,8 @@ def _resource_elements(array: NDArray[Any]) -> list[ResourceHandleProto]:
 def _variant_elements(array: NDArray[Any]) -> list[VariantTensorDataProto]:
     out: list[VariantTensorDataProto] = []
     for item in array.ravel().tolist():
+        if hasattr(item, "to_variant_proto"):  # a kernel's variant value (a TensorList, ...)
+            item = item.to_variant_proto()
         if not isinstance(item, VariantTensorDataProto):
             raise TypeError(
                 f"Cannot convert a {type(item).__name__} element to a DT_VARIANT tensor; "
@@ -957,6 +960,8 @@ def tensor_nbytes(value: Any) -> int:
             total += item.to_proto().ByteSize()
         elif isinstance(item, ResourceHandleProto | VariantTensorDataProto):
             total += item.ByteSize()
+        elif hasattr(item, "to_variant_proto"):
+            total += item.to_variant_proto().ByteSize()
         else:
             raise TypeError(f"Cannot size a {type(item).__name__} tensor element")
     return total

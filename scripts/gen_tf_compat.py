@@ -31,6 +31,9 @@ GROUPS = {
     "ref_variables": "TF 1.x reference variables",
     "queue": "Queues",
     "accumulators": "Conditional accumulators (SyncReplicasOptimizer)",
+    "functional": "Graph functions and loops (control flow v2)",
+    "tensor_lists": "TensorLists (control flow v2 loops, TensorArrays, map_fn)",
+    "datasets": "tf.data datasets and iterators",
     "optionals": "Optionals (control flow v2 gradients)",
     "sendrecv": "Runtime (inserted by the master)",
 }

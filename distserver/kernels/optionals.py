@@ -3,8 +3,9 @@
 What control flow v2's `tf.cond` gradient builds: the forward `If` outputs each
 branch's intermediates wrapped in `OptionalFromValue`, and an `OptionalNone` from
 the branch that does not compute them; the gradient's branch unwraps them with
-`OptionalGetValue`. A value is a 0-d object array holding an `OptionalValue`; it
-lives on the task that made it (it has no wire form).
+`OptionalGetValue`. A value is a 0-d object array holding an `OptionalValue`; across
+tasks it travels as a `VariantTensorDataProto` ("tensorflow::data::OptionalVariant",
+the components as its tensors).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import numpy as np
 
 from distserver import errors
 from distserver.kernels.registry import KernelContext, OpKernel, register_kernel
+from distserver.protos.tensor_pb2 import VariantTensorDataProto
+from distserver.tensors import from_tensor_proto, to_tensor_proto
 
 
 @dataclass(frozen=True)
@@ -23,6 +26,13 @@ class OptionalValue:
     """The tensors an optional holds, or None when it is empty."""
 
     components: tuple[Any, ...] | None
+
+    TYPE_NAME = "tensorflow::data::OptionalVariant"
+
+    def to_variant_proto(self) -> VariantTensorDataProto:
+        proto = VariantTensorDataProto(type_name=self.TYPE_NAME)
+        proto.tensors.extend(to_tensor_proto(item) for item in self.components or ())
+        return proto
 
 
 def _wrap(value: OptionalValue) -> np.ndarray:
@@ -34,6 +44,9 @@ def _wrap(value: OptionalValue) -> np.ndarray:
 def _unwrap(tensor: Any) -> OptionalValue:
     value = np.asarray(tensor, dtype=object)
     item = value[()] if value.shape == () else None
+    if isinstance(item, VariantTensorDataProto) and item.type_name == OptionalValue.TYPE_NAME:
+        # From another task; an optional of no components reads as empty, as in TensorFlow.
+        item = OptionalValue(tuple(from_tensor_proto(t) for t in item.tensors) or None)
     if not isinstance(item, OptionalValue):
         raise errors.InvalidArgumentError(
             "Input tensor must be a scalar DT_VARIANT tensor holding an optional"

@@ -18,6 +18,7 @@ import functools
 import math
 import threading
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 import numpy as np
@@ -29,6 +30,7 @@ from distserver.tensors import as_numpy_dtype
 if TYPE_CHECKING:
     from distserver.devices import RendezvousKey
     from distserver.kernels.resources import ResourceManager
+    from distserver.protos.attr_value_pb2 import NameAttrList
     from distserver.protos.node_def_pb2 import NodeDef
 
 
@@ -73,6 +75,28 @@ class KernelContext(Protocol):
     def checkpoint_root(self) -> str | None:
         """The resolved directory checkpoint kernels may read and write under; None: none may."""
         ...
+
+    @property
+    def frame(self) -> FunctionFrame | None:
+        """The arguments and results of the function call this step runs, if it runs one."""
+        ...
+
+    async def call_function(self, function: NameAttrList, args: list[Any]) -> list[Any]:
+        """Run graph function `function` (name and attrs) of the graph's library on `args`.
+
+        What functional ops (`While`) use: the body runs on this device, in this step,
+        and is cancelled with it. Raises `NotFoundError` when the graph has no library
+        or no such function, and the body's errors.
+        """
+        ...
+
+
+@dataclass
+class FunctionFrame:
+    """One call of a graph function: `_Arg` kernels read `args`, `_Retval` kernels fill `retvals`."""
+
+    args: list[Any]
+    retvals: list[Any]
 
 
 class _Dead:
@@ -346,6 +370,8 @@ def _load_builtin_kernels() -> None:
         import distserver.kernels.checkpoint
         import distserver.kernels.control_flow
         import distserver.kernels.conv
+        import distserver.kernels.datasets
+        import distserver.kernels.functional
         import distserver.kernels.lookup
         import distserver.kernels.math
         import distserver.kernels.nn
@@ -359,7 +385,8 @@ def _load_builtin_kernels() -> None:
         import distserver.kernels.state
         import distserver.kernels.stateless_random
         import distserver.kernels.strings
-        import distserver.kernels.summary  # noqa: F401
+        import distserver.kernels.summary
+        import distserver.kernels.tensor_lists  # noqa: F401
 
         _loaded = True
 

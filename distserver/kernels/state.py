@@ -151,6 +151,22 @@ class ReadVariableOpKernel(_VariableKernel):
         return [value]
 
 
+@register_kernel("VariableShape")
+class VariableShapeKernel(_VariableKernel):
+    """The shape of the variable's current value, as `out_type` (int32 by default)."""
+
+    runs_on_loop = True
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        self.out_type = self.attr_type("out_type", np.dtype(np.int32))
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        handle = self._handle(ctx, inputs[0])
+        variable = self._lookup(ctx, handle)
+        return [np.array(self._current(variable, handle).shape, dtype=self.out_type)]
+
+
 @register_kernel("AssignVariableOp")
 class AssignVariableOpKernel(_VariableKernel):
     """Stores a copy of `value`, creating the variable when absent; shapes may change.

@@ -29,9 +29,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import threading
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,15 +44,19 @@ from distserver.kernels.registry import (
     CARRIES_DEADNESS,
     DEAD,
     SKIP_WHEN_DEAD,
+    FunctionFrame,
     KernelContext,
     OpKernel,
     create_kernel,
 )
 from distserver.kernels.resources import ResourceManager
+from distserver.protos.attr_value_pb2 import NameAttrList
 from distserver.protos.debug_pb2 import DeviceStepStats
+from distserver.protos.function_pb2 import FunctionDef
 from distserver.protos.graph_pb2 import GraphDef
 from distserver.protos.node_def_pb2 import NodeDef
 from distserver.runtime.concurrency import first_error
+from distserver.runtime.functions import index_library, inline_functions, instantiate
 from distserver.runtime.names import parse_input
 from distserver.runtime.rendezvous import StepRendezvous
 
@@ -70,6 +76,65 @@ class StepContext:
     pool: concurrent.futures.Executor | None = None
     # Where checkpoint kernels may touch files (resolved); None refuses them.
     checkpoint_root: str | None = None
+    # The graph's functions (functional ops call them), and the call this context runs.
+    functions: FunctionLibraryRuntime | None = None
+    frame: FunctionFrame | None = None
+    call_depth: int = 0
+
+    async def call_function(self, function: NameAttrList, args: list[Any]) -> list[Any]:
+        """Run `function` of the graph's library on `args` in this step (`KernelContext`)."""
+        if self.functions is None:
+            raise errors.NotFoundError(
+                f"Function '{function.name}' is called, but the graph has no function library"
+            )
+        return await self.functions.call(self, function, args)
+
+
+class FunctionLibraryRuntime:
+    """The functions of one registered graph, instantiated (and inlined) on first call.
+
+    Each (function, attrs) gets one `Executor` over its body, shared by every call; a
+    call runs it with a `FunctionFrame` of its own in a copy of the caller's context,
+    so it belongs to the caller's step (rendezvous, resources, cancellation).
+    """
+
+    def __init__(self, library: Mapping[str, FunctionDef]) -> None:
+        self._library = library
+        self._executors: dict[bytes, tuple[Executor, int]] = {}
+
+    def _executor(self, function: NameAttrList) -> tuple[Executor, int]:
+        key = function.SerializeToString(deterministic=True)
+        found = self._executors.get(key)
+        if found is None:
+            body = instantiate(self._library, function.name, function.attr)
+            graph = GraphDef()
+            graph.node.extend(inline_functions(body.graph_def.node, self._library))
+            found = (Executor(graph), len(body.retvals))
+            self._executors[key] = found
+        return found
+
+    async def call(self, ctx: StepContext, function: NameAttrList, args: list[Any]) -> list[Any]:
+        if ctx.call_depth >= MAX_CALL_DEPTH:
+            raise errors.InvalidArgumentError(
+                f"Function calls nest deeper than {MAX_CALL_DEPTH} (calling '{function.name}'): "
+                "a loop body that runs a loop over itself?"
+            )
+        executor, num_results = self._executor(function)
+        frame = FunctionFrame(args=list(args), retvals=[_NO_RESULT] * num_results)
+        await executor.run(
+            dataclasses.replace(ctx, frame=frame, functions=self, call_depth=ctx.call_depth + 1)
+        )
+        for index, value in enumerate(frame.retvals):
+            if value is _NO_RESULT or value is DEAD:
+                raise errors.InvalidArgumentError(
+                    f"Function '{function.name}' did not compute its result {index}"
+                )
+        return frame.retvals
+
+
+_NO_RESULT = object()
+# Deepest chain of function calls (loops in loop bodies) one step may make.
+MAX_CALL_DEPTH = 64
 
 
 # How the executor runs a node's kernel (`_Node.mode`), decided once per graph.
@@ -139,6 +204,11 @@ class Executor:
             node.sources = tuple(src for src, _ in node.inputs)
         self._roots = [n.index for n in self._nodes if n.num_waits == 0]
         self._check_acyclic()
+        self._functions = (
+            FunctionLibraryRuntime(index_library(graph_def.library))
+            if len(graph_def.library.function)
+            else None
+        )
         self._plan_fixed_nodes()
 
     def _plan_fixed_nodes(self) -> None:
@@ -191,6 +261,8 @@ class Executor:
         With `stats`, each node that runs adds its timings (`NodeExecStats`: start,
         end, a timeline label; what `RunOptions(trace_level=FULL_TRACE)` returns).
         """
+        if self._functions is not None and ctx.functions is None:
+            ctx = dataclasses.replace(ctx, functions=self._functions)
         nodes = self._nodes
         # Outputs still to be taken by a consumer; a node's entry is dropped with its last read.
         unread = [n.num_reads for n in nodes]

@@ -12,7 +12,8 @@ Pure (no I/O, no asyncio). Two entry points:
   body that are placeholders (`"$T"`) take the call's values.
 * `inline_functions(nodes, library)` replaces every call in a graph (`PartitionedCall`,
   `StatefulPartitionedCall`, a node whose op is a library function) by the callee's
-  body, and lowers `If`/`StatelessIf` to `Switch`/`Merge` with both branches inlined,
+  body, and lowers `If`/`StatelessIf` and `Case`/`StatelessCase` to `Switch`/`Merge`
+  with every branch inlined,
   as TensorFlow does before placement, so a function's body may span tasks.
 
 A library comes from a client and is not trusted: nesting depth, recursion and the
@@ -35,12 +36,15 @@ from distserver.protos.function_pb2 import FunctionDef, FunctionDefLibrary
 from distserver.protos.graph_pb2 import GraphDef
 from distserver.protos.node_def_pb2 import NodeDef
 from distserver.protos.op_def_pb2 import OpDef
-from distserver.protos.types_pb2 import DT_BOOL, DataType
+from distserver.protos.types_pb2 import DT_BOOL, DT_INT32, DataType
 
 CALL_OPS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
 IF_OPS = frozenset({"If", "StatelessIf"})
-INLINED_OPS = CALL_OPS | IF_OPS
+CASE_OPS = frozenset({"Case", "StatelessCase"})
+INLINED_OPS = CALL_OPS | IF_OPS | CASE_OPS
 """Ops that `inline_functions` rewrites away; they have no kernel of their own."""
+WHILE_OPS = frozenset({"While", "StatelessWhile"})
+"""Ops that stay in the graph and call functions at run time (kernels/functional.py)."""
 
 MAX_NESTING = 32
 """Deepest chain of calls inside calls that is inlined."""
@@ -366,6 +370,8 @@ class _Inliner:
                 self.inline_call(node, node.op, node.attr, out, depth, stack)
             elif node.op in IF_OPS:
                 self.lower_if(node, out, depth, stack)
+            elif node.op in CASE_OPS:
+                self.lower_case(node, out, depth, stack)
             else:
                 self.emit(out, node)
 
@@ -509,6 +515,87 @@ class _Inliner:
         # The branch calls are inlined at this depth: lowering is not a call of its own.
         self.expand(made, out, depth, stack)
 
+    def lower_case(self, node: NodeDef, out: list[NodeDef], depth: int, stack: tuple[str, ...]) -> None:
+        """`Case(branch_index, args)`: branch k runs when the index is k; an index out of
+        range runs the last branch, as in TensorFlow. Each branch gets a predicate, a
+        `Switch` per input on it and an inlined call; a `Merge` per output joins them."""
+        data_inputs = [text for text in node.input if not text.startswith("^")]
+        controls = [text for text in node.input if text.startswith("^")]
+        branches = list(node.attr["branches"].list.func)
+        if not data_inputs or not branches:
+            raise errors.InvalidArgumentError(
+                f"Node '{node.name}' ({node.op}) needs a branch index and at least one branch",
+                node_name=node.name,
+            )
+        index, args = data_inputs[0], data_inputs[1:]
+        in_types = list(node.attr["Tin"].list.type)
+        out_types = list(node.attr["Tout"].list.type)
+        if len(in_types) != len(args):
+            raise errors.InvalidArgumentError(
+                f"Node '{node.name}' ({node.op}) has {len(args)} inputs besides the index; "
+                f"Tin lists {len(in_types)}",
+                node_name=node.name,
+            )
+        prefix = f"{node.name}/"
+        device = node.device
+        made: list[NodeDef] = []
+
+        def add(name: str, op: str, inputs: Sequence[str], **type_attrs: DataType) -> NodeDef:
+            new = NodeDef(name=prefix + name, op=op, device=device)
+            new.input.extend(inputs)
+            for key, dtype in type_attrs.items():
+                new.attr[key].type = dtype
+            made.append(new)
+            return new
+
+        def constant(name: str, value: int) -> str:
+            new = add(name, "Const", controls, dtype=DT_INT32)
+            new.attr["value"].tensor.dtype = DT_INT32
+            new.attr["value"].tensor.int_val.append(value)
+            return new.name
+
+        last = len(branches) - 1
+        predicates = [
+            add(f"is_{k}", "Equal", [index, constant(f"index_{k}", k)], T=DT_INT32).name for k in range(last)
+        ]
+        if last:
+            at_least = add("at_least_0", "GreaterEqual", [index, constant("zero", 0)], T=DT_INT32)
+            below = add("below_last", "Less", [index, constant("last", last)], T=DT_INT32)
+            in_range = add("not_last", "LogicalAnd", [at_least.name, below.name])
+            predicates.append(add(f"is_{last}", "LogicalNot", [in_range.name]).name)
+        else:
+            predicates.append(add("always", "Const", controls, dtype=DT_BOOL).name)
+            made[-1].attr["value"].tensor.dtype = DT_BOOL
+            made[-1].attr["value"].tensor.bool_val.append(True)
+        done = []
+        for k, (branch, predicate) in enumerate(zip(branches, predicates, strict=True)):
+            switch_pred = add(f"switch_pred_{k}", "Switch", [predicate, predicate, *controls], T=DT_BOOL)
+            pivot = add(f"pivot_{k}", "Identity", [f"{switch_pred.name}:1"], T=DT_BOOL)
+            switches = [
+                add(f"input_{k}_{i}", "Switch", [arg, predicate], T=dtype)
+                for i, (arg, dtype) in enumerate(zip(args, in_types, strict=True))
+            ]
+            call = NodeDef(name=f"{prefix}branch_{k}", op="PartitionedCall", device=device)
+            call.input.extend([f"{switch.name}:1" for switch in switches] + [f"^{pivot.name}"])
+            call.attr["f"].func.CopyFrom(branch)
+            made.append(call)
+            done.append(add(f"branch_{k}_done", "Identity", [f"{pivot.name}:0", f"^{call.name}"], T=DT_BOOL))
+        executed = add("branch_executed", "Merge", [branch.name for branch in done], T=DT_BOOL)
+        executed.attr["N"].i = len(done)
+        merges = []
+        for i, dtype in enumerate(out_types):
+            merge = add(
+                f"output_{i}", "Merge", [f"{prefix}branch_{k}:{i}" for k in range(len(branches))], T=dtype
+            )
+            merge.attr["N"].i = len(branches)
+            merges.append(merge)
+        result = NodeDef(name=node.name, op="IdentityN" if out_types else "NoOp", device=device)
+        result.input.extend([f"{merge.name}:0" for merge in merges] + [f"^{executed.name}"])
+        if out_types:
+            result.attr["T"].list.type.extend(out_types)
+        made.append(result)
+        self.expand(made, out, depth, stack)
+
 
 def _prefixed(text: str, prefix: str) -> str:
     return f"^{prefix}{text[1:]}" if text.startswith("^") else prefix + text
@@ -520,3 +607,39 @@ def _merged_device(device: str, caller: DeviceSpec | None) -> str:
     if not device:
         return caller.to_string()
     return caller.make_merged_spec(device).to_string()
+
+
+def function_attrs(node: NodeDef) -> list[NameAttrList]:
+    """The functions a node's attrs name (a loop's cond and body, a dataset's map function, ...)."""
+    found = []
+    for value in node.attr.values():
+        if value.HasField("func"):
+            found.append(value.func)
+        elif value.HasField("list"):
+            found.extend(value.list.func)
+    return found
+
+
+def runtime_functions(
+    nodes: Iterable[NodeDef], library: Mapping[str, FunctionDef]
+) -> dict[str, list[NodeDef]]:
+    """The functions that nodes left after inlining call at run time (`While`'s cond and
+    body, `MapDataset`'s function, `OneShotIterator`'s dataset factory, and those they
+    call in turn), each instantiated and inlined: function name -> its nodes.
+
+    The master runs it when a graph arrives, so that a body that is malformed or uses
+    an op without a kernel is refused before any step.
+
+    Raises:
+        The errors of `instantiate` and `inline_functions`.
+    """
+    found: dict[str, list[NodeDef]] = {}
+    pending = [function for node in nodes for function in function_attrs(node)]
+    while pending:
+        function = pending.pop()
+        if function.name in found:
+            continue
+        body = instantiate(library, function.name, function.attr)
+        found[function.name] = inline_functions(body.graph_def.node, library)
+        pending.extend(called for node in found[function.name] for called in function_attrs(node))
+    return found

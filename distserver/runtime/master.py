@@ -38,7 +38,7 @@ from distserver.protos.node_def_pb2 import NodeDef
 from distserver.protos.tensor_pb2 import TensorProto
 from distserver.runtime.clients import WorkerClient
 from distserver.runtime.concurrency import decode_message_tensors, gather_all
-from distserver.runtime.functions import index_library
+from distserver.runtime.functions import function_attrs, index_library
 from distserver.runtime.names import canonical_tensor_name
 from distserver.runtime.plan import build_plan, import_graph
 from distserver.runtime.worker import Worker
@@ -103,6 +103,8 @@ class MasterSession:
     nodes: dict[str, NodeDef] = field(default_factory=dict)
     functions: dict[str, FunctionDef] = field(default_factory=dict)
     """The graph's function library so far (calls are inlined when a graph arrives)."""
+    calls_functions: bool = False
+    """Some node calls functions at run time (a While, a dataset op): partitions get the library."""
     version: int = 0
     plans: dict[tuple[Any, ...], asyncio.Future[_RegisteredPlan]] = field(default_factory=dict)
     callables: dict[int, _Callable] = field(default_factory=dict)
@@ -258,6 +260,7 @@ class Master:
             devices=devices,
             nodes=nodes,
             functions=functions,
+            calls_functions=any(function_attrs(node) for node in nodes.values()),
             last_used=asyncio.get_running_loop().time(),
         )
         self._sessions[handle] = session
@@ -280,6 +283,9 @@ class Master:
             )
         session.nodes.update(nodes)
         session.functions = functions
+        session.calls_functions = session.calls_functions or any(
+            function_attrs(node) for node in nodes.values()
+        )
         session.version += 1
         return m.ExtendSessionResponse(new_graph_version=session.version)
 
@@ -546,6 +552,7 @@ class Master:
             client_device=self._local_device(session).name,
             master_task=self.task_name,
             allow_soft_placement=session.config.allow_soft_placement,
+            functions=session.functions if session.calls_functions else None,
         )
         feed_keys = set(plan.feed_keys.values())
         fetch_keys = set(plan.fetch_keys.values())

@@ -43,6 +43,9 @@ RESOURCE_PRODUCERS = frozenset(
         "ConditionalAccumulator",
         "SparseConditionalAccumulator",
         "ResourceConditionalAccumulator",
+        # tf.data iterators: GetNext and MakeIterator run where the iterator is.
+        "IteratorV2",
+        "OneShotIterator",
     }
 )
 
@@ -92,8 +95,10 @@ def _colocation_targets(node: NodeDef, by_name: dict[str, NodeDef]) -> tuple[lis
 
 # Ops that pass a value through unchanged (output k is input k, or input 0): a resource
 # handle keeps its device through them. Inlined functions put an `Identity` per argument
-# and an `IdentityN` per call between a variable and its readers; lowered `If`s a `Switch`.
-_PASS_THROUGH = frozenset({"Identity", "IdentityN", "Switch"})
+# and an `IdentityN` per call between a variable and its readers; lowered `If`s a `Switch`;
+# a `While` passes a loop-invariant handle from its input k to its output k.
+_PASS_THROUGH = frozenset({"Identity", "IdentityN", "Switch", "While", "StatelessWhile"})
+_PORT_FOR_PORT = frozenset({"IdentityN", "While", "StatelessWhile"})
 
 
 def _resource_producer(src: str, port: int, by_name: dict[str, NodeDef]) -> str | None:
@@ -107,7 +112,7 @@ def _resource_producer(src: str, port: int, by_name: dict[str, NodeDef]) -> str 
         if node.op not in _PASS_THROUGH:
             return None
         data = [text for text in node.input if not text.startswith("^")]
-        index = port if node.op == "IdentityN" else 0
+        index = port if node.op in _PORT_FOR_PORT else 0
         if index >= len(data):
             return None
         src, port, _ = parse_input(data[index])

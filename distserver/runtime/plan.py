@@ -30,7 +30,12 @@ from distserver.kernels.ref_variables import REF_OUTPUT_OPS
 from distserver.protos.function_pb2 import FunctionDef
 from distserver.protos.graph_pb2 import GraphDef
 from distserver.protos.node_def_pb2 import NodeDef
-from distserver.runtime.functions import has_function_calls, index_library, inline_functions
+from distserver.runtime.functions import (
+    has_function_calls,
+    index_library,
+    inline_functions,
+    runtime_functions,
+)
 from distserver.runtime.names import parse_input, sendrecv_key
 from distserver.runtime.partition import partition
 from distserver.runtime.placement import place
@@ -66,6 +71,7 @@ def build_plan(
     client_device: str,
     master_task: str,
     allow_soft_placement: bool = False,
+    functions: Mapping[str, FunctionDef] | None = None,
 ) -> StepPlan:
     """Plan one step signature.
 
@@ -78,6 +84,9 @@ def build_plan(
         client_device: The master's device (feeds and fetches go through it).
         master_task: The master's task.
         allow_soft_placement: ConfigProto's option, for placement.
+        functions: The function library every partition gets, for the nodes that call
+            functions at run time (`While`, and `IteratorGetNext` over a dataset whose
+            map function another step's graph named); None when no node does.
 
     Raises:
         InvalidArgumentError, NotFoundError: unknown feeds, fetches or targets, or
@@ -100,6 +109,9 @@ def build_plan(
     read_refs_late(step.nodes)
     move_client_endpoints(step, incarnations.__getitem__)
     graphs = partition(step.nodes, incarnation=incarnations.__getitem__)
+    if functions:
+        for graph in graphs.values():
+            graph.library.function.extend(functions.values())
     return StepPlan(
         graphs=graphs,
         feed_keys=step.feed_keys,
@@ -138,6 +150,10 @@ def import_graph(
         check_kernels(inlined)
     else:
         check_kernels(graph_def)
+    for body in runtime_functions(graph_nodes, functions).values():
+        checked = GraphDef()
+        checked.node.extend(body)
+        check_kernels(checked)
     nodes: dict[str, NodeDef] = {}
     for node in graph_nodes:
         if node.name in existing:
@@ -185,12 +201,9 @@ def import_graph(
     return nodes
 
 
-# Ops that call graph functions which distserver does not inline (function calls and
-# If/StatelessIf are inlined by `functions.inline_functions`): what TF 2.x
-# `tf.while_loop`/`tf.switch_case` put into a graph.
-_FUNCTION_CALL_OPS = frozenset(
-    {"While", "StatelessWhile", "Case", "StatelessCase", "SymbolicGradient", "RemoteCall"}
-)  # fmt: skip
+# Ops that call graph functions which distserver neither inlines (function calls, If,
+# Case: `functions.inline_functions`) nor runs (While: kernels/functional.py).
+_FUNCTION_CALL_OPS = frozenset({"SymbolicGradient", "RemoteCall"})
 # Ops of TF 1.x control flow (tf.cond / tf.while_loop without control flow v2).
 # The loop ops of control flow v1 (conditionals, Switch/Merge, have kernels).
 _LOOP_OPS = frozenset(
@@ -228,9 +241,8 @@ def check_kernels(graph_def: GraphDef) -> None:
     )
     if not _FUNCTION_CALL_OPS.isdisjoint(unsupported):
         message += (
-            " Loops and switch_case of control flow v2 (While, Case) are not supported yet "
-            "(tf.function calls and tf.cond are): build the graph with "
-            "tf.compat.v1.disable_v2_behavior() (or disable_control_flow_v2()) where it has none."
+            " SymbolicGradient and RemoteCall are not supported (tf.function calls, tf.cond, "
+            "tf.switch_case and tf.while_loop are)."
         )
     if not _LOOP_OPS.isdisjoint(unsupported):
         message += " Loops of control flow v1 (tf.while_loop) are not supported; tf.cond is."

@@ -1,6 +1,6 @@
 """Graph functions from a real TensorFlow client: tf.function calls in a graph (nested,
 spanning tasks, with gradients, updating a variable on the ps) and control flow v2's
-tf.cond, compared with TensorFlow alone."""
+tf.cond and tf.switch_case, compared with TensorFlow alone."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ SAME = [
     "cond_grad_True",
     "cond_grad_False",
     "call_grad",
+    *(f"switch_case_{index}" for index in (-1, 0, 1, 2, 7)),
     "one_branch_updates",
     "update",
     "train",

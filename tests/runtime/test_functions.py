@@ -15,7 +15,7 @@ from distserver.protos.attr_value_pb2 import AttrValue
 from distserver.protos.function_pb2 import FunctionDef, FunctionDefLibrary
 from distserver.protos.graph_pb2 import GraphDef
 from distserver.protos.node_def_pb2 import NodeDef
-from distserver.protos.types_pb2 import DT_BOOL, DT_FLOAT, DT_RESOURCE
+from distserver.protos.types_pb2 import DT_BOOL, DT_FLOAT, DT_INT32, DT_RESOURCE
 from distserver.runtime import functions
 from distserver.runtime.functions import (
     INLINED_OPS,
@@ -363,3 +363,27 @@ def test_readers_of_a_variable_passed_to_a_function_are_placed_with_the_variable
     devices = {n.name: n.device for n in nodes}
     assert devices["c/v"] == devices["c/read"] == ps  # the handle's Identity and its reader
     assert devices["c/neg"] == worker
+
+
+async def test_a_session_runs_a_lowered_case_with_the_last_branch_for_indexes_out_of_range():
+    def unary(name, op):
+        return function(
+            name, [("x", DT_FLOAT)], [("y", DT_FLOAT)], [node("out", op, ["x"], T=DT_FLOAT)], {"y": "out:y:0"}
+        )
+
+    graph = GraphDef()
+    graph.library.function.extend([unary("neg", "Neg"), unary("square", "Square"), unary("exp", "Exp")])
+    case = node("case", "Case", ["i", "x"])
+    case.attr["branches"].list.func.extend([func_attr(name).func for name in ("neg", "square", "exp")])
+    case.attr["Tin"].list.type.append(DT_FLOAT)
+    case.attr["Tout"].list.type.append(DT_FLOAT)
+    graph.node.extend(
+        [node("i", "Placeholder", dtype=DT_INT32), node("x", "Placeholder", dtype=DT_FLOAT), case]
+    )
+    async with ds.AsyncServer({"localhost": ["localhost:0"]}) as server:
+        master = server.master
+        handle = (await master.create_session(m.CreateSessionRequest(graph_def=graph))).session_handle
+        x = np.float32(2)
+        for index, expected in ((0, -2.0), (1, 4.0), (2, np.exp(2.0)), (5, np.exp(2.0)), (-1, np.exp(2.0))):
+            got = await master.run_step(handle, {"i:0": np.int32(index), "x:0": x}, ["case:0"], [])
+            np.testing.assert_allclose(got["case:0"], expected, rtol=1e-6)

@@ -63,7 +63,7 @@ def test_check_kernels_names_every_unsupported_op_and_a_node():
 @pytest.mark.parametrize(
     ("op", "hint"),
     [
-        ("StatelessWhile", "disable_v2_behavior"),
+        ("SymbolicGradient", "SymbolicGradient and RemoteCall are not supported"),
         ("Enter", "Loops of control flow v1 (tf.while_loop) are not supported"),
     ],
 )

@@ -75,12 +75,16 @@ def build(remote: bool) -> tuple[tf.Graph, dict]:
                     return tf.identity(x[0])
 
             one_branch = tf.cond(pred, bump, lambda: tf.identity(x[1]))
+            index = tf1.placeholder(tf.int32, [], name="index")
+            switched = tf.switch_case(
+                index, [lambda: tf.reduce_sum(x * w), lambda: x[0] * 2.0, lambda: tf.reduce_max(x)]
+            )
         updated = update(x)
         init = tf1.global_variables_initializer()
     nodes = dict(
         x=x, pred=pred, w=w, counter=counter, y=y, yy=yy, spans=spans, chosen=chosen,
         grad_w=grad_w, grad_fn=grad_fn, train=train, loss=loss, one_branch=one_branch,
-        updated=updated, init=init,
+        updated=updated, init=init, index=index, switched=switched,
     )  # fmt: skip
     return graph, nodes
 
@@ -98,6 +102,11 @@ def run_all(prefix: str, target: str, remote: bool) -> None:
             checks.run(f"{prefix}/cond_{pred}", lambda p=pred: sess.run(n["chosen"], {**feed, n["pred"]: p}))
             checks.run(
                 f"{prefix}/cond_grad_{pred}", lambda p=pred: sess.run(n["grad_w"], {**feed, n["pred"]: p})
+            )
+        for index in (-1, 0, 1, 2, 7):
+            checks.run(
+                f"{prefix}/switch_case_{index}",
+                lambda i=index: sess.run(n["switched"], {**feed, n["index"]: i}),
             )
         checks.run(f"{prefix}/call_grad", lambda: sess.run(n["grad_fn"], feed))
         for pred in (True, True, False):

@@ -1,0 +1,551 @@
+"""tf.data in graph mode, the core set: datasets as values, iterators as resources.
+
+A dataset op outputs a 0-d object array holding a `Dataset` (a description: its
+inputs and parameters, nothing read yet). An iterator is a resource on the task that
+holds it (`IteratorV2`, `OneShotIterator`); `MakeIterator` starts a fresh pass over a
+dataset in it and `IteratorGetNext` takes the next element, or raises
+`OutOfRangeError("End of sequence")` at the end, as TensorFlow does. `MapDataset` and
+`FilterDataset` call their functions through `KernelContext.call_function`, in the
+step of the `IteratorGetNext` that needs the element; `OneShotIterator` calls its
+`dataset_factory` once, on its first run.
+
+`ShuffleDataset` is seeded (numpy's generator from `seed`/`seed2`): the same seeds
+give the same order in every run, but not TensorFlow's order. `PrefetchDataset`
+passes elements through (nothing is computed ahead). Datasets do not cross tasks:
+an iterator's ops run where the iterator is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from distserver import errors
+from distserver.kernels._common import handle_input, handle_output
+from distserver.kernels.functional import to_bool
+from distserver.kernels.registry import KernelContext, OpKernel, register_kernel
+from distserver.kernels.resources import DEFAULT_CONTAINER
+from distserver.protos.resource_handle_pb2 import ResourceHandleProto
+from distserver.tensors import ResourceHandle, as_numpy_dtype
+
+if TYPE_CHECKING:
+    from distserver.protos.attr_value_pb2 import NameAttrList
+    from distserver.protos.node_def_pb2 import NodeDef
+
+# Elements a shuffle buffer or a batch may hold (a hostile graph could ask for more).
+MAX_BUFFERED_ELEMENTS = 1 << 22
+
+Element = list[Any]
+_anonymous_ids = itertools.count()
+
+
+class ElementIterator:
+    """One pass over a dataset."""
+
+    async def next(self, ctx: KernelContext) -> Element | None:
+        """The next element, or None at the end."""
+        raise NotImplementedError
+
+
+class Dataset:
+    """A dataset description; `iterate()` starts a pass over it."""
+
+    def iterate(self) -> ElementIterator:
+        raise NotImplementedError
+
+
+def _wrap(dataset: Dataset) -> np.ndarray:
+    out = np.empty((), dtype=object)
+    out[()] = dataset
+    return out
+
+
+def _dataset(value: Any) -> Dataset:
+    array = np.asarray(value, dtype=object)
+    item = array[()] if array.shape == () else None
+    if not isinstance(item, Dataset):
+        raise errors.InvalidArgumentError("Expected a dataset (a DT_VARIANT tensor made by a dataset op)")
+    return item
+
+
+def _count(value: Any, what: str) -> int:
+    array = np.asarray(value)
+    if array.shape != ():
+        raise errors.InvalidArgumentError(f"{what} must be a scalar, got shape {list(array.shape)}")
+    return int(array)
+
+
+class _ListIterator(ElementIterator):
+    def __init__(self, elements: Sequence[Element]) -> None:
+        self.elements = elements
+        self.position = 0
+
+    async def next(self, ctx: KernelContext) -> Element | None:
+        if self.position >= len(self.elements):
+            return None
+        self.position += 1
+        return self.elements[self.position - 1]
+
+
+class TensorSlices(Dataset):
+    def __init__(self, components: list[Any]) -> None:
+        sizes = {np.shape(c)[0] if np.ndim(c) else None for c in components}
+        if not components or None in sizes or len(sizes) != 1:
+            raise errors.InvalidArgumentError(
+                "All components must be at least vectors with the same first dimension"
+            )
+        self.components = components
+        self.size = int(np.shape(components[0])[0])
+
+    def iterate(self) -> ElementIterator:
+        return _ListIterator([[c[i] for c in self.components] for i in range(self.size)])
+
+
+class Tensors(Dataset):
+    def __init__(self, components: list[Any]) -> None:
+        self.components = components
+
+    def iterate(self) -> ElementIterator:
+        return _ListIterator([self.components])
+
+
+class Range(Dataset):
+    def __init__(self, start: int, stop: int, step: int, dtype: np.dtype[Any]) -> None:
+        if step == 0:
+            raise errors.InvalidArgumentError("step must be a non-zero integer.")
+        self.values = range(start, stop, step)
+        self.dtype = dtype
+
+    def iterate(self) -> ElementIterator:
+        dataset = self
+
+        class Counting(ElementIterator):
+            position = 0
+
+            async def next(self, ctx: KernelContext) -> Element | None:
+                if self.position >= len(dataset.values):
+                    return None
+                self.position += 1
+                return [np.asarray(dataset.values[self.position - 1], dtype=dataset.dtype)]
+
+        return Counting()
+
+
+class _Wrapping(Dataset):
+    """A dataset over another one."""
+
+    def __init__(self, source: Dataset) -> None:
+        self.source = source
+
+
+class Batch(_Wrapping):
+    def __init__(self, source: Dataset, size: int, drop_remainder: bool) -> None:
+        super().__init__(source)
+        if not 0 < size <= MAX_BUFFERED_ELEMENTS:
+            raise errors.InvalidArgumentError(f"Batch size must be greater than zero, got {size}")
+        self.size, self.drop_remainder = size, drop_remainder
+
+    def iterate(self) -> ElementIterator:
+        dataset, source = self, self.source.iterate()
+
+        class Batching(ElementIterator):
+            async def next(self, ctx: KernelContext) -> Element | None:
+                rows: list[Element] = []
+                while len(rows) < dataset.size:
+                    element = await source.next(ctx)
+                    if element is None:
+                        break
+                    rows.append(element)
+                if not rows or (dataset.drop_remainder and len(rows) < dataset.size):
+                    return None
+                try:
+                    return [np.stack([np.asarray(row[i]) for row in rows]) for i in range(len(rows[0]))]
+                except ValueError as exc:
+                    raise errors.InvalidArgumentError(
+                        f"Cannot batch tensors with different shapes in a component: {exc}"
+                    ) from None
+
+        return Batching()
+
+
+class Repeat(_Wrapping):
+    def __init__(self, source: Dataset, count: int) -> None:
+        super().__init__(source)
+        self.count = count
+
+    def iterate(self) -> ElementIterator:
+        dataset = self
+
+        class Repeating(ElementIterator):
+            def __init__(self) -> None:
+                self.epoch = 0
+                self.current = dataset.source.iterate()
+                self.seen_any = False
+
+            async def next(self, ctx: KernelContext) -> Element | None:
+                while dataset.count < 0 or self.epoch < dataset.count:
+                    element = await self.current.next(ctx)
+                    if element is not None:
+                        self.seen_any = True
+                        return element
+                    self.epoch += 1
+                    if not self.seen_any:  # an empty input repeats to nothing, not forever
+                        return None
+                    self.current = dataset.source.iterate()
+                return None
+
+        return Repeating()
+
+
+class Take(_Wrapping):
+    def __init__(self, source: Dataset, count: int) -> None:
+        super().__init__(source)
+        self.count = count
+
+    def iterate(self) -> ElementIterator:
+        dataset, source = self, self.source.iterate()
+
+        class Taking(ElementIterator):
+            taken = 0
+
+            async def next(self, ctx: KernelContext) -> Element | None:
+                if 0 <= dataset.count <= self.taken:
+                    return None
+                self.taken += 1
+                return await source.next(ctx)
+
+        return Taking()
+
+
+class Skip(_Wrapping):
+    def __init__(self, source: Dataset, count: int) -> None:
+        super().__init__(source)
+        self.count = count
+
+    def iterate(self) -> ElementIterator:
+        dataset, source = self, self.source.iterate()
+
+        class Skipping(ElementIterator):
+            skipped = False
+
+            async def next(self, ctx: KernelContext) -> Element | None:
+                if not self.skipped:
+                    self.skipped = True
+                    n = 0
+                    while dataset.count < 0 or n < dataset.count:
+                        if await source.next(ctx) is None:
+                            return None
+                        n += 1
+                return await source.next(ctx)
+
+        return Skipping()
+
+
+class Shuffle(_Wrapping):
+    def __init__(self, source: Dataset, buffer_size: int, seed: int, seed2: int, reshuffle: bool) -> None:
+        super().__init__(source)
+        if not 0 < buffer_size <= MAX_BUFFERED_ELEMENTS:
+            raise errors.InvalidArgumentError(f"buffer_size must be greater than zero, got {buffer_size}")
+        self.buffer_size, self.reshuffle = buffer_size, reshuffle
+        self.seeds = (seed, seed2) if seed or seed2 else None
+        self.passes = 0
+
+    def iterate(self) -> ElementIterator:
+        dataset, source = self, self.source.iterate()
+        seed = None if self.seeds is None else [*self.seeds, self.passes if self.reshuffle else 0]
+        self.passes += 1
+        generator = np.random.default_rng(seed)
+
+        class Shuffling(ElementIterator):
+            def __init__(self) -> None:
+                self.buffer: list[Element] = []
+                self.exhausted = False
+
+            async def next(self, ctx: KernelContext) -> Element | None:
+                while not self.exhausted and len(self.buffer) < dataset.buffer_size:
+                    element = await source.next(ctx)
+                    if element is None:
+                        self.exhausted = True
+                    else:
+                        self.buffer.append(element)
+                if not self.buffer:
+                    return None
+                index = int(generator.integers(len(self.buffer)))
+                self.buffer[index], self.buffer[-1] = self.buffer[-1], self.buffer[index]
+                return self.buffer.pop()
+
+        return Shuffling()
+
+
+class Map(_Wrapping):
+    def __init__(self, source: Dataset, function: NameAttrList, captured: list[Any], keep: bool) -> None:
+        super().__init__(source)
+        self.function, self.captured, self.keep = function, captured, keep
+        """keep: a filter (keep elements for which the function is true), else a map."""
+
+    def iterate(self) -> ElementIterator:
+        dataset, source = self, self.source.iterate()
+
+        class Mapping(ElementIterator):
+            async def next(self, ctx: KernelContext) -> Element | None:
+                while True:
+                    element = await source.next(ctx)
+                    if element is None:
+                        return None
+                    results = await ctx.call_function(dataset.function, [*element, *dataset.captured])
+                    if not dataset.keep:
+                        return results
+                    if to_bool(results[0]):
+                        return element
+
+        return Mapping()
+
+
+class Zip(Dataset):
+    def __init__(self, sources: list[Dataset]) -> None:
+        self.sources = sources
+
+    def iterate(self) -> ElementIterator:
+        sources = [source.iterate() for source in self.sources]
+
+        class Zipping(ElementIterator):
+            async def next(self, ctx: KernelContext) -> Element | None:
+                out: Element = []
+                for source in sources:
+                    element = await source.next(ctx)
+                    if element is None:
+                        return None
+                    out.extend(element)
+                return out
+
+        return Zipping()
+
+
+# --------------------------------------------------------------------------- dataset kernels
+
+
+class _DatasetKernel(OpKernel):
+    runs_on_loop = True  # builds a description; elements are made by IteratorGetNext
+
+    def make(self, inputs: list[Any]) -> Dataset:
+        raise NotImplementedError
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        return [_wrap(self.make(inputs))]
+
+
+@register_kernel("TensorSliceDataset")
+class TensorSliceDatasetKernel(_DatasetKernel):
+    def make(self, inputs: list[Any]) -> Dataset:
+        return TensorSlices([np.asarray(c) for c in inputs])
+
+
+@register_kernel("TensorDataset")
+class TensorDatasetKernel(_DatasetKernel):
+    def make(self, inputs: list[Any]) -> Dataset:
+        return Tensors(list(inputs))
+
+
+@register_kernel("RangeDataset")
+class RangeDatasetKernel(_DatasetKernel):
+    def make(self, inputs: list[Any]) -> Dataset:
+        start, stop, step = (
+            _count(v, name) for v, name in zip(inputs, ("start", "stop", "step"), strict=True)
+        )
+        types = self.node.attr["output_types"].list.type
+        return Range(start, stop, step, as_numpy_dtype(types[0]) if types else np.dtype(np.int64))
+
+
+@register_kernel("BatchDatasetV2")
+class BatchDatasetV2Kernel(_DatasetKernel):
+    def make(self, inputs: list[Any]) -> Dataset:
+        source, size, drop = inputs
+        return Batch(_dataset(source), _count(size, "batch_size"), bool(np.asarray(drop)))
+
+
+@register_kernel("RepeatDataset")
+class RepeatDatasetKernel(_DatasetKernel):
+    def make(self, inputs: list[Any]) -> Dataset:
+        return Repeat(_dataset(inputs[0]), _count(inputs[1], "count"))
+
+
+@register_kernel("TakeDataset")
+class TakeDatasetKernel(_DatasetKernel):
+    def make(self, inputs: list[Any]) -> Dataset:
+        return Take(_dataset(inputs[0]), _count(inputs[1], "count"))
+
+
+@register_kernel("SkipDataset")
+class SkipDatasetKernel(_DatasetKernel):
+    def make(self, inputs: list[Any]) -> Dataset:
+        return Skip(_dataset(inputs[0]), _count(inputs[1], "count"))
+
+
+@register_kernel("PrefetchDataset")
+class PrefetchDatasetKernel(_DatasetKernel):
+    def make(self, inputs: list[Any]) -> Dataset:
+        return _dataset(inputs[0])
+
+
+@register_kernel("ShuffleDataset")
+class ShuffleDatasetKernel(_DatasetKernel):
+    def make(self, inputs: list[Any]) -> Dataset:
+        source, buffer_size, seed, seed2 = inputs
+        return Shuffle(
+            _dataset(source),
+            _count(buffer_size, "buffer_size"),
+            _count(seed, "seed"),
+            _count(seed2, "seed2"),
+            self.attr_bool("reshuffle_each_iteration", True),
+        )
+
+
+@register_kernel("MapDataset")
+class MapDatasetKernel(_DatasetKernel):
+    def make(self, inputs: list[Any]) -> Dataset:
+        return Map(_dataset(inputs[0]), self.node.attr["f"].func, list(inputs[1:]), keep=False)
+
+
+@register_kernel("FilterDataset")
+class FilterDatasetKernel(_DatasetKernel):
+    def make(self, inputs: list[Any]) -> Dataset:
+        return Map(_dataset(inputs[0]), self.node.attr["predicate"].func, list(inputs[1:]), keep=True)
+
+
+@register_kernel("ZipDataset")
+class ZipDatasetKernel(_DatasetKernel):
+    def make(self, inputs: list[Any]) -> Dataset:
+        return Zip([_dataset(v) for v in inputs])
+
+
+# --------------------------------------------------------------------------- iterators
+
+
+class IteratorResource:
+    """An iterator: the pass it is on (None before MakeIterator), taken one element at a time."""
+
+    def __init__(self) -> None:
+        self.current: ElementIterator | None = None
+        self.lock = asyncio.Lock()
+
+    async def next(self, ctx: KernelContext) -> Element:
+        async with self.lock:  # one GetNext at a time, in order
+            if self.current is None:
+                raise errors.FailedPreconditionError(
+                    "GetNext() failed because the iterator has not been initialized. Ensure that you "
+                    "have run the initializer operation for this iterator before getting the next element."
+                )
+            element = await self.current.next(ctx)
+        if element is None:
+            raise errors.OutOfRangeError("End of sequence")
+        return element
+
+
+def _iterator(ctx: KernelContext, kernel: OpKernel, value: Any) -> IteratorResource:
+    handle = handle_input(kernel, value)
+    resource = ctx.resources.lookup(handle.container, handle.name)
+    if not isinstance(resource, IteratorResource):
+        raise errors.InvalidArgumentError(f"Resource {handle.container}/{handle.name} is not an iterator")
+    return resource
+
+
+class _IteratorKernel(OpKernel):
+    is_async = True
+    is_stateful = True
+
+    async def run(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        raise NotImplementedError
+
+    async def compute_async(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        try:
+            return await self.run(ctx, inputs)
+        except errors.OpError as exc:
+            raise errors.with_node(exc, self.name) from None
+
+
+@register_kernel("IteratorV2")
+class IteratorV2Kernel(_IteratorKernel):
+    """The handle of iterator `shared_name` (created empty on first use)."""
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        self.container = self.attr_str("container", "") or DEFAULT_CONTAINER
+        # Without a shared_name, each kernel (one per session) has an iterator of its own.
+        self.iterator_name = self.attr_str("shared_name", "") or f"_{next(_anonymous_ids)}_{self.name}"
+
+    async def run(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        resource = ctx.resources.lookup_or_create(self.container, self.iterator_name, IteratorResource)
+        if not isinstance(resource, IteratorResource):
+            raise errors.InvalidArgumentError(
+                f"Resource {self.container}/{self.iterator_name} is not an iterator"
+            )
+        return [handle_output(ResourceHandle(ctx.device, self.container, self.iterator_name))]
+
+
+@register_kernel("OneShotIterator")
+class OneShotIteratorKernel(IteratorV2Kernel):
+    """An iterator over the dataset `dataset_factory` returns, made on the first run."""
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        self.factory = node.attr["dataset_factory"].func
+
+    async def run(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        outputs = await super().run(ctx, inputs)
+        resource = ctx.resources.lookup(self.container, self.iterator_name)
+        async with resource.lock:
+            if resource.current is None:
+                (dataset,) = await ctx.call_function(self.factory, [])
+                resource.current = _dataset(dataset).iterate()
+        return outputs
+
+
+@register_kernel("MakeIterator")
+class MakeIteratorKernel(_IteratorKernel):
+    """Start a new pass over `dataset` in `iterator` (the initializable iterator's initializer)."""
+
+    async def run(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        dataset = _dataset(inputs[0])
+        resource = _iterator(ctx, self, inputs[1])
+        async with resource.lock:
+            resource.current = dataset.iterate()
+        return []
+
+
+@register_kernel("IteratorGetNext")
+class IteratorGetNextKernel(_IteratorKernel):
+    async def run(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        element = await _iterator(ctx, self, inputs[0]).next(ctx)
+        expected = len(self.node.attr["output_types"].list.type)
+        if expected and len(element) != expected:
+            raise errors.InvalidArgumentError(
+                f"The iterator's elements have {len(element)} components; output_types lists {expected}"
+            )
+        return element
+
+
+@register_kernel("IteratorToStringHandle")
+class IteratorToStringHandleKernel(OpKernel):
+    """The iterator's handle as a string (a serialized ResourceHandleProto, as TensorFlow's)."""
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        handle = handle_input(self, inputs[0])
+        return [np.asarray(handle.to_proto().SerializeToString(), dtype=object)]
+
+
+@register_kernel("IteratorFromStringHandleV2")
+class IteratorFromStringHandleV2Kernel(OpKernel):
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        text = np.asarray(inputs[0], dtype=object)
+        data = text[()] if text.shape == () else None
+        if not isinstance(data, bytes):
+            raise errors.InvalidArgumentError("string_handle must be a scalar string")
+        try:
+            proto = ResourceHandleProto.FromString(data)
+        except Exception:
+            raise errors.InvalidArgumentError("Could not parse an iterator string handle") from None
+        return [handle_output(ResourceHandle.from_proto(proto))]

@@ -1,0 +1,97 @@
+"""tf.data input pipelines in graph mode on a distserver cluster and on TensorFlow alone:
+from_tensor_slices -> map -> shuffle -> batch -> repeat through one-shot and
+initializable iterators, filter/take/skip/prefetch, zip of ranges, feeding a training
+loop on the worker until OutOfRangeError. Shuffled orders differ from TensorFlow's;
+the multisets of elements and the batch shapes must not.
+
+Argument (JSON): {"cluster": {"ps": [a], "worker": [b]}}
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+from _common import Checks, args, target_of
+
+tf1 = tf.compat.v1
+tf1.disable_eager_execution()
+tf1.enable_resource_variables()
+
+cluster = args()["cluster"]
+worker = target_of(cluster["worker"][0])
+checks = Checks()
+FEATURES = np.arange(10, dtype=np.float32)
+LABELS = np.arange(10, dtype=np.int64) % 3
+
+
+def drain(sess, fetch, limit=100):
+    out = []
+    for _ in range(limit):  # bounded: every pipeline here ends
+        try:
+            out.append(sess.run(fetch))
+        except tf.errors.OutOfRangeError:
+            return out, "OutOfRangeError"
+    return out, "no end"
+
+
+def run_all(prefix: str, target: str, remote: bool) -> None:
+    ps = "/job:ps/task:0" if remote else None
+    wk = "/job:worker/task:0" if remote else None
+    graph = tf.Graph()
+    with graph.as_default():
+        with tf1.device(ps):
+            w = tf1.get_variable("w", initializer=tf.constant(0.0))
+        with tf1.device(wk):
+            pipeline = (
+                tf.data.Dataset.from_tensor_slices((FEATURES, LABELS))
+                .map(lambda x, y: (x * 2.0, y + 1))
+                .shuffle(4, seed=3)
+                .batch(3)
+                .repeat(2)
+            )
+            one_shot = tf1.data.make_one_shot_iterator(pipeline).get_next()
+            size = tf1.placeholder(tf.int64, [], name="size")
+            filtered = (
+                tf.data.Dataset.range(size).filter(lambda v: tf.equal(v % 2, 0)).skip(1).take(3).prefetch(1)
+            )
+            initializable = tf1.data.make_initializable_iterator(filtered)
+            item = initializable.get_next()
+            zipped = tf1.data.make_one_shot_iterator(
+                tf.data.Dataset.zip((tf.data.Dataset.range(4), tf.data.Dataset.range(10, 13)))
+            ).get_next()
+            # Training from a pipeline: every batch's mean added into w on the ps.
+            train_batch = tf1.data.make_one_shot_iterator(
+                tf.data.Dataset.from_tensor_slices(FEATURES).batch(4)
+            ).get_next()
+            train = tf1.assign_add(w, tf.reduce_mean(train_batch))
+            plain = tf1.data.make_one_shot_iterator(
+                tf.data.Dataset.from_tensor_slices(FEATURES).batch(4)
+            ).get_next()
+        init = tf1.global_variables_initializer()
+    with tf1.Session(target, graph=graph) as sess:
+        sess.run(init)
+        batches, end = drain(sess, one_shot)
+        checks.run(f"{prefix}/one_shot_end", lambda: end)
+        checks.run(f"{prefix}/one_shot_shapes", lambda: [list(b[0].shape) for b in batches])
+        checks.run(
+            f"{prefix}/one_shot_elements",
+            lambda: sorted(
+                zip(
+                    np.concatenate([b[0] for b in batches]).tolist(),
+                    np.concatenate([b[1] for b in batches]).tolist(),
+                    strict=True,
+                )
+            ),
+        )
+        for n in (10, 3):
+            sess.run(initializable.initializer, {size: n})
+            checks.run(f"{prefix}/initializable_{n}", lambda: drain(sess, item))
+        checks.run(f"{prefix}/zip", lambda: drain(sess, zipped))
+        _, end = drain(sess, train)
+        checks.run(f"{prefix}/train", lambda: [end, sess.run(w)])
+        checks.run(f"{prefix}/in_order", lambda: drain(sess, plain))
+
+
+run_all("distserver", worker, remote=True)
+run_all("tensorflow", "", remote=False)
+checks.emit()
