@@ -136,7 +136,9 @@ class Server:
         server_or_cluster_def: A `ServerDef`, `ClusterDef`, `ClusterSpec` or dict.
         job_name: This task's job (may be omitted when the cluster has one job).
         task_index: This task's index (may be omitted when the job has one task).
-        protocol: "grpc" by default.
+        protocol: "grpc" (default: TensorFlow's wire protocol) or "grpc+verbs" (gRPC
+            for calls, shared memory for tensors between tasks on one host;
+            docs/verbs.md).
         config: A `ConfigProto` merged into every session this server creates.
         start: Start serving at once (the port is bound in the constructor either way).
         listen_on_all_interfaces: Bind every interface, not just this task's host.

@@ -84,7 +84,9 @@ class AsyncServer:
             dict accepted by `ClusterSpec` (TensorFlow's protos are accepted too).
         job_name: This task's job; may be omitted when the cluster has one job.
         task_index: This task's index; may be omitted when the job has one task.
-        protocol: "grpc" (default) or another registered transport.
+        protocol: "grpc" (default), "grpc+verbs" (gRPC for calls, shared memory for
+            tensors between tasks on one host; docs/verbs.md), or another registered
+            transport.
         config: A `ConfigProto` merged into every session this server's master creates.
         listen_on_all_interfaces: Bind every interface instead of the host named in
             this task's address (TensorFlow always binds every interface).

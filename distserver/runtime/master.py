@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 from google.protobuf.message import Message
 
-from distserver import errors
+from distserver import call_deadline, errors
 from distserver.devices import DeviceSpec, RendezvousKey, parse_rendezvous_key, task_of_device
 from distserver.protos import master_pb2 as m
 from distserver.protos import worker_pb2 as w
@@ -194,7 +194,7 @@ class Master:
                 chosen.append(task)
         return chosen
 
-    async def _device_of(self, task: str, timeout: float) -> DeviceAttributes:
+    async def _device_of(self, task: str, timeout: float, caller: str) -> DeviceAttributes:
         """GetStatus of `task`, waiting (bounded) for it to come up."""
         worker = self._worker(task)
         deadline = asyncio.get_running_loop().time() + timeout
@@ -209,13 +209,41 @@ class Master:
             except (errors.DeadlineExceededError, errors.UnavailableError) as exc:
                 if asyncio.get_running_loop().time() >= deadline:
                     raise errors.UnavailableError(
-                        f"Task {task} did not answer within {timeout:g} s. Is it running, and is its "
+                        f"Task {task} did not answer within {timeout:.3g} s. Is it running, and is its "
                         f"address in the cluster right? Last error: {exc.message}"
                     ) from exc
-                logger.info("CreateSession still waiting for response from worker: %s", task)
+                logger.info("%s still waiting for response from worker: %s", caller, task)
 
-    async def _devices(self, tasks: Sequence[str], timeout: float) -> list[DeviceAttributes]:
-        return await gather_all(self._device_of(task, timeout) for task in tasks)
+    async def _devices(self, tasks: Sequence[str], timeout: float, caller: str) -> list[DeviceAttributes]:
+        """Each task's device, waiting up to `timeout` (or less, if our own caller waits less).
+
+        Raises:
+            UnavailableError: naming every task that did not answer in time.
+        """
+        left = call_deadline.time_left()
+        if left is not None:
+            timeout = min(timeout, left)
+        if len(tasks) == 1:
+            return [await self._device_of(tasks[0], timeout, caller)]
+        results = await asyncio.gather(
+            *(self._device_of(task, timeout, caller) for task in tasks), return_exceptions=True
+        )
+        missing: list[tuple[str, errors.UnavailableError]] = []
+        for task, result in zip(tasks, results, strict=True):
+            if isinstance(result, errors.UnavailableError):
+                missing.append((task, result))
+            elif isinstance(result, BaseException):
+                raise result
+        if len(missing) == 1:
+            raise missing[0][1]
+        if missing:
+            names = ", ".join(task for task, _ in missing)
+            raise errors.UnavailableError(
+                f"{len(missing)} of {len(tasks)} tasks did not answer within {timeout:.3g} s: {names}. "
+                f"Are they running, and are their addresses in the cluster right? "
+                f"Last error: {missing[-1][1].message}"
+            )
+        return results  # type: ignore[return-value]  # no exceptions left
 
     def _connect_timeout(self, config: ConfigProto) -> float:
         ms = config.operation_timeout_in_ms
@@ -238,7 +266,7 @@ class Master:
             )
         nodes = await asyncio.to_thread(import_graph, request.graph_def, {})
         tasks = self._filtered_tasks(list(config.device_filters))
-        devices = await self._devices(tasks, self._connect_timeout(config))
+        devices = await self._devices(tasks, self._connect_timeout(config), "CreateSession")
         handle = f"{random.getrandbits(64):016x}"
         create = w.CreateWorkerSessionRequest(
             session_handle=handle,
@@ -326,7 +354,7 @@ class Master:
                 raise errors.InvalidArgumentError(f"Session {request.session_handle} is not found.")
             response.local_device.extend(session.devices)
             return response
-        devices = await self._devices(self._tasks, self._connect_timeout(self._default_config))
+        devices = await self._devices(self._tasks, self._connect_timeout(self._default_config), "ListDevices")
         for task, device in zip(self._tasks, devices, strict=True):
             (response.local_device if task == self.task_name else response.remote_device).append(device)
         return response

@@ -47,7 +47,7 @@ import grpc
 import grpc.aio
 from google.protobuf.message import Message
 
-from distserver import errors
+from distserver import call_deadline, errors
 from distserver.devices import RendezvousKey, parse_rendezvous_key
 from distserver.protos.services import SERVICES, WORKER_SERVICE
 from distserver.protos.worker_pb2 import RecvTensorRequest
@@ -195,6 +195,7 @@ def _wrap(
     # The request arrives as bytes and is parsed here, so that malformed bytes are
     # INVALID_ARGUMENT rather than grpc's UNKNOWN with a logged traceback.
     async def handle(data: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        call_deadline.set_from_timeout(context.time_remaining())
         try:
             return await fn(parse_request(request_cls, data))
         except Exception as exc:
