@@ -26,13 +26,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from google.protobuf.empty_pb2 import Empty
+
 from distserver import __version__, errors
 from distserver._process import die_with_parent, exit_quietly_on_interrupt, run
 from distserver.bench import command as bench_command
 from distserver.cluster import ClusterSpec, TFConfigClusterResolver
 from distserver.facade import Session
+from distserver.metrics import MetricsEndpoint
 from distserver.protos.master_pb2 import ListDevicesRequest
-from distserver.protos.services import MASTER_SERVICE
+from distserver.protos.services import MASTER_SERVICE, STATUS_SERVICE
 from distserver.protos.worker_pb2 import GetStatusRequest
 from distserver.runtime.clients import RemoteWorker
 from distserver.runtime.master import DEFAULT_SESSION_GC_SECONDS
@@ -148,6 +151,14 @@ async def _serve(args: argparse.Namespace) -> int:
         checkpoint_root=args.checkpoint_root,
     )
     await server.start()
+    metrics = None
+    if args.metrics_port is not None:
+        host = args.metrics_host or ("0.0.0.0" if args.all_interfaces else "127.0.0.1")
+        try:
+            metrics = MetricsEndpoint(server, host, args.metrics_port)
+        except ValueError:
+            await server.stop(grace=0)
+            raise
     loop = asyncio.get_running_loop()
     stopping: list[asyncio.Task[None]] = []
 
@@ -159,9 +170,15 @@ async def _serve(args: argparse.Namespace) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, request_stop, signum)
     print(f"{server.task} serving at {server.target}", flush=True)
-    await server.join()
-    for task_ in stopping:
-        await task_
+    if metrics is not None:
+        print(f"{server.task} metrics at {metrics.url}", flush=True)
+    try:
+        await server.join()
+        for task_ in stopping:
+            await task_
+    finally:
+        if metrics is not None:
+            metrics.close()
     return 0
 
 
@@ -191,11 +208,42 @@ async def _status(args: argparse.Namespace) -> int:
             timeout=max(deadline - loop.time(), 0.0),
             wait_for_ready=True,
         )
+        statistics = None
+        if args.stats:
+            answer: Any = await channel.call(
+                STATUS_SERVICE, "GetStatistics", Empty(), timeout=max(deadline - loop.time(), 0.0)
+            )
+            statistics = json.loads(answer.value)
     finally:
         await channel.close()
     for device in [*response.local_device, *response.remote_device]:
         print(f"{device.name}\t{device.device_type}\tincarnation={device.incarnation:016x}")
+    if statistics is not None:
+        print(_statistics_text(statistics), end="")
     return 0
+
+
+def _statistics_text(stats: dict[str, Any]) -> str:
+    """`ServerStatistics.as_dict()` for people: steps, graphs, then one line per peer."""
+    lines = [f"statistics of {stats['target']} ({stats['state']}, {stats['sessions']} sessions):"]
+    for kind in ("steps", "graphs"):
+        counts = stats[kind]
+        failed = ", ".join(f"{name} {count}" for name, count in sorted(counts["failed"].items())) or "none"
+        finished = counts["succeeded"] + sum(counts["failed"].values())
+        mean = f"{counts['latency_sum'] / finished * 1e3:.3g} ms" if finished else "-"
+        lines.append(
+            f"  {kind}: {counts['succeeded']} ok, {counts['in_flight']} in flight, failed: {failed}; "
+            f"mean latency {mean}"
+        )
+    if not stats["peers"]:
+        lines.append("  peers: none contacted yet")
+    for peer, channel in sorted(stats["peers"].items()):
+        lines.append(
+            f"  peer {peer} at {channel['target']} via {channel['data_path']}: "
+            f"{channel['calls_started']} calls ({channel['calls_failed']} failed), "
+            f"{channel['tensors_received']} tensors / {channel['tensor_bytes_received']} bytes received"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def _local_cluster(args: argparse.Namespace) -> int:
@@ -325,6 +373,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="what distserver logs to stderr, e.g. 'still waiting for response from worker' "
         "(default: %(default)s)",
     )
+    serve.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port; the URL is printed)",
+    )
+    serve.add_argument(
+        "--metrics-host",
+        metavar="HOST",
+        help="interface for --metrics-port (default: 0.0.0.0 with --all-interfaces, else 127.0.0.1)",
+    )
     _add_security_options(serve, serving=True)
 
     status = commands.add_parser(
@@ -338,6 +397,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     status.add_argument(
         "--timeout", type=float, default=10.0, help="seconds to wait for an answer (default: %(default)g)"
+    )
+    status.add_argument(
+        "--stats",
+        action="store_true",
+        help="also print the target's counters: steps, graphs, calls and bytes per peer and data path",
     )
     _add_security_options(status, serving=False)
 

@@ -26,7 +26,7 @@ from distserver.protos.device_attributes_pb2 import DeviceAttributes
 from distserver.protos.tensorflow_server_pb2 import ServerDef
 from distserver.runtime.master import DEFAULT_SESSION_GC_SECONDS
 from distserver.security import Security
-from distserver.server import AsyncServer
+from distserver.server import AsyncServer, ServerStatistics
 from distserver.session import AsyncSession
 
 T = TypeVar("T")
@@ -124,6 +124,10 @@ _LOOP = _LoopThread()
 atexit.register(_LOOP.shutdown)
 
 
+async def _statistics_of(server: AsyncServer) -> ServerStatistics:
+    return server.statistics()
+
+
 def run_blocking(coro: Coroutine[Any, Any, T]) -> T:
     """Run a coroutine on distserver's loop thread from synchronous code."""
     return _LOOP.run(coro)
@@ -202,6 +206,10 @@ class Server:
     def async_server(self) -> AsyncServer:
         """The `AsyncServer` doing the work (use it only on distserver's loop)."""
         return self._async
+
+    def statistics(self) -> ServerStatistics:
+        """This server's counters so far (`AsyncServer.statistics()`), read on its event loop."""
+        return _LOOP.run(_statistics_of(self._async))
 
     def start(self) -> None:
         """Start serving. Idempotent; raises FailedPreconditionError after a stop."""

@@ -1,4 +1,4 @@
-"""The RPC methods of TensorFlow's MasterService and WorkerService.
+"""The RPC methods of TensorFlow's MasterService and WorkerService, and distserver's StatusService.
 
 TensorFlow serves them at `/tensorflow.MasterService/<Method>` and
 `/tensorflow.WorkerService/<Method>` (hand-registered paths; its .proto package is
@@ -9,6 +9,7 @@ place.
 
 from __future__ import annotations
 
+from google.protobuf import empty_pb2, wrappers_pb2
 from google.protobuf.message import Message
 
 from distserver.protos import master_pb2 as m
@@ -51,7 +52,18 @@ WORKER_METHODS: MethodTable = {
     "CompleteInstance": (w.CompleteInstanceRequest, w.CompleteInstanceResponse),
 }
 
-SERVICES: dict[str, MethodTable] = {MASTER_SERVICE: MASTER_METHODS, WORKER_SERVICE: WORKER_METHODS}
+# distserver's own: a task's counters (`AsyncServer.statistics()`) as JSON text, for
+# `distserver status --stats`. TensorFlow has no such service.
+STATUS_SERVICE = "distserver.StatusService"
+STATUS_METHODS: MethodTable = {
+    "GetStatistics": (empty_pb2.Empty, wrappers_pb2.StringValue),
+}
+
+SERVICES: dict[str, MethodTable] = {
+    MASTER_SERVICE: MASTER_METHODS,
+    WORKER_SERVICE: WORKER_METHODS,
+    STATUS_SERVICE: STATUS_METHODS,
+}
 
 
 def snake_case(method: str) -> str:

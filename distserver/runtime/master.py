@@ -37,6 +37,7 @@ from distserver.protos.node_def_pb2 import NodeDef
 from distserver.protos.tensor_pb2 import TensorProto
 from distserver.runtime.clients import WorkerClient
 from distserver.runtime.concurrency import decode_message_tensors, gather_all
+from distserver.runtime.counters import StepCounters
 from distserver.runtime.names import canonical_tensor_name
 from distserver.runtime.plan import build_plan, import_graph
 from distserver.runtime.worker import Worker
@@ -127,6 +128,7 @@ class Master:
         self._worker_client = worker_client
         self._default_config = default_session_config or ConfigProto()
         self._sessions: dict[str, MasterSession] = {}
+        self.steps = StepCounters()  # the steps this master ran
         self._background: set[asyncio.Task[Any]] = set()
         self._session_gc_seconds = session_gc_seconds
         self._session_gc: asyncio.Task[None] | None = None
@@ -393,19 +395,28 @@ class Master:
         task = asyncio.current_task()
         assert task is not None
         session.steps.add(task)
+        began = self.steps.start()
+        error: BaseException | None = None
         try:
             async with asyncio.timeout(timeout):
                 return await self._run_step(session, feeds, fetches, targets, options, metadata)
         except TimeoutError as exc:
-            raise errors.DeadlineExceededError(
+            error = errors.DeadlineExceededError(
                 f"Timed out after {timeout_ms} ms waiting for the step to finish "
                 "(RunOptions.timeout_in_ms / ConfigProto.operation_timeout_in_ms)"
-            ) from exc
-        except asyncio.CancelledError:
+            )
+            raise error from exc
+        except asyncio.CancelledError as exc:
+            error = exc
             if session.closed:
-                raise errors.CancelledError("Step was cancelled: the session was closed") from None
+                error = errors.CancelledError("Step was cancelled: the session was closed")
+                raise error from None
+            raise
+        except BaseException as exc:
+            error = exc
             raise
         finally:
+            self.steps.finish(began, error)
             session.steps.discard(task)
             session.last_used = asyncio.get_running_loop().time()
 
