@@ -199,15 +199,18 @@ async def _status(args: argparse.Namespace) -> int:
             await RemoteWorker(channel).call("GetStatus", GetStatusRequest(), timeout=args.timeout)
         except (errors.UnavailableError, errors.DeadlineExceededError) as exc:
             raise type(exc)(f"{args.target} does not answer; is it running? {exc.message}") from None
-        # Then its cluster. wait_for_ready makes this a unary gRPC call, whose deadline
-        # reaches the server: it answers which task is missing before we give up.
-        response: Any = await channel.call(
-            MASTER_SERVICE,
-            "ListDevices",
-            ListDevicesRequest(),
-            timeout=max(deadline - loop.time(), 0.0),
-            wait_for_ready=True,
-        )
+        devices: list[Any] = []
+        if not args.only_target:
+            # Then its cluster. wait_for_ready makes this a unary gRPC call, whose deadline
+            # reaches the server: it answers which task is missing before we give up.
+            response: Any = await channel.call(
+                MASTER_SERVICE,
+                "ListDevices",
+                ListDevicesRequest(),
+                timeout=max(deadline - loop.time(), 0.0),
+                wait_for_ready=True,
+            )
+            devices = [*response.local_device, *response.remote_device]
         statistics = None
         if args.stats:
             answer: Any = await channel.call(
@@ -216,7 +219,9 @@ async def _status(args: argparse.Namespace) -> int:
             statistics = json.loads(answer.value)
     finally:
         await channel.close()
-    for device in [*response.local_device, *response.remote_device]:
+    if args.only_target:
+        print(f"{args.target} is serving")
+    for device in devices:
         print(f"{device.name}\t{device.device_type}\tincarnation={device.incarnation:016x}")
     if statistics is not None:
         print(_statistics_text(statistics), end="")
@@ -397,6 +402,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     status.add_argument(
         "--timeout", type=float, default=10.0, help="seconds to wait for an answer (default: %(default)g)"
+    )
+    status.add_argument(
+        "--only-target",
+        action="store_true",
+        help="check only that the target itself answers, not the rest of its cluster (a readiness probe)",
     )
     status.add_argument(
         "--stats",
