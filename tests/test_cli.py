@@ -319,3 +319,15 @@ def test_ctrl_c_in_the_demo_exits_quietly(python_env):
         assert err.strip() == "interrupted"
     finally:
         proc.kill()
+
+
+def test_status_only_target_checks_the_task_not_its_cluster(python_env):
+    ps_port, worker_port = free_ports(2)
+    cluster = {"ps": [f"localhost:{ps_port}"], "worker": [f"localhost:{worker_port}"]}  # no ps running
+    worker = start_serve(["--cluster", json.dumps(cluster), "--job", "worker", "--task", "0"], python_env)
+    try:
+        result = run_cli(["status", f"grpc://localhost:{worker_port}", "--only-target"], python_env)
+    finally:
+        stop(worker)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"grpc://localhost:{worker_port} is serving\n"
