@@ -4,9 +4,13 @@ The public API:
 
 * Servers: `AsyncServer` (asyncio) and `Server` (blocking, `tf.distribute.Server`).
 * Sessions: `AsyncSession` and `Session` (`tf.compat.v1.Session`).
+* Training over a cluster's workers: `AsyncClusterCoordinator` and `ClusterCoordinator`
+  (TF 2's `ClusterCoordinator` for graphs: scheduling, failed workers, per-worker data).
 * Clusters: `ClusterSpec`, `TFConfigClusterResolver`.
 * Graph building, TF 1.x style: `Graph`, `placeholder`, `constant`, `matmul`,
   `Variable`, `device`, ... (also importable as `distserver.graph`).
+* Training: `gradients` (autodiff) and `train` (TensorFlow's v1 optimizers,
+  `get_or_create_global_step`).
 * Security: `Security` (TLS, mutual TLS, a shared token).
 * Errors: `distserver.errors` (`OpError` and TensorFlow's 16 subclasses).
 """
@@ -15,6 +19,10 @@ from distserver import _grpc_env  # noqa: F401 - must run before anything import
 from distserver import errors as errors
 from distserver.cluster import ClusterSpec as ClusterSpec
 from distserver.cluster import TFConfigClusterResolver as TFConfigClusterResolver
+from distserver.coordinator import AsyncClusterCoordinator as AsyncClusterCoordinator
+from distserver.coordinator import PerWorkerDataset as PerWorkerDataset
+from distserver.coordinator import RemoteValue as RemoteValue
+from distserver.facade import ClusterCoordinator as ClusterCoordinator
 from distserver.facade import Server as Server
 from distserver.facade import Session as Session
 from distserver.graph import *  # noqa: F403 - the graph API is part of the top-level API
@@ -30,10 +38,14 @@ __version__ = "0.1.0"
 
 __all__ = sorted(
     [
+        "AsyncClusterCoordinator",
         "AsyncServer",
         "AsyncSession",
+        "ClusterCoordinator",
         "ClusterSpec",
         "ConfigProto",
+        "PerWorkerDataset",
+        "RemoteValue",
         "RunMetadata",
         "RunOptions",
         "Security",

@@ -29,6 +29,7 @@ from typing import Any
 from google.protobuf.empty_pb2 import Empty
 
 from distserver import __version__, errors
+from distserver._blas import set_blas_threads, threads_per_local_task, user_chose_threads
 from distserver._process import die_with_parent, exit_quietly_on_interrupt, run
 from distserver.bench import command as bench_command
 from distserver.cluster import ClusterSpec, TFConfigClusterResolver
@@ -140,6 +141,12 @@ _M_MMAP_MAX = -4
 
 async def _serve(args: argparse.Namespace) -> int:
     cluster, job, task, protocol = _cluster_and_task(args)
+    if args.blas_threads is not None:
+        set_blas_threads(args.blas_threads)
+    elif not user_chose_threads():
+        spec = ClusterSpec(cluster)
+        addresses = [address for name in spec.jobs for address in spec.job_tasks(name) if address]
+        set_blas_threads(threads_per_local_task(addresses, os.cpu_count() or 1))
     server = AsyncServer(
         cluster,
         job,
@@ -370,6 +377,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="directory under which checkpoint ops (tf.compat.v1.train.Saver) may read and write; "
         "without it they are refused (docs/checkpoints.md)",
+    )
+    serve.add_argument(
+        "--blas-threads",
+        type=int,
+        metavar="N",
+        help="threads numpy's BLAS may use per matrix product (default: half of this task's "
+        "share of the host's CPUs, at least 1, unless OPENBLAS_NUM_THREADS or OMP_NUM_THREADS is set)",
     )
     serve.add_argument(
         "--log-level",

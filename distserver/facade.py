@@ -1,4 +1,4 @@
-"""The blocking, TensorFlow-compatible API: `Server` and `Session`.
+"""The blocking, TensorFlow-compatible API: `Server`, `Session` and `ClusterCoordinator`.
 
 They hold no logic of their own: each call runs the matching `AsyncServer` /
 `AsyncSession` coroutine on one process-wide event-loop thread (uvloop when
@@ -20,6 +20,7 @@ from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
 from distserver._process import new_event_loop
+from distserver.coordinator import AsyncClusterCoordinator, PerWorkerDataset, RemoteValue
 from distserver.graph import Graph
 from distserver.protos.config_pb2 import RunMetadata, RunOptions
 from distserver.protos.device_attributes_pb2 import DeviceAttributes
@@ -296,6 +297,106 @@ class Session:
         _LOOP.run(AsyncSession.reset(target, containers, config))
 
     def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+async def _call(function: Callable[..., T], *args: Any) -> T:
+    """Call a plain function of an async object on the loop thread."""
+    return function(*args)
+
+
+class ClusterCoordinator:
+    """Schedules steps over a cluster's workers, blocking; see `AsyncClusterCoordinator`.
+
+    The same arguments and behaviour as `AsyncClusterCoordinator`, whose methods run
+    on distserver's loop thread; `schedule` returns a `RemoteValue` whose `fetch()`
+    blocks until the step has run.
+    """
+
+    def __init__(
+        self,
+        cluster: Any,
+        graph: Graph | None = None,
+        *,
+        protocol: str = "grpc",
+        config: Any = None,
+        security: Security | None = None,
+        max_in_flight_per_worker: int = 2,
+        step_timeout: float | None = 60.0,
+        probe_timeout: float = 2.0,
+        probe_interval: float = 1.0,
+        worker_wait_timeout: float = 120.0,
+    ) -> None:
+        self._async = AsyncClusterCoordinator(
+            cluster,
+            graph,
+            protocol=protocol,
+            config=config,
+            security=security,
+            max_in_flight_per_worker=max_in_flight_per_worker,
+            step_timeout=step_timeout,
+            probe_timeout=probe_timeout,
+            probe_interval=probe_interval,
+            worker_wait_timeout=worker_wait_timeout,
+        )
+
+    @property
+    def graph(self) -> Graph:
+        return self._async.graph
+
+    @property
+    def num_workers(self) -> int:
+        return self._async.num_workers
+
+    @property
+    def async_coordinator(self) -> AsyncClusterCoordinator:
+        """The `AsyncClusterCoordinator` doing the work (use it only on distserver's loop)."""
+        return self._async
+
+    def available_workers(self) -> list[int]:
+        return _LOOP.run(_call(self._async.available_workers))
+
+    def schedule(
+        self,
+        fetches: Any,
+        feed_dict: Mapping[Any, Any] | Callable[[int], Mapping[Any, Any]] | None = None,
+    ) -> RemoteValue:
+        """Queue one step and return its `RemoteValue` at once; see `AsyncClusterCoordinator.schedule`."""
+        return _LOOP.run(_call(self._async.schedule, fetches, feed_dict))
+
+    def done(self) -> bool:
+        return _LOOP.run(_call(self._async.done))
+
+    def join(self) -> None:
+        """Block until every scheduled step has finished; see `AsyncClusterCoordinator.join`."""
+        _LOOP.run(self._async.join())
+
+    def run_on_every_worker(
+        self, fetches: Any, feed_dict: Callable[[int], Mapping[Any, Any]] | None = None
+    ) -> list[Any]:
+        """See `AsyncClusterCoordinator.run_on_every_worker`."""
+        return _LOOP.run(self._async.run_on_every_worker(fetches, feed_dict))
+
+    def create_per_worker_dataset(
+        self,
+        arrays: Any,
+        batch_size: int,
+        *,
+        shuffle_seed: int | None = 0,
+        name: str = "per_worker_dataset",
+    ) -> PerWorkerDataset:
+        """See `AsyncClusterCoordinator.create_per_worker_dataset`."""
+        return _LOOP.run(
+            self._async.create_per_worker_dataset(arrays, batch_size, shuffle_seed=shuffle_seed, name=name)
+        )
+
+    def close(self) -> None:
+        _LOOP.run(self._async.close())
+
+    def __enter__(self) -> ClusterCoordinator:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

@@ -151,7 +151,11 @@ def test_a_running_cluster_from_the_command_line_is_measured_instead_of_local_on
         (["--repeats", "0"], "--repeats must be 1 or more"),
         (["--cluster", "{"], "--cluster is not valid JSON"),
         (["--cluster", '{"worker": ["localhost:1"]}'], '--cluster: the benchmarks need a "ps" job'),
-        (["--workload", "training"], "--workload training is not available yet"),
+        (
+            ["--workload", "training", "--protocols", "memcpy"],
+            "--workload training measures grpc, grpc+verbs",
+        ),
+        (["--workload", "training", "--protocols", "grpc,udp"], "--protocols: unknown udp"),
     ],
 )
 def test_bad_options_exit_2_naming_the_option(python_env, args, message):

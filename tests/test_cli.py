@@ -297,6 +297,8 @@ def test_ctrl_c_in_the_demo_exits_quietly(python_env):
             sys.executable,
             str(ROOT / "examples" / "parameter_server_training.py"),
             "--local",
+            "--dataset",
+            "blobs",
             "--steps",
             "1000000",
             "--log-every",
@@ -311,7 +313,7 @@ def test_ctrl_c_in_the_demo_exits_quietly(python_env):
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
-            if "step    0" in line:  # training is under way
+            if line.startswith("initial test loss"):  # training is under way
                 break
         os.killpg(proc.pid, signal.SIGINT)
         _, err = proc.communicate(timeout=60)

@@ -6,15 +6,44 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ROOT
 
 
-def test_readme_example_runs(python_env):
-    text = (ROOT / "README.md").read_text()
-    code = re.search(r"```python\n(.*?)```", text, re.S)
-    assert code is not None
+def python_blocks(path):
+    return re.findall(r"```python\n(.*?)```", (ROOT / path).read_text(), re.S)
+
+
+def run_block(code, env):
     result = subprocess.run(
-        [sys.executable, "-c", code.group(1)], capture_output=True, text=True, timeout=120, env=python_env
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["[[4.]", "[8.]]"]
+    return result.stdout
+
+
+def test_readme_example_runs(python_env):
+    out = run_block(python_blocks("README.md")[0], python_env)
+    assert out.split() == ["[[4.]", "[8.]]"]
+
+
+@pytest.mark.slow
+def test_readme_coordinator_example_runs(python_env):
+    out = run_block(python_blocks("README.md")[1], python_env)
+    assert out.split() == ["10.0", "[0,", "1]"]
+
+
+@pytest.mark.slow
+def test_coordinator_doc_example_trains(python_env):
+    out = run_block(python_blocks("docs/coordinator.md")[0], python_env)
+    assert out.splitlines() == ["[0, 1, 2]", "[ 2.  -1.   0.5]"]
+
+
+def test_training_doc_examples_run_and_print_what_they_say(python_env):
+    # Each snippet of docs/training.md runs; the text says what it prints.
+    snippets = python_blocks("docs/training.md")
+    expected = [["300", "[", "2.", "-1.", "0.5]", "True"], ["[1", "1", "3]", "(3,", "3)"]]
+    assert len(snippets) == len(expected)
+    for code, output in zip(snippets, expected, strict=True):
+        assert run_block(code, python_env).split() == output

@@ -3,7 +3,8 @@
 `Graph`, `Tensor`, `Operation`, scopes (`name_scope`, `device`,
 `control_dependencies`, `colocate_with`), op constructors with TensorFlow's names
 (`constant`, `placeholder`, `matmul`, `reduce_sum`, ...), resource `Variable`s and
-`replica_device_setter`. Graphs serialise (`Graph.as_graph_def`) to GraphDefs whose
+`replica_device_setter`; `gradients` (autodiff, `IndexedSlices` for gathers) and
+`train` (TensorFlow's v1 optimizers). Graphs serialise (`Graph.as_graph_def`) to GraphDefs whose
 nodes carry TensorFlow's op types and attrs, so a TensorFlow runtime can run them and
 distserver's kernels run TensorFlow's.
 
@@ -28,6 +29,9 @@ from typing import Final
 import numpy as np
 
 from distserver import tensors as _tensors
+from distserver.graph import gradient_functions as _gradient_functions  # noqa: F401 - registers them
+from distserver.graph import train
+from distserver.graph.autodiff import IndexedSlices, NotDifferentiable, RegisterGradient, gradients
 from distserver.graph.graph import (
     GRAPH_DEF_VERSION,
     Graph,
@@ -70,6 +74,7 @@ from distserver.graph.ops import (
     less,
     less_equal,
     log,
+    log_softmax,
     logical_and,
     logical_not,
     logical_or,
@@ -102,10 +107,13 @@ from distserver.graph.ops import (
     sigmoid,
     size,
     softmax,
+    softmax_cross_entropy_with_logits,
+    sparse_softmax_cross_entropy_with_logits,
     sqrt,
     square,
     squeeze,
     stack,
+    stop_gradient,
     strided_slice,
     subtract,
     tanh,
@@ -151,7 +159,10 @@ __all__ = [
     "FIFOQueue",
     "Graph",
     "GraphKeys",
+    "IndexedSlices",
+    "NotDifferentiable",
     "Operation",
+    "RegisterGradient",
     "Shape",
     "Tensor",
     "Variable",
@@ -188,6 +199,7 @@ __all__ = [
     "get_default_graph",
     "global_variables",
     "global_variables_initializer",
+    "gradients",
     "greater",
     "greater_equal",
     "group",
@@ -199,6 +211,7 @@ __all__ = [
     "less",
     "less_equal",
     "log",
+    "log_softmax",
     "logical_and",
     "logical_not",
     "logical_or",
@@ -234,15 +247,19 @@ __all__ = [
     "sigmoid",
     "size",
     "softmax",
+    "softmax_cross_entropy_with_logits",
+    "sparse_softmax_cross_entropy_with_logits",
     "sqrt",
     "square",
     "squeeze",
     "stack",
+    "stop_gradient",
     "strided_slice",
     "string",
     "subtract",
     "tanh",
     "tile",
+    "train",
     "trainable_variables",
     "transpose",
     "truediv",

@@ -601,9 +601,11 @@ class _ScopeState:
 class GraphKeys:
     """Standard collection names, as in `tf.compat.v1.GraphKeys`."""
 
+    GLOBAL_STEP: Final = "global_step"
     GLOBAL_VARIABLES: Final = "variables"
     LOCAL_VARIABLES: Final = "local_variables"
     TRAINABLE_VARIABLES: Final = "trainable_variables"
+    TRAIN_OP: Final = "train_op"
 
 
 class Graph:

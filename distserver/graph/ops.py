@@ -79,6 +79,7 @@ __all__ = [
     "less",
     "less_equal",
     "log",
+    "log_softmax",
     "logical_and",
     "logical_not",
     "logical_or",
@@ -112,10 +113,13 @@ __all__ = [
     "size",
     "slice_helper",
     "softmax",
+    "softmax_cross_entropy_with_logits",
+    "sparse_softmax_cross_entropy_with_logits",
     "sqrt",
     "square",
     "squeeze",
     "stack",
+    "stop_gradient",
     "strided_slice",
     "subtract",
     "tanh",
@@ -903,6 +907,73 @@ def softmax(logits: Any, axis: int | None = None, name: str | None = None) -> Te
         return _make(scope, "Softmax", [x], {"T": _type_attr(x.datatype)}, x.datatype, x.shape)
 
 
+def log_softmax(logits: Any, name: str | None = None) -> Tensor:
+    """``LogSoftmax`` over the last axis of float `logits`."""
+    with name_scope(name, "LogSoftmax", [logits]) as scope:
+        (x,) = _convert_inputs("LogSoftmax", [("logits", logits)], allowed=_FLOATS)
+        return _make(scope, "LogSoftmax", [x], {"T": _type_attr(x.datatype)}, x.datatype, x.shape)
+
+
+def softmax_cross_entropy_with_logits(labels: Any, logits: Any, name: str | None = None) -> Tensor:
+    """``SoftmaxCrossEntropyWithLogits``: per-row cross entropy of `labels` (probabilities)
+    against ``softmax(logits)``, both ``[batch, classes]``; gradients flow to both (TF 2's
+    `tf.nn.softmax_cross_entropy_with_logits`).
+    """
+    with name_scope(name, "softmax_cross_entropy_with_logits", [labels, logits]) as scope:
+        x, y = _convert_inputs(
+            "SoftmaxCrossEntropyWithLogits", [("features", logits), ("labels", labels)], allowed=_FLOATS
+        )
+        shapes = [x.shape, y.shape]
+        for tensor in (x, y):
+            _check_rank(scope, "SoftmaxCrossEntropyWithLogits", tensor, 2, shapes)
+        merged = _merge_all(scope, "SoftmaxCrossEntropyWithLogits", shapes)
+        op = get_default_graph().create_op(
+            "SoftmaxCrossEntropyWithLogits",
+            [x, y],
+            [x.datatype, x.datatype],
+            name=scope,
+            attrs={"T": _type_attr(x.datatype)},
+            shapes=[None if merged is None else merged[:1], merged],
+        )
+        return op.outputs[0]
+
+
+def sparse_softmax_cross_entropy_with_logits(labels: Any, logits: Any, name: str | None = None) -> Tensor:
+    """``SparseSoftmaxCrossEntropyWithLogits``: per-row cross entropy of class ids `labels`
+    (``[batch]``, int32/int64) against ``softmax(logits)`` (``[batch, classes]``).
+    """
+    with name_scope(name, "SparseSoftmaxCrossEntropyWithLogits", [labels, logits]) as scope:
+        (x,) = _convert_inputs("SparseSoftmaxCrossEntropyWithLogits", [("features", logits)], allowed=_FLOATS)
+        (y,) = _convert_inputs(
+            "SparseSoftmaxCrossEntropyWithLogits",
+            [("labels", labels)],
+            default_dtype=np.int32,
+            allowed=frozenset({_DT.DT_INT32, _DT.DT_INT64}),
+        )
+        shapes = [x.shape, y.shape]
+        _check_rank(scope, "SparseSoftmaxCrossEntropyWithLogits", x, 2, shapes)
+        _check_rank(scope, "SparseSoftmaxCrossEntropyWithLogits", y, 1, shapes)
+        rows = _merge_all(
+            scope,
+            "SparseSoftmaxCrossEntropyWithLogits",
+            [None if x.shape is None else x.shape[:1], y.shape],
+        )
+        op = get_default_graph().create_op(
+            "SparseSoftmaxCrossEntropyWithLogits",
+            [x, y],
+            [x.datatype, x.datatype],
+            name=scope,
+            attrs={"T": _type_attr(x.datatype), "Tlabels": _type_attr(y.datatype)},
+            shapes=[rows, x.shape],
+        )
+        return op.outputs[0]
+
+
+def stop_gradient(input: Any, name: str | None = None) -> Tensor:
+    """``StopGradient``: `input` unchanged, but `gradients` treats it as a constant."""
+    return _unary("StopGradient", input, name, arg="input", allowed=_ANY)
+
+
 def cast(x: Any, dtype: Any, name: str | None = None) -> Tensor:
     """``Cast`` to `dtype` (a tensor that has it already is returned as is)."""
     target = as_datatype(dtype)
@@ -937,7 +1008,7 @@ def _reduce(
     if reduce_all:
         # Outside the op's scope, as TensorFlow's _ReductionDims builds it.
         x_rank = _rank(x.shape)
-        axis = constant(np.arange(x_rank, dtype=np.int32)) if x_rank else range(0, rank(x))
+        axis = constant(np.arange(x_rank, dtype=np.int32)) if x_rank is not None else range(0, rank(x))
     with name_scope(name, op_type, [x]) as scope:
         (x,) = _convert_inputs(op_type, [("input", x)], allowed=allowed)
         (axes,) = _convert_inputs(
@@ -1447,7 +1518,14 @@ def select(condition: Any, x: Any, y: Any, name: str | None = None) -> Tensor:
 def gather(
     params: Any, indices: Any, axis: Any = None, batch_dims: int = 0, name: str | None = None
 ) -> Tensor:
-    """``GatherV2``: slices of `params` along `axis` (default 0) at `indices`."""
+    """``GatherV2``: slices of `params` along `axis` (default 0) at `indices`.
+
+    Gathering rows (axis 0) of a `Variable` reads only those rows (``ResourceGather``,
+    as TensorFlow's `tf.gather` does), and its gradient is sparse.
+    """
+    sparse_read = getattr(params, "sparse_read", None)
+    if sparse_read is not None and batch_dims == 0 and (axis is None or _static_int_value(axis) == 0):
+        return typing.cast(Tensor, sparse_read(indices, name=name))
     with name_scope(name, "GatherV2", [params, indices]) as scope:
         source = convert_to_tensor(params, name="params")
         (index,) = _convert_inputs("GatherV2", [("indices", indices)], default_dtype=np.int32, allowed=_INDEX)
@@ -1466,6 +1544,14 @@ def gather(
             "batch_dims": AttrValue(i=batch_dims),
         }
         return _make(scope, "GatherV2", [source, index, axis_t], attrs, source.datatype, out_shape)
+
+
+def _static_int_value(value: Any) -> int | None:
+    if isinstance(value, Tensor):
+        return _static_int(value)
+    if isinstance(value, int | np.integer):
+        return int(value)
+    return None
 
 
 def one_hot(

@@ -237,6 +237,35 @@ class Variable(_TensorLike):
             value = self._read()
         return ops.identity(value)
 
+    def sparse_read(self, indices: Any, name: str | None = None) -> Tensor:
+        """``ResourceGather``: the rows `indices` of the variable (what `gather` of it builds).
+
+        Its gradient is sparse (`IndexedSlices`), so optimizers update only those rows.
+        """
+        with name_scope(name, "Gather", [indices]) as scope:
+            (index,) = ops._convert_inputs(
+                "ResourceGather", [("indices", indices)], default_dtype=np.int32, allowed=ops._INDEX
+            )
+            out_shape: Shape = None
+            if self._shape is not None and index.shape is not None:
+                out_shape = (*index.shape, *self._shape[1:])
+            attrs = {
+                "batch_dims": AttrValue(i=0),
+                "validate_indices": AttrValue(b=True),
+                "dtype": ops._type_attr(self._datatype),
+                "Tindices": ops._type_attr(index.datatype),
+            }
+            with self._on_handle_device():
+                op = self._graph.create_op(
+                    "ResourceGather",
+                    [self._handle, index],
+                    [self._datatype],
+                    name=scope,
+                    attrs=attrs,
+                    shapes=[out_shape],
+                )
+        return op.outputs[0]
+
     def is_initialized(self, name: str | None = None) -> Tensor:
         """A ``VarIsInitializedOp``: a bool scalar, true once the variable has a value."""
         with self._on_handle_device():

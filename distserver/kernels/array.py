@@ -58,6 +58,8 @@ class _TypedKernel(OpKernel):
 class ConstKernel(OpKernel):
     """Outputs the `value` attr; decoded once, returned read-only on every step."""
 
+    outputs_fixed = True
+
     def __init__(self, node: NodeDef) -> None:
         super().__init__(node)
         dtype = self.attr_type("dtype")
@@ -246,6 +248,46 @@ class TransposeKernel(_TypedKernel):
             if i not in perm:
                 raise kernel_error(self, f"{i} is missing from {{{','.join(map(str, perm))}}}.")
         return [np.transpose(x, perm)]
+
+
+@register_kernel("InvertPermutation")
+class InvertPermutationKernel(_TypedKernel):
+    """y[x[i]] = i: the permutation that undoes `x` (the gradient of a Transpose uses it)."""
+
+    runs_on_loop = True  # a short vector
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        (x,) = inputs
+        if x.ndim != 1:
+            raise kernel_error(
+                self, f"invert_permutation expects a 1D vector, got shape {shape_str(x.shape)}"
+            )
+        perm = int_list(self, x, "x")
+        inverse = np.full(len(perm), -1, dtype=x.dtype)
+        for i, d in enumerate(perm):
+            if not 0 <= d < len(perm):
+                raise kernel_error(self, f"{d} is not between 0 and {len(perm)}")
+            if inverse[d] != -1:
+                raise kernel_error(self, f"{d} is duplicated in the input.")
+            inverse[d] = i
+        return [inverse]
+
+
+@register_kernel("ListDiff")
+class ListDiffKernel(_TypedKernel):
+    """out: the values of `x` not in `y` (in `x`'s order); idx: their positions in `x`."""
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        self.index_type = attr_type_in(self, "out_idx", INDEX_TYPES, default=INT32)
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        x, y = inputs
+        for name, value in (("x", x), ("y", y)):
+            if value.ndim != 1:
+                raise kernel_error(self, f"{name} should be a 1D vector, got shape {shape_str(value.shape)}")
+        keep = ~np.isin(x, y)
+        return [x[keep], np.flatnonzero(keep).astype(self.index_type)]
 
 
 @register_kernel("ExpandDims")
@@ -659,6 +701,40 @@ class StridedSliceKernel(_TypedKernel):
         return tuple(index)
 
 
+@register_kernel("StridedSliceGrad")
+class StridedSliceGradKernel(StridedSliceKernel):
+    """The gradient of StridedSlice: zeros of `shape` with `dy` written where the slice was."""
+
+    runs_on_loop = False
+
+    def output_nbytes(self, inputs: list[Any]) -> int:
+        return product_of(inputs[0]) * self.dtype.itemsize
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        shape_value, begin_value, end_value, strides_value, dy = inputs
+        if shape_value.ndim != 1:
+            raise kernel_error(self, f"shape must be a vector, got shape {shape_str(shape_value.shape)}")
+        shape = int_list(self, shape_value, "shape")
+        if any(size < 0 for size in shape):
+            raise kernel_error(self, f"shape must not have negative sizes, got {shape}")
+        spec = (begin_value, end_value, strides_value)
+        if any(v.ndim != 1 for v in spec) or not begin_value.size == end_value.size == strides_value.size:
+            raise kernel_error(self, "Expected begin, end, and strides to be 1D equal size tensors")
+        begin, end, strides = (
+            int_list(self, v, name) for v, name in zip(spec, ("begin", "end", "strides"), strict=True)
+        )
+        check_input_dtype(self, 4, dy, self.dtype)
+        result = np.zeros(shape, dtype=self.dtype)
+        window = result[self._index(shape, begin, end, strides)]
+        if window.size != dy.size:
+            raise kernel_error(
+                self,
+                f"shape of dy was {shape_str(dy.shape)} instead of {shape_str(window.shape)}",
+            )
+        window[...] = dy.reshape(window.shape)
+        return [result]
+
+
 # --------------------------------------------------------------------------- selection and gathering
 
 
@@ -858,6 +934,49 @@ class WhereKernel(_TypedKernel):
         return [np.argwhere(condition).astype(np.int64, copy=False)]
 
 
+@register_kernel("ScatterNd")
+class ScatterNdKernel(_TypedKernel):
+    """`(indices [..., K], updates, shape)` -> zeros of `shape` with `updates` added at
+    `indices` (each index names a slice of the last `rank - K` dimensions; repeats add up)."""
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        self.index_type = attr_type_in(self, "Tindices", INDEX_TYPES)
+
+    def output_nbytes(self, inputs: list[Any]) -> int:
+        return product_of(inputs[2]) * self.dtype.itemsize
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        indices, updates, shape_value = inputs
+        check_input_dtype(self, 1, updates, self.dtype)
+        shape = int_list(self, shape_value, "shape")
+        if any(size < 0 for size in shape):
+            raise kernel_error(self, f"shape must not have negative sizes, got {shape}")
+        if indices.ndim < 1 or indices.dtype not in INDEX_TYPES:
+            raise kernel_error(
+                self, f"indices must be an int tensor of rank >= 1, got {shape_str(indices.shape)}"
+            )
+        depth = indices.shape[-1]
+        expected = (*indices.shape[:-1], *shape[depth:])
+        if depth > len(shape) or updates.shape != expected:
+            raise kernel_error(
+                self,
+                f"Dimensions mismatch: indices {shape_str(indices.shape)}, updates "
+                f"{shape_str(updates.shape)}, shape {shape}",
+            )
+        flat = indices.reshape(-1, depth)
+        for k in range(depth):
+            bad = (flat[:, k] < 0) | (flat[:, k] >= shape[k])
+            if bad.any():
+                position = int(np.flatnonzero(bad)[0])
+                raise kernel_error(
+                    self, f"indices[{position}] = {flat[position].tolist()} does not index into shape {shape}"
+                )
+        result = np.zeros(shape, dtype=self.dtype)
+        np.add.at(result, tuple(flat[:, k] for k in range(depth)), updates.reshape(-1, *shape[depth:]))
+        return [result]
+
+
 @register_kernel("DynamicStitch", "ParallelDynamicStitch")
 class DynamicStitchKernel(OpKernel):
     """Interleaves `data` into one tensor: merged[indices[m][i, ...], ...] = data[m][i, ...].
@@ -948,6 +1067,8 @@ __all__ = [
     "GatherKernel",
     "IdentityKernel",
     "IdentityNKernel",
+    "InvertPermutationKernel",
+    "ListDiffKernel",
     "NoOpKernel",
     "OneHotKernel",
     "PackKernel",
@@ -955,12 +1076,14 @@ __all__ = [
     "RangeKernel",
     "RankKernel",
     "ReshapeKernel",
+    "ScatterNdKernel",
     "SelectKernel",
     "SelectV2Kernel",
     "ShapeKernel",
     "SizeKernel",
     "SliceKernel",
     "SqueezeKernel",
+    "StridedSliceGradKernel",
     "StridedSliceKernel",
     "TileKernel",
     "TransposeKernel",

@@ -73,8 +73,9 @@ class _ArithmeticError(Exception):
 # --------------------------------------------------------------------------- element-wise helpers
 
 
-def _check_int_divisor(y: np.ndarray) -> None:
-    if y.dtype in INTEGERS and np.any(y == 0):
+def _check_int_divisor(x: np.ndarray, y: np.ndarray) -> None:
+    # An empty result divides nothing (TF's kernels then never see the zero divisor).
+    if y.dtype in INTEGERS and x.size and np.any(y == 0):
         raise _ArithmeticError("Integer division by zero")
 
 
@@ -82,7 +83,7 @@ def _truncate_div(x: np.ndarray, y: np.ndarray) -> Any:
     """C++ division: integers truncate toward zero; others divide exactly."""
     if x.dtype not in INTEGERS:
         return np.true_divide(x, y)
-    _check_int_divisor(y)
+    _check_int_divisor(x, y)
     quotient = np.floor_divide(x, y)
     if x.dtype in SIGNED:
         # floor and truncation differ when the signs differ and there is a remainder.
@@ -92,13 +93,13 @@ def _truncate_div(x: np.ndarray, y: np.ndarray) -> Any:
 
 def _floor_div(x: np.ndarray, y: np.ndarray) -> Any:
     if x.dtype in INTEGERS:
-        _check_int_divisor(y)
+        _check_int_divisor(x, y)
         return np.floor_divide(x, y)
     return np.floor(np.true_divide(x, y))
 
 
 def _floor_mod(x: np.ndarray, y: np.ndarray) -> Any:
-    _check_int_divisor(y)
+    _check_int_divisor(x, y)
     return np.remainder(x, y)
 
 

@@ -140,6 +140,10 @@ class OpKernel:
     # Kernels that read or write files: the executor always runs them in the thread
     # pool (when it has one), whatever the size of their inputs.
     does_io: ClassVar[bool] = False
+    # Kernels whose outputs depend only on their NodeDef and the step's device (Const,
+    # VarHandleOp): the executor computes such a node without inputs once per device
+    # and hands its outputs to every later step, instead of running it every step.
+    outputs_fixed: ClassVar[bool] = False
     ref_inputs: frozenset[int] = frozenset()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -234,7 +238,7 @@ def _dereference(kernel: OpKernel, inputs: list[Any]) -> list[Any]:
     values = list(inputs)
     for i, value in enumerate(values):
         if type(value) is VariableRef and i not in kernel.ref_inputs:
-            current = value.variable.value
+            current = value.variable.read()
             if current is None:
                 data_inputs = [t for t in kernel.node.input if not t.startswith("^")]
                 requested = data_inputs[i] if i < len(data_inputs) else value.name

@@ -21,6 +21,7 @@ import asyncio
 import collections
 import dataclasses
 import enum
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -122,10 +123,14 @@ class VariableResource:
     """The state of one resource variable (TensorFlow's `Var`).
 
     `value` is `None` until the first assignment. The stored array is owned by the
-    variable and is never mutated in place: updates build a new array and replace
-    it (under `lock`), so a reader may keep the array it got without copying it while
-    other steps keep updating the variable. The stored array is read-only, which turns
-    an accidental in-place write by a caller into an error instead of silent corruption.
+    variable. Updates build a new array and replace it (under `lock`), so a reader may
+    keep the array it got without copying it while other steps keep updating the
+    variable; only an update that finds the array unshared (`unshared`: nothing but
+    the variable references it) writes into it instead, as TensorFlow forwards a buffer
+    whose reference count is one. Readers that keep the array take it with `read()`
+    (under `lock`), so an in-place update never runs while a reader is getting its
+    reference. The stored array is read-only between updates, which turns an
+    accidental in-place write by a caller into an error instead of silent corruption.
     """
 
     def __init__(self, dtype: np.dtype[Any], shape: tuple[int | None, ...] | None = None) -> None:
@@ -142,6 +147,23 @@ class VariableResource:
     def assign(self, value: np.ndarray) -> None:
         """Store a private copy of `value` (later changes of the caller's array don't show)."""
         self.replace(np.array(value, dtype=self.dtype, copy=True))
+
+    def read(self) -> np.ndarray | None:
+        """The stored array, for a reader that keeps it (see the class docstring)."""
+        with self.lock:
+            return self.value
+
+    def unshared(self) -> bool:
+        """With `lock` held: whether the stored array may be updated in place.
+
+        True when it owns its memory and nothing but this variable references it: no
+        step holds it (a ReadVariableOp's output waiting for a consumer, a fetch, a
+        value waiting in a rendezvous or being serialised, a view of it), since every
+        such holder counts in its reference count.
+        """
+        value = self.value
+        # References: `self.value`, `value` and getrefcount's argument.
+        return value is not None and value.flags.owndata and sys.getrefcount(value) == 3
 
     def replace(self, value: np.ndarray) -> None:
         """Store `value` itself; the caller hands over an array nobody else references."""

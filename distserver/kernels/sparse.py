@@ -28,6 +28,7 @@ TF kernels have updated the rows before the bad one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import ml_dtypes
@@ -334,7 +335,7 @@ class _SparseApplyKernel(_ApplyKernel):
         self.index_type = attr_type_in(self, "Tindices", INDEX_TYPES)
 
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
-        variables: dict[str, tuple[Any, str]] = {}
+        variables: dict[str, tuple[Any, Callable[[], str]]] = {}
         values: dict[str, np.ndarray] = {}
         grad = indices = None
         for i, ((name, kind), value) in enumerate(zip(self.signature, inputs, strict=True)):
@@ -352,21 +353,38 @@ class _SparseApplyKernel(_ApplyKernel):
                     values[name] = value
         assert grad is not None
         assert indices is not None
-        with _locked([variable for variable, _ in variables.values()]):
+        targets = [variable for variable, _ in variables.values()]
+        with _locked(targets):
+            # Unshared variables get their rows written in place (see `_ApplyKernel`);
+            # decided before this kernel takes references to the arrays itself.
+            in_place = len({id(v) for v in targets}) == len(targets) and all(v.unshared() for v in targets)
             current = self._current_values(variables)
             self._check_shapes(current, grad, indices)
             rows = indices.astype(np.int64, copy=False)
-            updated = {name: np.array(value, copy=True) for name, value in current.items()}
-            with np.errstate(all="ignore"):
-                for positions in sparse_rows_passes(rows):
-                    picked = rows[positions]
-                    x = {name: updated[name][picked] for name in updated}
-                    x.update(values)
-                    x["grad"] = grad[positions]
-                    for name, new_rows in self.update(**x).items():
-                        updated[name][picked] = new_rows
-            for name, new_value in updated.items():
-                variables[name][0].replace(array(new_value, self.dtype))
+            if in_place:
+                updated = current
+                for value in updated.values():
+                    value.flags.writeable = True
+            else:
+                updated = {name: np.array(value, copy=True) for name, value in current.items()}
+            try:
+                with np.errstate(all="ignore"):
+                    for positions in sparse_rows_passes(rows):
+                        picked = rows[positions]
+                        x = {name: updated[name][picked] for name in updated}
+                        x.update(values)
+                        x["grad"] = grad[positions]
+                        for name, new_rows in self.update(**x).items():
+                            updated[name][picked] = new_rows
+            finally:
+                if in_place:
+                    for value in updated.values():
+                        value.flags.writeable = False
+            if in_place:
+                type(self).in_place_updates += 1
+            else:
+                for name, new_value in updated.items():
+                    variables[name][0].replace(array(new_value, self.dtype))
         return [inputs[0]] if self.on_refs else []
 
     def _check_scalar(self, name: str, value: np.ndarray) -> None:
@@ -380,7 +398,7 @@ class _SparseApplyKernel(_ApplyKernel):
                 raise kernel_error(self, f"{rule[1]} is not a {rule[0]} scalar: {shape_str(value.shape)}")
             raise kernel_error(self, self.scalar_text.format(name=name, shape=shape_str(value.shape)))
 
-    def _current_values(self, variables: dict[str, tuple[Any, str]]) -> dict[str, np.ndarray]:
+    def _current_values(self, variables: dict[str, tuple[Any, Callable[[], str]]]) -> dict[str, np.ndarray]:
         current: dict[str, np.ndarray] = {}
         for name, (variable, missing) in variables.items():
             value = variable.value
@@ -388,10 +406,10 @@ class _SparseApplyKernel(_ApplyKernel):
                 if self.on_refs:
                     raise kernel_error(
                         self,
-                        f"Attempting to use uninitialized variables: {missing}",
+                        f"Attempting to use uninitialized variables: {missing()}",
                         errors.FailedPreconditionError,
                     )
-                raise kernel_error(self, missing, errors.NotFoundError)
+                raise kernel_error(self, missing(), errors.NotFoundError)
             check_input_dtype(self, 0, value, self.dtype)
             current[name] = value
         return current

@@ -7,9 +7,10 @@ TF's FailedPrecondition "Could not find variable ...".
 
 Concurrency: every read-modify-write (AssignAdd/Sub, the optimizer updates) runs
 under the variables' locks, taken in a fixed order, so concurrent steps never lose an
-update and never deadlock. Updates replace the stored array instead of writing into
-it, so a value handed to a reader stays unchanged while later steps update the
-variable (TF's copy-on-write, without the reference counting).
+update and never deadlock. An update writes into the stored array only when nothing
+else references it (`VariableResource.unshared`, TensorFlow's forwarding of a buffer
+whose reference count is one); otherwise it replaces the array, so a value handed to
+a reader stays unchanged while later steps update the variable (copy-on-write).
 
 The optimizer kernels (`ResourceApplyGradientDescent`, `...Momentum`, `...Adam`,
 `...Adagrad`, `...AdagradV2`, `...RMSProp`, `...CenteredRMSProp`, `...ProximalAdagrad`,
@@ -21,7 +22,7 @@ The optimizer kernels (`ResourceApplyGradientDescent`, `...Momentum`, `...Adam`,
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -104,6 +105,7 @@ class VarHandleOpKernel(OpKernel):
     """Outputs the handle of variable `shared_name` (or the node's name) on this device."""
 
     is_stateful = True
+    outputs_fixed = True
 
     def __init__(self, node: NodeDef) -> None:
         super().__init__(node)
@@ -120,7 +122,8 @@ class VarHandleOpKernel(OpKernel):
 
 @register_kernel("ReadVariableOp")
 class ReadVariableOpKernel(_VariableKernel):
-    """The variable's current value (the stored array itself: it is never mutated)."""
+    """The variable's current value: the stored array itself (an update that finds it
+    still referenced by this output's holders replaces it instead of writing into it)."""
 
     def __init__(self, node: NodeDef) -> None:
         super().__init__(node)
@@ -129,7 +132,7 @@ class ReadVariableOpKernel(_VariableKernel):
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
         handle = self._handle(ctx, inputs[0])
         variable = self._find(ctx, handle)
-        value = None if variable is None else variable.value  # one atomic read, no lock needed
+        value = None if variable is None else variable.read()
         if value is None:
             raise kernel_error(
                 self,
@@ -258,8 +261,9 @@ class VarIsInitializedOpKernel(_VariableKernel):
 @register_kernel("DisableCopyOnRead")
 class DisableCopyOnReadKernel(_VariableKernel):
     """Turns off TensorFlow's copy-on-read mode of a variable (the Saver runs it before reading
-    a partitioned resource variable). distserver never updates a variable's array in place
-    (see `VariableResource`), so there is no mode to turn off: this checks that the variable exists."""
+    a partitioned resource variable). distserver writes into a variable's array only while no
+    reader holds it (see `VariableResource`), so a value read never changes and there is no
+    mode to turn off: this checks that the variable exists."""
 
     is_stateful = True
 
@@ -312,7 +316,7 @@ class ResourceGatherKernel(GatherKernel):
             variable = ctx.resources.lookup(handle.container, handle.name)
         except errors.NotFoundError:
             variable = None
-        value = variable.value if isinstance(variable, VariableResource) else None
+        value = variable.read() if isinstance(variable, VariableResource) else None
         if value is None:
             raise kernel_error(self, _missing_text(handle), errors.NotFoundError)
         check_input_dtype(self, 0, value, self.dtype)
@@ -351,10 +355,21 @@ class ResourceScatterKernel(_VariableKernel):
 def _locked(variables: list[VariableResource]) -> Iterator[None]:
     # One fixed order (by identity) for every kernel, so two updates never deadlock;
     # a variable passed twice is locked once.
-    with contextlib.ExitStack() as stack:
-        for variable in sorted({id(v): v for v in variables}.values(), key=id):
-            stack.enter_context(variable.lock)
+    locks = [v.lock for v in sorted({id(v): v for v in variables}.values(), key=id)]
+    taken = 0
+    try:
+        for lock in locks:
+            lock.acquire()
+            taken += 1
         yield
+    finally:
+        for lock in reversed(locks[:taken]):
+            lock.release()
+
+
+# The dtypes whose updates may be written into the variables' arrays (`update_in_place`):
+# numpy computes them natively, so in place and out of place give the same bits.
+_IN_PLACE_TYPES = frozenset({np.dtype(np.float32), np.dtype(np.float64)})
 
 
 class _ApplyKernel(_VariableKernel):
@@ -368,11 +383,18 @@ class _ApplyKernel(_VariableKernel):
     of `var`. Every update happens under the locks of all the variables involved,
     whatever `use_locking` says: taking an uncontended lock is cheap, lost updates
     are not.
+
+    A class that defines `update_in_place` has its update written into the
+    variables' own arrays when every one of them is unshared
+    (`VariableResource.unshared`: no reader holds it) and of a dtype numpy computes
+    natively; otherwise, and for every other class, `update` builds new arrays.
     """
 
     is_stateful = True
     signature: ClassVar[tuple[tuple[str, str], ...]]
     types: ClassVar[frozenset[np.dtype[Any]]] = FLOATS | COMPLEX  # the `T` TF has kernels for
+    # How many updates of this kernel were written in place (for tests and profiles).
+    in_place_updates = 0
 
     def __init__(self, node: NodeDef) -> None:
         super().__init__(node)
@@ -382,16 +404,22 @@ class _ApplyKernel(_VariableKernel):
         self.on_refs = not self.op.startswith("Resource")
         if self.on_refs:
             self.ref_inputs = frozenset(i for i, (_, kind) in enumerate(self.signature) if kind == "var")
+        self.may_update_in_place = (
+            type(self).update_in_place is not _ApplyKernel.update_in_place and self.dtype in _IN_PLACE_TYPES
+        )
 
-    def _variable(self, ctx: KernelContext, index: int, value: Any) -> tuple[VariableResource, str]:
-        """The variable input `index` names, and the text naming it when it has no value."""
+    def _variable(
+        self, ctx: KernelContext, index: int, value: Any
+    ) -> tuple[VariableResource, Callable[[], str]]:
+        """The variable input `index` names, and what makes the text naming it when it
+        has no value (only then: the text costs more than the update of a small variable)."""
         if self.on_refs:
-            return ref_input(self, value, index).variable, requested_input(self, index)
+            return ref_input(self, value, index).variable, lambda: requested_input(self, index)
         handle = self._handle(ctx, value)
-        return self._lookup(ctx, handle), _missing_text(handle)
+        return self._lookup(ctx, handle), lambda: _missing_text(handle)
 
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
-        variables: dict[str, tuple[VariableResource, str]] = {}
+        variables: dict[str, tuple[VariableResource, Callable[[], str]]] = {}
         values: dict[str, np.ndarray] = {}
         for i, ((name, kind), value) in enumerate(zip(self.signature, inputs, strict=True)):
             if kind == "var":
@@ -401,17 +429,25 @@ class _ApplyKernel(_VariableKernel):
             if kind == "scalar" and (value.size != 1 or value.ndim > 1):
                 raise kernel_error(self, f"{name} is not a scalar: {shape_str(value.shape)}")
             values[name] = value.reshape(()) if kind == "scalar" else value
-        with _locked([variable for variable, _ in variables.values()]):
+        targets = [variable for variable, _ in variables.values()]
+        with _locked(targets):
+            # Decided before this kernel takes references to the arrays itself. Scalars
+            # are not worth it (numpy's temporaries of 0-d arrays are not arrays).
+            in_place = (
+                self.may_update_in_place
+                and len({id(v) for v in targets}) == len(targets)
+                and all(v.unshared() and v.value is not None and v.value.ndim for v in targets)
+            )
             for name, (variable, missing) in variables.items():
                 current = variable.value
                 if current is None:
                     if self.on_refs:
                         raise kernel_error(
                             self,
-                            f"Attempting to use uninitialized variables: {missing}",
+                            f"Attempting to use uninitialized variables: {missing()}",
                             errors.FailedPreconditionError,
                         )
-                    raise kernel_error(self, missing, errors.NotFoundError)
+                    raise kernel_error(self, missing(), errors.NotFoundError)
                 check_input_dtype(self, 0, current, self.dtype)
                 values[name] = current
             shape = values["var"].shape
@@ -422,14 +458,33 @@ class _ApplyKernel(_VariableKernel):
                         f"var and {name} do not have the same shape"
                         f"{shape_str(shape)} {shape_str(values[name].shape)}",
                     )
-            with np.errstate(all="ignore"):
-                updated = self.update(**values)
-            for name, new_value in updated.items():
-                variables[name][0].replace(array(new_value, self.dtype))
+            if in_place:
+                self._update_in_place(values, list(variables))
+            else:
+                with np.errstate(all="ignore"):
+                    updated = self.update(**values)
+                for name, new_value in updated.items():
+                    variables[name][0].replace(array(new_value, self.dtype))
         return [inputs[0]] if self.on_refs else []
+
+    def _update_in_place(self, values: dict[str, np.ndarray], names: list[str]) -> None:
+        for name in names:
+            values[name].flags.writeable = True
+        try:
+            with np.errstate(all="ignore"):
+                self.update_in_place(**values)
+        finally:
+            for name in names:
+                values[name].flags.writeable = False
+        type(self).in_place_updates += 1
 
     def update(self, **x: np.ndarray) -> dict[str, Any]:
         """New values of the "var" inputs, from every input's current value."""
+        raise NotImplementedError
+
+    def update_in_place(self, **x: np.ndarray) -> None:
+        """`update`, written into the "var" arrays (the same operations in the same
+        order, so the same bits), with as few temporaries as it can."""
         raise NotImplementedError
 
 
@@ -441,6 +496,9 @@ class ApplyGradientDescentKernel(_ApplyKernel):
 
     def update(self, **x: np.ndarray) -> dict[str, Any]:
         return {"var": x["var"] - x["alpha"] * x["delta"]}
+
+    def update_in_place(self, **x: np.ndarray) -> None:
+        np.subtract(x["var"], x["alpha"] * x["delta"], out=x["var"])
 
 
 @register_kernel("ResourceApplyMomentum", "ApplyMomentum")
@@ -462,6 +520,19 @@ class ApplyMomentumKernel(_ApplyKernel):
         else:
             var = x["var"] - x["lr"] * accum
         return {"var": var, "accum": accum}
+
+    def update_in_place(self, **x: np.ndarray) -> None:
+        var, accum, grad, lr, momentum = x["var"], x["accum"], x["grad"], x["lr"], x["momentum"]
+        np.multiply(accum, momentum, out=accum)
+        np.add(accum, grad, out=accum)
+        if self.use_nesterov:
+            step = grad * lr
+            scaled = accum * momentum
+            np.multiply(scaled, lr, out=scaled)
+            np.add(step, scaled, out=step)
+        else:
+            step = lr * accum
+        np.subtract(var, step, out=var)
 
 
 @register_kernel("ResourceApplyAdam", "ApplyAdam")
@@ -497,6 +568,30 @@ class ApplyAdamKernel(_ApplyKernel):
         var = x["var"] - step * alpha / (np.sqrt(v) + x["epsilon"])
         return {"var": var, "m": m, "v": v}
 
+    def update_in_place(self, **x: np.ndarray) -> None:
+        one = np.ones((), dtype=self.dtype)
+        var, m, v, grad, beta1 = x["var"], x["m"], x["v"], x["grad"], x["beta1"]
+        alpha = x["lr"] * np.sqrt(one - x["beta2_power"]) / (one - x["beta1_power"])
+        work = np.subtract(grad, m)
+        np.multiply(work, one - beta1, out=work)
+        np.add(m, work, out=m)
+        np.multiply(grad, grad, out=work)
+        np.subtract(work, v, out=work)
+        np.multiply(work, one - x["beta2"], out=work)
+        np.add(v, work, out=v)
+        if self.use_nesterov:
+            np.multiply(grad, one - beta1, out=work)
+            denominator = np.multiply(beta1, m)
+            np.add(work, denominator, out=work)
+            np.multiply(work, alpha, out=work)
+        else:
+            np.multiply(m, alpha, out=work)
+            denominator = np.empty_like(work)
+        np.sqrt(v, out=denominator)
+        np.add(denominator, x["epsilon"], out=denominator)
+        np.divide(work, denominator, out=work)
+        np.subtract(var, work, out=var)
+
 
 @register_kernel("ResourceApplyAdagrad", "ApplyAdagrad")
 class ApplyAdagradKernel(_ApplyKernel):
@@ -518,6 +613,20 @@ class ApplyAdagradKernel(_ApplyKernel):
         accum = x["accum"] + grad * grad if self.update_slots else x["accum"]
         return {"var": x["var"] - x["lr"] * grad / np.sqrt(accum), "accum": accum}
 
+    def update_in_place(self, **x: np.ndarray) -> None:
+        work = self._add_squares(x["accum"], x["grad"])
+        np.multiply(x["lr"], x["grad"], out=work)
+        denominator = np.sqrt(x["accum"])
+        np.divide(work, denominator, out=work)
+        np.subtract(x["var"], work, out=x["var"])
+
+    def _add_squares(self, accum: np.ndarray, grad: np.ndarray) -> np.ndarray:
+        """accum += grad^2 (when `update_slots`); returns a scratch array of accum's shape."""
+        work: np.ndarray = np.multiply(grad, grad)
+        if self.update_slots:
+            np.add(accum, work, out=accum)
+        return work
+
 
 @register_kernel("ResourceApplyAdagradV2", "ApplyAdagradV2")
 class ApplyAdagradV2Kernel(ApplyAdagradKernel):
@@ -535,6 +644,14 @@ class ApplyAdagradV2Kernel(ApplyAdagradKernel):
         grad = x["grad"]
         accum = x["accum"] + grad * grad if self.update_slots else x["accum"]
         return {"var": x["var"] - x["lr"] * grad / (np.sqrt(accum) + x["epsilon"]), "accum": accum}
+
+    def update_in_place(self, **x: np.ndarray) -> None:
+        work = self._add_squares(x["accum"], x["grad"])
+        np.multiply(x["lr"], x["grad"], out=work)
+        denominator = np.sqrt(x["accum"])
+        np.add(denominator, x["epsilon"], out=denominator)
+        np.divide(work, denominator, out=work)
+        np.subtract(x["var"], work, out=x["var"])
 
 
 @register_kernel("ResourceApplyRMSProp", "ApplyRMSProp")

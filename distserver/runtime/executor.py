@@ -5,6 +5,10 @@ kernel (so unknown ops and bad attrs fail at registration, naming the node),
 resolves inputs, and rejects cycles. `run(ctx)` then executes one step:
 
 * Ready-queue scheduling: a node runs once all its data and control inputs have.
+* Per-step work that does not depend on the data is done once, at registration or
+  at the first step: how each node runs (`_Node.mode`), and the outputs of nodes
+  without inputs whose kernel says they are fixed (`OpKernel.outputs_fixed`: Const,
+  VarHandleOp), which later steps start from (a traced step still runs every node).
 * Small synchronous kernels run inline on the event loop (a task per node would
   cost more than the node). Kernels whose inputs are large, or whose output will
   be (`OpKernel.output_nbytes`: Fill, Tile, Range, random tensors), run in the
@@ -68,6 +72,13 @@ class StepContext:
     checkpoint_root: str | None = None
 
 
+# How the executor runs a node's kernel (`_Node.mode`), decided once per graph.
+_INLINE = 0  # synchronously on the loop, whatever its inputs
+_BY_SIZE = 1  # in the thread pool when its inputs (or its estimated output) are large
+_THREAD = 2  # always in the thread pool (`OpKernel.does_io`)
+_TASK = 3  # as a task (`OpKernel.is_async`)
+
+
 @dataclass
 class _Node:
     index: int
@@ -78,6 +89,9 @@ class _Node:
     control_consumers: list[int] = field(default_factory=list)  # the control edges among `consumers`
     num_reads: int = 0  # data edges out of this node: how many times its outputs are taken
     sizes_its_output: bool = False  # the kernel estimates its output (`OpKernel.output_nbytes`)
+    mode: int = _INLINE
+    # The producers of `inputs`, one entry per data edge (`unread` bookkeeping).
+    sources: tuple[int, ...] = ()
 
 
 class Executor:
@@ -120,8 +134,34 @@ class Executor:
                     self._nodes[src].num_reads += 1
                 self._nodes[src].consumers.append(i)
                 node.num_waits += 1
+        for node in self._nodes:
+            node.mode = _mode_of(node)
+            node.sources = tuple(src for src, _ in node.inputs)
         self._roots = [n.index for n in self._nodes if n.num_waits == 0]
         self._check_acyclic()
+        self._plan_fixed_nodes()
+
+    def _plan_fixed_nodes(self) -> None:
+        """Where a step starts once the nodes with fixed outputs (`OpKernel.outputs_fixed`,
+        no inputs) have run: they run once per device, not once per step."""
+        self._fixed = [i for i in self._roots if self._nodes[i].kernel.outputs_fixed]
+        self._fixed_outputs: dict[str, list[list[Any]]] = {}  # device -> outputs of each fixed node
+        waits = [n.num_waits for n in self._nodes]
+        ready = [i for i in self._roots if not self._nodes[i].kernel.outputs_fixed]
+        for i in self._fixed:
+            for c in self._nodes[i].consumers:
+                waits[c] -= 1
+                if waits[c] == 0:
+                    ready.append(c)
+        self._waits_after_fixed = waits
+        self._ready_after_fixed = ready
+
+    def _fixed_values(self, ctx: StepContext) -> list[list[Any]]:
+        values = self._fixed_outputs.get(ctx.device)
+        if values is None:
+            values = [_compute(self._nodes[i].kernel, ctx, []) for i in self._fixed]
+            self._fixed_outputs[ctx.device] = values
+        return values
 
     def _check_acyclic(self) -> None:
         waits = [n.num_waits for n in self._nodes]
@@ -152,12 +192,20 @@ class Executor:
         end, a timeline label; what `RunOptions(trace_level=FULL_TRACE)` returns).
         """
         nodes = self._nodes
-        waits = [n.num_waits for n in nodes]
         # Outputs still to be taken by a consumer; a node's entry is dropped with its last read.
         unread = [n.num_reads for n in nodes]
         outputs: list[list[Any] | None] = [None] * len(nodes)
         dead_control = [False] * len(nodes)  # a control input of the node is dead
-        ready = deque(self._roots)
+        if self._fixed and stats is None:  # a traced step shows every node run
+            waits = list(self._waits_after_fixed)
+            ready = deque(self._ready_after_fixed)
+            for i, values in zip(self._fixed, self._fixed_values(ctx), strict=True):
+                if unread[i]:
+                    outputs[i] = values
+        else:
+            waits = [n.num_waits for n in nodes]
+            ready = deque(self._roots)
+        pool = ctx.pool
         wake = asyncio.Event()
         in_flight = 0
         # Whether a dead value exists in this step yet: until one does (most steps have no
@@ -202,22 +250,33 @@ class Executor:
                 while True:
                     while ready:
                         node = nodes[ready.popleft()]
-                        inputs = [_output(nodes, outputs, src, k, node) for src, k in node.inputs]
-                        for src, _ in node.inputs:
-                            unread[src] -= 1
-                            if not unread[src]:
+                        if saw_dead:
+                            inputs = [_output(nodes, outputs, src, k, node) for src, k in node.inputs]
+                        else:
+                            # No dead value yet, so no `_DEAD_OUTPUTS`: plain indexing (an
+                            # output index out of range takes the checked path for its error).
+                            try:
+                                inputs = [outputs[src][k] for src, k in node.inputs]  # type: ignore[index]
+                            except IndexError:
+                                inputs = [_output(nodes, outputs, src, k, node) for src, k in node.inputs]
+                        for src in node.sources:
+                            left = unread[src] - 1
+                            unread[src] = left
+                            if not left:
                                 outputs[src] = None
-                        dead = saw_dead and (dead_control[node.index] or any(v is DEAD for v in inputs))
-                        if dead and node.kernel.dead_inputs != SKIP_WHEN_DEAD:
+                        if saw_dead and (dead_control[node.index] or any(v is DEAD for v in inputs)):
+                            if node.kernel.dead_inputs == SKIP_WHEN_DEAD:
+                                finish(node.index, _DEAD_OUTPUTS)
+                                continue
                             if node.kernel.dead_inputs == CARRIES_DEADNESS:
                                 inputs = [DEAD] * len(inputs)
-                        elif dead:
-                            finish(node.index, _DEAD_OUTPUTS)
-                            continue
-                        if node.kernel.is_async:
+                        mode = node.mode
+                        if mode == _TASK:
                             in_flight += 1
                             group.create_task(run_task(node, inputs, offload=False))
-                        elif ctx.pool is not None and _belongs_in_a_thread(node, inputs):
+                        elif pool is not None and (
+                            mode == _THREAD or (mode == _BY_SIZE and _large(node, inputs))
+                        ):
                             in_flight += 1
                             group.create_task(run_task(node, inputs, offload=True))
                         elif stats is not None:
@@ -285,13 +344,26 @@ def _record(stats: DeviceStepStats, kernel: OpKernel, started_ns: int, ended_ns:
     )
 
 
-def _belongs_in_a_thread(node: _Node, inputs: list[Any]) -> bool:
+def _mode_of(node: _Node) -> int:
+    """How `node` runs (see `_INLINE`...): fixed by its kernel and its graph."""
+    kernel = node.kernel
+    if kernel.is_async:
+        return _TASK
+    if kernel.runs_on_loop:
+        return _INLINE
+    if kernel.does_io:
+        return _THREAD
+    if node.inputs or node.sizes_its_output:
+        return _BY_SIZE
+    return _INLINE  # no inputs and no output estimate: nothing can make it large
+
+
+def _large(node: _Node, inputs: list[Any]) -> bool:
     """Whether the kernel's work is large enough for a thread: large inputs, or a large output."""
-    if node.kernel.runs_on_loop:
-        return False
-    if node.kernel.does_io:
-        return True
-    nbytes = sum(v.nbytes for v in inputs if isinstance(v, np.ndarray))
+    nbytes = 0
+    for value in inputs:
+        if isinstance(value, np.ndarray):
+            nbytes += value.nbytes
     if node.sizes_its_output:
         nbytes += node.kernel.output_nbytes(inputs)
     return nbytes >= OFFLOAD_BYTES

@@ -270,7 +270,7 @@ class CallStream:
             async with timer:
                 async with self._write_lock:
                     try:
-                        await stream.write(frame)
+                        await _write_whole(stream, frame)
                     except grpc.aio.AioRpcError as exc:  # the stream has ended
                         raise self._failure(await _final_status(stream, exc), method) from exc
                 return await future
@@ -289,6 +289,8 @@ class CallStream:
             ) from exc
         finally:
             self._pending.pop(call_id, None)
+            if future.done() and not future.cancelled():
+                future.exception()  # the reader failed it while this caller raised its own error
 
     def _cancel(self, stream: Any, call_id: int) -> None:
         """Tell the server to cancel a call its caller gave up on (in the background)."""
@@ -364,6 +366,19 @@ class CallStream:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reader
+
+
+async def _write_whole(stream: Any, frame: bytes) -> None:
+    """Write one frame even if the caller is cancelled meanwhile: grpc.aio cancels the whole
+    stream when a pending write is cancelled, which would fail every other call on it
+    (a failed step cancels its other partitions' RunGraph calls while they are written)."""
+    write = asyncio.ensure_future(stream.write(frame))
+    try:
+        await asyncio.shield(write)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception, asyncio.CancelledError):
+            await write
+        raise
 
 
 async def _final_status(stream: Any, exc: grpc.aio.AioRpcError) -> grpc.aio.AioRpcError:

@@ -432,6 +432,8 @@ def test_public_api_is_exported():
         "Final",
         "np",
         "graph",
+        "autodiff",
+        "gradient_functions",
         "ops",
         "queues",
         "variables",

@@ -307,3 +307,23 @@ def test_setter_options(graph):
             kept = tf.Variable(1.0)
         moved = tf.Variable(1.0)
     assert _devices([kept, moved]) == ["/device:CPU:0", "/job:ps/task:0"]
+
+
+def test_gathering_rows_of_a_variable_reads_only_those_rows(graph):
+    # As TF's tf.gather on a resource variable: ResourceGather on the handle, not a full read.
+    with tf.device("/job:ps/task:0"):
+        v = tf.Variable(np.ones((5, 3), np.float32), name="v")
+    rows = tf.gather(v, [4, 0])
+    other_axis = tf.gather(v, [1], axis=1)
+    assert rows.op.type == "ResourceGather"
+    assert rows.op.name == "Gather"
+    assert [t.name for t in rows.op.inputs] == ["v:0", "Gather/indices:0"]
+    assert rows.device == "/job:ps/task:0"
+    assert rows.shape == (2, 3)
+    assert {k: rows.op.get_attr(k) for k in ("batch_dims", "validate_indices", "dtype", "Tindices")} == {
+        "batch_dims": 0,
+        "validate_indices": True,
+        "dtype": np.float32,
+        "Tindices": np.int32,
+    }
+    assert other_axis.op.type == "GatherV2"

@@ -695,3 +695,54 @@ def test_dynamic_stitch_later_inputs_win_and_gaps_are_zero(run_op):
 def test_dynamic_stitch_checks_shapes(run_op):
     with pytest.raises(errors.InvalidArgumentError, match=r"does not start with indices\[0\].shape"):
         run_op("DynamicStitch", np.array([0, 1], np.int32), np.array([1.0], np.float32), N=1, T=np.float32)
+
+
+# --------------------------------------------------------------------------- gradient helpers
+
+
+def test_invert_permutation(run_op):
+    (out,) = run_op("InvertPermutation", ints(2, 0, 3, 1), T=I32)
+    np.testing.assert_array_equal(out, [1, 3, 0, 2])
+    with pytest.raises(errors.InvalidArgumentError, match="2 is duplicated in the input"):
+        run_op("InvertPermutation", ints(2, 2, 0), T=I32)
+    with pytest.raises(errors.InvalidArgumentError, match="5 is not between 0 and 3"):
+        run_op("InvertPermutation", ints(5, 0, 1), T=I32)
+
+
+def test_strided_slice_grad_writes_dy_where_the_slice_was(run_op):
+    dy = np.array([[1.0, 2.0], [3.0, 4.0]])
+    (out,) = run_op(
+        "StridedSliceGrad", ints(3, 4), ints(1, 0), ints(3, 4), ints(1, 2), dy, T=np.float64, Index=I32
+    )
+    expected = np.zeros((3, 4))
+    expected[1:3, 0:4:2] = dy
+    np.testing.assert_array_equal(out, expected)
+    (shrunk,) = run_op(
+        "StridedSliceGrad", ints(2, 3), ints(0, 1), ints(0, 2), ints(1, 1), np.array([5.0, 6.0]),
+        T=np.float64, Index=I32, begin_mask=1, end_mask=1, shrink_axis_mask=2,
+    )  # fmt: skip
+    np.testing.assert_array_equal(shrunk, [[0, 5, 0], [0, 6, 0]])
+    with pytest.raises(errors.InvalidArgumentError, match=r"shape of dy was \[3\] instead of \[2\]"):
+        run_op(
+            "StridedSliceGrad", ints(2, 3), ints(0, 1), ints(0, 2), ints(1, 1), np.ones(3),
+            T=np.float64, Index=I32, begin_mask=1, end_mask=1, shrink_axis_mask=2,
+        )  # fmt: skip
+
+
+def test_list_diff(run_op):
+    out, idx = run_op("ListDiff", ints(1, 2, 3, 4, 5, 6), ints(1, 3, 5), T=I32, out_idx=I32)
+    np.testing.assert_array_equal(out, [2, 4, 6])
+    np.testing.assert_array_equal(idx, [1, 3, 5])
+
+
+def test_scatter_nd_adds_updates_at_indices(run_op):
+    indices = np.array([[1], [3], [1]], I32)
+    updates = np.array([[1.0, 2.0], [3.0, 4.0], [10.0, 20.0]])
+    (out,) = run_op("ScatterNd", indices, updates, ints(4, 2), T=np.float64, Tindices=I32)
+    np.testing.assert_array_equal(out, [[0, 0], [11, 22], [0, 0], [3, 4]])
+    with pytest.raises(errors.InvalidArgumentError, match=r"indices\[1\] = \[4\] does not index into shape"):
+        run_op(
+            "ScatterNd", np.array([[0], [4]], I32), np.ones((2, 2)), ints(4, 2), T=np.float64, Tindices=I32
+        )
+    with pytest.raises(errors.InvalidArgumentError, match="Dimensions mismatch"):
+        run_op("ScatterNd", np.array([[0]], I32), np.ones((1, 3)), ints(4, 2), T=np.float64, Tindices=I32)

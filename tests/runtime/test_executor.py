@@ -111,3 +111,43 @@ async def test_the_graphs_of_a_session_share_its_stateful_kernels():
     other_session = Executor(graph.as_graph_def(), {})
     assert first._nodes[0].kernel is second._nodes[0].kernel
     assert other_session._nodes[0].kernel is not first._nodes[0].kernel
+
+
+@pytest.mark.parametrize(("elements", "offloaded"), [(16, set()), (MiB, {"filled", "negated"})])
+async def test_the_way_each_node_runs_is_decided_once_and_still_follows_input_sizes(elements, offloaded):
+    # The executor fixes at registration which nodes may leave the loop (`_Node.mode`: a
+    # node without inputs or an output estimate never does); whether one of the others
+    # does is still decided per step, from the size of its inputs.
+    with ds.Graph().as_default() as graph:
+        big = ds.fill([elements], np.float32(1.0), name="filled")
+        ds.negative(big, name="negated")
+        ds.constant(np.ones(elements, np.float32), name="const")
+    executor = Executor(graph.as_graph_def())
+    with _CountingPool() as pool:
+        await executor.run(_step_context(pool))
+    assert set(pool.kernels) == offloaded, pool.kernels
+
+
+async def test_nodes_with_fixed_outputs_run_once_per_device_unless_the_step_is_traced(monkeypatch):
+    from distserver.kernels.array import ConstKernel
+    from distserver.protos.debug_pb2 import DeviceStepStats
+
+    runs: list[str] = []
+    original = ConstKernel.compute
+
+    def counting(self, ctx, inputs):
+        runs.append(self.name)
+        return original(self, ctx, inputs)
+
+    monkeypatch.setattr(ConstKernel, "compute", counting)
+    with ds.Graph().as_default() as graph:
+        a = ds.constant(np.float32(2.0), name="a")
+        ds.add(a, ds.constant(np.float32(3.0), name="b"), name="total")
+    executor = Executor(graph.as_graph_def())
+    for _ in range(3):
+        await executor.run(_step_context(None))
+    assert sorted(runs) == ["a", "b"]  # the first step computed them; later steps reused them
+    stats = DeviceStepStats()
+    await executor.run(_step_context(None), stats)
+    assert sorted(runs) == ["a", "a", "b", "b"]  # a traced step shows every node
+    assert {s.node_name for s in stats.node_stats} == {"a", "b", "total"}

@@ -201,3 +201,37 @@ async def test_a_bare_internal_before_any_answer_is_not_taken_for_the_peers_erro
         assert isinstance(stream._failure(internal, "RunStep"), call_stream.StreamUnproven)
         stream.answered = True
         assert isinstance(stream._failure(internal, "RunStep"), errors.UnavailableError)
+
+
+async def test_callers_cancelled_while_writing_leave_the_other_calls_on_the_stream_alone():
+    # grpc.aio cancels a whole stream when a write in progress is cancelled; a failed step
+    # cancels its other RunGraph calls, which must not fail the calls of concurrent steps.
+    async def list_devices(request):
+        return echo_name(request)
+
+    listener, address = await serve(list_devices)
+    channel = get_transport("grpc").connect(address)
+    padding = "x" * 200_000  # writes that take a while
+    try:
+        await channel.call(MASTER_SERVICE, "ListDevices", ListDevicesRequest(session_handle="open"))
+        assert channel._calls is not None
+        stream = channel._calls._stream
+        for _ in range(10):
+            names = [f"{i}{padding}" for i in range(16)]
+            calls = [
+                asyncio.ensure_future(
+                    channel.call(MASTER_SERVICE, "ListDevices", ListDevicesRequest(session_handle=n))
+                )
+                for n in names
+            ]
+            await asyncio.sleep(0)  # every call is writing or waiting to write
+            for call in calls[::2]:
+                call.cancel()
+            results = await asyncio.gather(*calls, return_exceptions=True)
+            for name, result in list(zip(names, results, strict=True))[1::2]:
+                assert not isinstance(result, BaseException), result
+                assert result.local_device[0].name == name
+        assert channel._calls._stream is stream  # the stream was never cancelled
+    finally:
+        await channel.close()
+        await listener.stop(None)

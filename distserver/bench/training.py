@@ -1,0 +1,774 @@
+"""Training steps, distserver side by side with TensorFlow's runtime.
+
+A real TensorFlow client (`train_side.py`, TensorFlow's Python, `tf.compat.v1.Session`)
+trains the same workloads against a distserver cluster over ``grpc``, one over
+``grpc+verbs`` and a TensorFlow cluster, all started by this run, in blocks of steps
+that alternate between the runtimes (the order rotates every block, so a change in
+the machine's load hits all of them). Workloads (`train_side.py` builds them):
+
+* ``mlp``: 784-512-10 classifier, batch 256, Adam and a global step (~175 nodes);
+* ``embedding``: a 50,000 x 32 table in two shards, ``embedding_lookup`` of 256 x 8
+  ids, Adagrad with sparse updates;
+* ``small``: 30 dense 32x32 layers (60 small variables), Momentum.
+
+Layouts: ``cluster`` (ps + 2 workers; variables on ps through
+`replica_device_setter`, compute and the session's target on worker 0) and ``one``
+(a one-task cluster, everything local).
+
+For every (layout, workload, runtime): the median step time and the spread (10th and
+90th percentiles) over all timed steps; per step, the CPU seconds of each task
+process and of the client (``/proc/<pid>/stat``); the bytes and packets that crossed
+loopback (the whole run is in a network namespace of its own, so ``lo`` carries only
+this run's traffic: client <-> master and task <-> task; the grpc+verbs data path
+moves tensors through shared memory and is not in it); and, for distserver, the calls
+its tasks made to each other, by method (counted in the task processes).
+
+`run_training_benchmark(...)` returns all of it as plain data; `distserver bench
+--workload training` runs it (`run_cli`), and so does `benchmarks/bench_training.py`:
+
+    .venv/bin/python benchmarks/bench_training.py [--workloads mlp,embedding,small]
+        [--layouts cluster,one] [--blocks 4] [--steps 15] [--warmup 10]
+        [--tree NAME=PATH ...] [--json out.json]
+
+``--tree base=/path/to/other/checkout`` adds that source tree's distserver (its
+task processes import it) as more runtimes, ``grpc[base]`` and
+``grpc+verbs[base]``: a before/after comparison in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import os
+import select
+import signal
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from distserver.bench import tfenv as _tfenv
+from distserver.bench import timing as _shared
+from distserver.testing import LocalCluster
+
+HERE = Path(__file__).resolve().parent  # train_side.py and tf_side.py, run as scripts
+
+WORKLOADS = ("mlp", "embedding", "small")
+LAYOUTS = ("cluster", "one")
+PROTOCOLS = ("grpc", "grpc+verbs")
+TF = "tf"
+RESULT = "@@result "
+READY = "@@ready "
+COMMAND_TIMEOUT_S = 300.0
+START_TIMEOUT_S = 120.0
+JOBS = {"cluster": {"ps": 1, "worker": 2}, "one": {"worker": 1}}
+
+# Installed in our task processes (sitecustomize): counts the calls each task makes to
+# other tasks, by method, and writes them to $DIR/<pid>.json on SIGUSR1.
+_COUNTER = """
+import collections, json, os, signal
+from distserver.transports import grpc as _grpc
+_counts = collections.Counter()
+_dumps = [0]
+_call, _recv = _grpc.GrpcChannel.call, _grpc.GrpcChannel.recv_tensor
+async def call(self, service, method, *args, **kwargs):
+    _counts[method] += 1
+    return await _call(self, service, method, *args, **kwargs)
+async def recv_tensor(self, *args, **kwargs):
+    _counts["RecvTensor"] += 1
+    return await _recv(self, *args, **kwargs)
+_grpc.GrpcChannel.call, _grpc.GrpcChannel.recv_tensor = call, recv_tensor
+def _dump(signum, frame):
+    _dumps[0] += 1
+    path = os.path.join(os.environ["DISTSERVER_BENCH_COUNTS"], f"{os.getpid()}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump({"dumps": _dumps[0], "counts": dict(_counts)}, f)
+    os.replace(path + ".tmp", path)
+signal.signal(signal.SIGUSR1, _dump)
+if os.environ.get("DISTSERVER_BENCH_PROFILE"):
+    import cProfile
+    _profile = [None]
+    def _toggle_profile(signum, frame):
+        # First SIGUSR2: profile the event loop thread from now; second: write the stats.
+        if _profile[0] is None:
+            _profile[0] = cProfile.Profile()
+            _profile[0].enable()
+        else:
+            _profile[0].disable()
+            path = os.path.join(os.environ["DISTSERVER_BENCH_PROFILE"], f"{os.getpid()}.prof")
+            _profile[0].dump_stats(path + ".tmp")
+            os.replace(path + ".tmp", path)
+            _profile[0] = None
+    signal.signal(signal.SIGUSR2, _toggle_profile)
+"""
+
+
+# --------------------------------------------------------------------------- counters
+
+
+def loopback_counters() -> dict[str, int]:
+    """Bytes and packets sent on ``lo`` (each loopback packet is sent once)."""
+    with open("/proc/net/dev") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name.strip() == "lo":
+                fields = rest.split()
+                return {"bytes": int(fields[8]), "packets": int(fields[9])}
+    return {"bytes": 0, "packets": 0}
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+# --------------------------------------------------------------------------- runtimes
+
+
+class Runtime:
+    """One cluster of one layout: its session target and its task processes."""
+
+    name: str
+    target: str
+    pids: dict[str, int]
+
+    def call_counts(self) -> dict[str, int] | None:
+        return None
+
+    def lost(self) -> str | None:
+        return None
+
+    def stop(self) -> None: ...
+
+
+class OursRuntime(Runtime):
+    def __init__(
+        self,
+        name: str,
+        protocol: str,
+        jobs: dict[str, int],
+        tree: Path | None,
+        counts_dir: Path,
+        profile_dir: Path | None = None,
+    ) -> None:
+        self.name = name
+        self.profile_dir = profile_dir
+        self.counts_dir = counts_dir
+        site = counts_dir / "site"
+        paths = [str(site)] + ([str(tree)] if tree is not None else [])
+        paths += [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and tree is None]
+        env = {"PYTHONPATH": os.pathsep.join(paths), "DISTSERVER_BENCH_COUNTS": str(counts_dir)}
+        if profile_dir is not None:
+            env["DISTSERVER_BENCH_PROFILE"] = str(profile_dir)
+        if protocol == "grpc+verbs":
+            env["DISTSERVER_VERBS_STRICT"] = "1"
+        self.cluster = LocalCluster(jobs, protocol=protocol, env=env).start()
+        self.target = self.cluster.target("worker")
+        self.pids = {_role(task): proc.pid for task, proc in self.cluster.processes.items()}
+
+    def call_counts(self) -> dict[str, int]:
+        before = {pid: _read_counts(self.counts_dir, pid) for pid in self.pids.values()}
+        for pid in self.pids.values():
+            os.kill(pid, signal.SIGUSR1)
+        total: dict[str, int] = {}
+        deadline = time.monotonic() + 10
+        for pid in self.pids.values():
+            while True:
+                now = _read_counts(self.counts_dir, pid)
+                if now["dumps"] > before[pid]["dumps"]:
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{self.name}: task {pid} did not report its call counts")
+                time.sleep(0.005)
+            for method, n in now["counts"].items():
+                total[method] = total.get(method, 0) + n
+        return total
+
+    def toggle_profile(self, save_as: str | None = None) -> None:
+        """Start profiling the tasks' event loop threads; with `save_as`, stop and keep the
+        stats as `<profile_dir>/<save_as>-<task>.prof`."""
+        if self.profile_dir is None:
+            return
+        for role, pid in self.pids.items():
+            os.kill(pid, signal.SIGUSR2)
+            if save_as is None:
+                continue
+            written = self.profile_dir / f"{pid}.prof"
+            deadline = time.monotonic() + 30
+            while not written.exists():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{self.name}: task {role} did not write its profile")
+                time.sleep(0.01)
+            written.rename(self.profile_dir / f"{save_as}-{role}.prof")
+
+    def lost(self) -> str | None:
+        for task, proc in self.cluster.processes.items():
+            if proc.poll() is not None:
+                return f"{self.name}: {task} exited ({proc.returncode}): {self.cluster.stderr(task)[-500:]}"
+        return None
+
+    def stop(self) -> None:
+        self.cluster.stop()
+
+
+def _read_counts(directory: Path, pid: int) -> dict[str, Any]:
+    try:
+        counts: dict[str, Any] = json.loads((directory / f"{pid}.json").read_text())
+        return counts
+    except (OSError, ValueError):
+        return {"dumps": 0, "counts": {}}
+
+
+def _role(task: str) -> str:
+    # "/job:worker/replica:0/task:1" -> "worker1"
+    parts = dict(p.split(":", 1) for p in task.strip("/").split("/"))
+    return f"{parts['job']}{parts['task']}"
+
+
+class TFRuntime(Runtime):
+    """`tf.distribute.Server`s, one process each (`tf_side.py server`)."""
+
+    def __init__(self, python: str, jobs: dict[str, int]) -> None:
+        self.name = TF
+        ports = iter(_free_ports(sum(jobs.values())))
+        cluster = {job: [f"localhost:{next(ports)}" for _ in range(n)] for job, n in jobs.items()}
+        self.procs: dict[str, subprocess.Popen[str]] = {}
+        self._stderr: dict[str, Any] = {}
+        deadline = time.monotonic() + START_TIMEOUT_S
+        try:
+            for job, addresses in cluster.items():
+                for index in range(len(addresses)):
+                    role = f"{job}{index}"
+                    self._stderr[role] = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed in stop()
+                    self.procs[role] = subprocess.Popen(
+                        [
+                            *(python, str(HERE / "tf_side.py"), "server"),
+                            *("--cluster", json.dumps(cluster), "--job", job, "--task", str(index)),
+                        ],
+                        stdout=subprocess.PIPE,
+                        stderr=self._stderr[role],
+                        text=True,
+                        env=_tfenv.quiet_tf_env(),
+                    )
+            for role, proc in self.procs.items():
+                _read_tagged(proc, READY, deadline, f"TF {role}")
+        except BaseException:
+            self.stop()
+            raise
+        self.target = f"grpc://{cluster['worker'][0]}"
+        self.pids = {role: proc.pid for role, proc in self.procs.items()}
+
+    def lost(self) -> str | None:
+        for role, proc in self.procs.items():
+            if proc.poll() is not None:
+                return f"TF {role} exited ({proc.returncode})"
+        return None
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+            if proc.stdout is not None:
+                proc.stdout.close()
+        for stream in self._stderr.values():
+            stream.close()
+        self.procs, self._stderr = {}, {}
+
+
+def _free_ports(count: int) -> list[int]:
+    from distserver.testing.cluster import free_ports
+
+    return free_ports(count)
+
+
+def _read_tagged(proc: subprocess.Popen[str], tag: str, deadline: float, who: str) -> dict[str, Any]:
+    """The payload of the next line of `proc` that starts with `tag`."""
+    assert proc.stdout is not None
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise RuntimeError(f"{who} did not answer in time")
+        readable, _, _ = select.select([proc.stdout], [], [], min(remaining, 1.0))
+        if readable:
+            line = proc.stdout.readline()
+            if line.startswith(tag):
+                payload: dict[str, Any] = json.loads(line[len(tag) :])
+                return payload
+            if line:
+                continue
+        if proc.poll() is not None:
+            raise RuntimeError(f"{who} exited ({proc.returncode})")
+
+
+class TFClient:
+    """`train_side.py` under TensorFlow's Python: the client of every runtime."""
+
+    def __init__(self, python: str) -> None:
+        self._stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [python, str(HERE / "train_side.py")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            text=True,
+            env=_tfenv.quiet_tf_env(),
+        )
+        self.pid = self.proc.pid
+        self.tensorflow = self._answer(START_TIMEOUT_S)["tensorflow"]
+
+    def _answer(self, timeout: float) -> Any:
+        reply = _read_tagged(self.proc, RESULT, time.monotonic() + timeout, "the TF client")
+        if not reply["ok"]:
+            raise RuntimeError(f"TF client: {reply['error']}\n{self.stderr_tail()}")
+        return reply.get("result")
+
+    def request(self, op: str, **fields: Any) -> Any:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"op": op, **fields}) + "\n")
+        self.proc.stdin.flush()
+        return self._answer(COMMAND_TIMEOUT_S)
+
+    def stderr_tail(self) -> str:
+        self._stderr.seek(0)
+        return "\n".join(self._stderr.read().strip().splitlines()[-15:])
+
+    def stop(self) -> None:
+        with contextlib.suppress(Exception):
+            self.request("quit")
+        with contextlib.suppress(Exception):
+            self.proc.wait(timeout=20)
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self._stderr.close()
+
+
+# --------------------------------------------------------------------------- measurement
+
+
+def _measure(options: dict[str, Any], log: Callable[[str], None]) -> dict[str, Any]:
+    """Everything, in this process's (network namespace's) view; see `run_training_benchmark`."""
+    tf_python: str | None = options["tf_python"]
+    trees: dict[str, str] = options["trees"]
+    runtimes_wanted: list[str] = options["runtimes"]
+    report: dict[str, Any] = {"options": options, "results": {}, "netns": options["netns"]}
+    if tf_python is None:
+        raise RuntimeError("the training benchmark needs TensorFlow's Python for its client (see _tfenv.py)")
+    here = os.getcwd()
+    with tempfile.TemporaryDirectory(prefix="distserver-bench-training-") as tmp:
+        # `python -m distserver` puts its working directory first on sys.path.
+        os.chdir(tmp)
+        client = TFClient(tf_python)
+        report["tensorflow"] = client.tensorflow
+        try:
+            for layout in options["layouts"]:
+                report["results"][layout] = _measure_layout(
+                    options, layout, Path(tmp), client, trees, runtimes_wanted, log
+                )
+        finally:
+            client.stop()
+            os.chdir(here)
+    return report
+
+
+def _measure_layout(
+    options: dict[str, Any],
+    layout: str,
+    tmp: Path,
+    client: TFClient,
+    trees: dict[str, str],
+    runtimes_wanted: list[str],
+    log: Callable[[str], None],
+) -> dict[str, Any]:
+    jobs = JOBS[layout]
+    runtimes: list[Runtime] = []
+    results: dict[str, Any] = {}
+    try:
+        specs: list[tuple[str, str, Path | None]] = []
+        for protocol in PROTOCOLS:
+            if protocol in runtimes_wanted:
+                specs.append((protocol, protocol, None))
+                for tree_name, tree_path in trees.items():
+                    specs.append((f"{protocol}[{tree_name}]", protocol, Path(tree_path)))
+        for name, protocol, tree in specs:
+            counts_dir = tmp / f"counts-{layout}-{len(runtimes)}"
+            (counts_dir / "site").mkdir(parents=True)
+            (counts_dir / "site" / "sitecustomize.py").write_text(_COUNTER)
+            log(f"[{layout}] starting {name}")
+            profile_dir = Path(options["profile"]) if options.get("profile") else None
+            runtimes.append(OursRuntime(name, protocol, jobs, tree, counts_dir, profile_dir))
+        if TF in runtimes_wanted:
+            log(f"[{layout}] starting {TF}")
+            runtimes.append(TFRuntime(options["tf_python"], jobs))
+        for workload in options["workloads"]:
+            results[workload] = _measure_workload(options, layout, workload, client, runtimes, log)
+    finally:
+        for runtime in runtimes:
+            runtime.stop()
+    return results
+
+
+def _measure_workload(
+    options: dict[str, Any],
+    layout: str,
+    workload: str,
+    client: TFClient,
+    runtimes: list[Runtime],
+    log: Callable[[str], None],
+) -> dict[str, Any]:
+    log(f"[{layout}] {workload}: preparing")
+    per: dict[str, dict[str, Any]] = {}
+    for runtime in runtimes:
+        prepared = client.request(
+            "prepare",
+            id=runtime.name,
+            target=runtime.target,
+            workload=workload,
+            layout=layout,
+            warmup=options["warmup"],
+        )
+        per[runtime.name] = {
+            "first_loss": prepared["first_loss"],
+            "init_s": prepared["init_s"],
+            "times": [],
+            "cpu_s": {},
+            "loopback": {"bytes": 0, "packets": 0},
+            "calls": {},
+        }
+    ours = [r for r in runtimes if isinstance(r, OursRuntime)]
+    for runtime in ours:
+        runtime.toggle_profile()
+    try:
+        for block in range(options["blocks"]):
+            shift = block % len(runtimes)
+            for runtime in runtimes[shift:] + runtimes[:shift]:
+                lost = runtime.lost()
+                if lost:
+                    raise RuntimeError(lost)
+                _time_block(options, client, runtime, per[runtime.name])
+            log(f"[{layout}] {workload}: block {block + 1}/{options['blocks']}")
+        for runtime in ours:
+            runtime.toggle_profile(save_as=f"{layout}-{workload}-{runtime.name}")
+    finally:
+        for runtime in runtimes:
+            with contextlib.suppress(Exception):
+                client.request("close", id=runtime.name)
+    return {name: _summary(data) for name, data in per.items()}
+
+
+def _time_block(options: dict[str, Any], client: TFClient, runtime: Runtime, into: dict[str, Any]) -> None:
+    pids = {**runtime.pids, "client": client.pid}
+    if options["settle"]:
+        client.request("block", id=runtime.name, repeat=options["settle"])
+    calls_before = runtime.call_counts()
+    cpu_before = {role: _shared.proc_counters(pid)["cpu_s"] for role, pid in pids.items()}
+    lo_before = loopback_counters()
+    answer = client.request("block", id=runtime.name, repeat=options["steps"])
+    lo_after = loopback_counters()
+    cpu_after = {role: _shared.proc_counters(pid)["cpu_s"] for role, pid in pids.items()}
+    calls_after = runtime.call_counts()
+    into["times"] += answer["times"]
+    into["last_loss"] = answer["loss"]
+    for role in pids:
+        into["cpu_s"][role] = into["cpu_s"].get(role, 0.0) + cpu_after[role] - cpu_before[role]
+    for key in ("bytes", "packets"):
+        into["loopback"][key] += lo_after[key] - lo_before[key]
+    if calls_before is not None and calls_after is not None:
+        for method, n in calls_after.items():
+            into["calls"][method] = into["calls"].get(method, 0) + n - calls_before.get(method, 0)
+
+
+def _summary(data: dict[str, Any]) -> dict[str, Any]:
+    times = data["times"]
+    steps = len(times)
+    calls = {method: n / steps for method, n in sorted(data["calls"].items()) if n}
+    return {
+        "steps": steps,
+        "median_ms": statistics.median(times) * 1e3,
+        "p10_ms": _percentile(times, 0.1) * 1e3,
+        "p90_ms": _percentile(times, 0.9) * 1e3,
+        "cpu_ms_per_step": {role: s / steps * 1e3 for role, s in data["cpu_s"].items()},
+        "loopback_bytes_per_step": data["loopback"]["bytes"] / steps,
+        "loopback_packets_per_step": data["loopback"]["packets"] / steps,
+        "calls_per_step": calls,
+        "first_loss": data["first_loss"],
+        "last_loss": data["last_loss"],
+    }
+
+
+# --------------------------------------------------------------------------- entry points
+
+
+def run_training_benchmark(
+    *,
+    workloads: Sequence[str] = WORKLOADS,
+    layouts: Sequence[str] = LAYOUTS,
+    runtimes: Sequence[str] = (*PROTOCOLS, TF),
+    blocks: int = 4,
+    steps: int = 15,
+    warmup: int = 10,
+    settle: int = 3,
+    trees: dict[str, str] | None = None,
+    tf_python: str | None = None,
+    profile: str | None = None,
+    max_seconds: float = 900.0,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Run the training benchmark; returns plain data (JSON-ready).
+
+    Args:
+        workloads: any of "mlp", "embedding", "small".
+        layouts: "cluster" (ps + 2 workers) and/or "one" (one task).
+        runtimes: any of "grpc", "grpc+verbs" (distserver) and "tf".
+        blocks: timed blocks per runtime (the order rotates every block).
+        steps: timed steps per block.
+        warmup: untimed steps after initialisation.
+        settle: untimed steps before each block (a runtime that sat idle is slow for
+            a few steps).
+        trees: name -> another source tree of distserver, run as more runtimes
+            ("grpc[name]", ...).
+        tf_python: TensorFlow's interpreter (default: `tfenv.find_installed`: $DISTSERVER_TF_PYTHON,
+            or this Python if it has tensorflow).
+        profile: a directory: profile the event loop thread of every distserver task
+            over the timed blocks (cProfile), one `<layout>-<workload>-<runtime>-<task>.prof`
+            each.
+        max_seconds: the whole run is stopped after this long.
+
+    Returns: {"results": {layout: {workload: {runtime: summary}}}, "tensorflow",
+    "netns", "options"}; a summary has median_ms, p10_ms, p90_ms,
+    cpu_ms_per_step (per task and the client), loopback_bytes_per_step,
+    loopback_packets_per_step, calls_per_step (distserver: the calls its tasks made to
+    each other, by method), first_loss and last_loss.
+    """
+    for name, allowed in (("workloads", WORKLOADS), ("layouts", LAYOUTS), ("runtimes", (*PROTOCOLS, TF))):
+        values = {"workloads": workloads, "layouts": layouts, "runtimes": runtimes}[name]
+        unknown = [v for v in values if v not in allowed]
+        if unknown:
+            raise ValueError(f"unknown {name} {unknown}; choose from {list(allowed)}")
+    if blocks < 1 or steps < 1 or warmup < 0 or settle < 0:
+        raise ValueError("blocks and steps must be at least 1, warmup and settle at least 0")
+    if tf_python is None:
+        tf_python = _tfenv.find_installed(None).python
+    options = {
+        "workloads": list(workloads),
+        "layouts": list(layouts),
+        "runtimes": list(runtimes),
+        "blocks": blocks,
+        "steps": steps,
+        "warmup": warmup,
+        "settle": settle,
+        "trees": {k: str(Path(v).resolve()) for k, v in (trees or {}).items()},
+        "tf_python": tf_python,
+        "profile": str(Path(profile).resolve()) if profile else None,
+    }
+    prefix = _netns_prefix()
+    if prefix is None:
+        raise RuntimeError(
+            "TensorFlow's servers bind 0.0.0.0: the training benchmark runs in a network namespace "
+            "(`unshare --net`), which is unavailable here"
+        )
+    with tempfile.TemporaryDirectory(prefix="distserver-bench-training-") as tmp:
+        options_path, out_path = Path(tmp, "options.json"), Path(tmp, "report.json")
+        options_path.write_text(json.dumps(options))
+        command = [
+            *prefix,
+            sys.executable,
+            "-m",
+            "distserver.bench.training",
+            "--in-namespace",
+            str(options_path),
+            str(out_path),
+        ]
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+        assert proc.stdout is not None
+        deadline = time.monotonic() + max_seconds
+        try:
+            for line in proc.stdout:
+                log(line.rstrip())
+                if time.monotonic() > deadline:
+                    raise _shared.BudgetExceeded(f"the training benchmark ran past {max_seconds:.0f} s")
+            code = proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        if code != 0 or not out_path.exists():
+            raise RuntimeError(f"the training benchmark failed (exit {code}); see the lines above")
+        report: dict[str, Any] = json.loads(out_path.read_text())
+        return report
+
+
+def _netns_prefix() -> list[str] | None:
+    for prefix in (["unshare", "--net", "--"], ["unshare", "--net", "--map-root-user", "--"]):
+        try:
+            ok = subprocess.run([*prefix, "true"], capture_output=True, timeout=10, check=False)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if ok.returncode == 0:
+            return prefix
+    return None
+
+
+def _loopback_up() -> list[str]:
+    """Bring ``lo`` up (SIOCGIFFLAGS/SIOCSIFFLAGS); return the interface names."""
+    siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        request = struct.pack("16sH22x", b"lo", 0)
+        flags = struct.unpack("16sH22x", fcntl.ioctl(sock, siocgifflags, request))[1]
+        fcntl.ioctl(sock, siocsifflags, struct.pack("16sH22x", b"lo", flags | iff_up))
+    return [name for _, name in socket.if_nameindex()]
+
+
+def _in_namespace(options_path: str, out_path: str) -> None:
+    interfaces = _loopback_up()
+    if interfaces != ["lo"]:
+        raise RuntimeError(f"the network namespace has interfaces {interfaces}, expected only lo")
+    options = json.loads(Path(options_path).read_text())
+    options["netns"] = True
+
+    def log(text: str) -> None:
+        print(text, flush=True)
+
+    report = _measure(options, log)
+    Path(out_path).write_text(json.dumps(report))
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The report as a markdown table (ratios against TensorFlow when it ran)."""
+    lines = [
+        "| layout | workload | runtime | median ms (p10-p90) | vs TF | CPU ms/step per task | "
+        "loopback KiB/step | packets/step | task-to-task calls/step |",
+        "|---|---|---|---:|---:|---|---:|---:|---|",
+    ]
+    for layout, workloads in report["results"].items():
+        for workload, runtimes in workloads.items():
+            tf_median = runtimes.get(TF, {}).get("median_ms")
+            for name, s in runtimes.items():
+                ratio = f"{s['median_ms'] / tf_median:.2f}x" if tf_median else "-"
+                cpu = ", ".join(f"{role} {ms:.1f}" for role, ms in s["cpu_ms_per_step"].items())
+                calls = ", ".join(f"{m} {n:g}" for m, n in s["calls_per_step"].items()) or "-"
+                if name == TF:
+                    calls = "n/a"
+                lines.append(
+                    f"| {layout} | {workload} | {name} "
+                    f"| {s['median_ms']:.2f} ({s['p10_ms']:.2f}-{s['p90_ms']:.2f}) "
+                    f"| {ratio} | {cpu} | {s['loopback_bytes_per_step'] / 1024:.1f} "
+                    f"| {s['loopback_packets_per_step']:.1f} | {calls} |"
+                )
+    return "\n".join(lines)
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """`distserver bench --workload training`: its options mapped onto this benchmark.
+
+    ``--protocols``: grpc, grpc+verbs and tensorflow are the runtimes (the transfer
+    baselines memcpy and grpcio have no training step and are left out); ``--rounds``:
+    blocks per runtime; ``--repeats``: timed steps per block (default 15);
+    ``--warmup`` (at least 5 here: a training step's first steps are slow);
+    ``--tf-python``, ``--max-seconds``, ``--json``.
+    """
+    wanted = [p.strip() for p in args.protocols.split(",") if p.strip()]
+    known = (*PROTOCOLS, "tensorflow", "memcpy", "grpcio")
+    unknown = [p for p in wanted if p not in known]
+    if unknown:
+        print(
+            f"distserver bench: --protocols: unknown {', '.join(unknown)}; valid: {', '.join(known)}",
+            file=sys.stderr,
+        )
+        return 2
+    runtimes = [TF if p == "tensorflow" else p for p in wanted if p in (*PROTOCOLS, "tensorflow")]
+    if not runtimes:
+        print(
+            "distserver bench: --workload training measures grpc, grpc+verbs and tensorflow; "
+            f"--protocols names none of them ({args.protocols})",
+            file=sys.stderr,
+        )
+        return 2
+    left_out = [p for p in wanted if p not in (*PROTOCOLS, "tensorflow")]
+    if left_out:
+        print(f"distserver bench: training has no {', '.join(left_out)} series (left out)", file=sys.stderr)
+    try:
+        tf_python = _tfenv.find_installed(args.tf_python).python
+        report = run_training_benchmark(
+            runtimes=runtimes,
+            blocks=args.rounds,
+            steps=args.repeats or 15,
+            warmup=max(args.warmup, 5),
+            tf_python=tf_python,
+            max_seconds=args.max_seconds,
+            log=lambda line: print(line, file=sys.stderr),
+        )
+    except (ValueError, RuntimeError, _tfenv.TFUnavailable) as exc:
+        print(f"distserver bench: {exc}", file=sys.stderr)
+        return 1
+    print(format_table(report))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1))
+        print(f"distserver bench: wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+def main() -> None:
+    """The command line of `benchmarks/bench_training.py` (and of the network-namespace child)."""
+    if len(sys.argv) == 4 and sys.argv[1] == "--in-namespace":
+        _in_namespace(sys.argv[2], sys.argv[3])
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument("--runtimes", default=",".join((*PROTOCOLS, TF)))
+    parser.add_argument("--blocks", type=int, default=4, help="timed blocks per runtime (4)")
+    parser.add_argument("--steps", type=int, default=15, help="timed steps per block (15)")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed steps after initialisation (10)")
+    parser.add_argument("--settle", type=int, default=3, help="untimed steps before each block (3)")
+    parser.add_argument(
+        "--tree", action="append", default=[], metavar="NAME=PATH", help="another distserver tree"
+    )
+    parser.add_argument("--profile", metavar="DIR", help="cProfile our tasks' loop threads into DIR")
+    parser.add_argument("--max-seconds", type=float, default=900.0)
+    parser.add_argument("--json", help="also write the report here")
+    args = parser.parse_args()
+    trees = {}
+    for item in args.tree:
+        name, sep, path = item.partition("=")
+        if not sep or not (Path(path) / "distserver" / "__init__.py").is_file():
+            parser.error(f"--tree {item!r}: expected NAME=PATH with PATH/distserver/__init__.py")
+        trees[name] = path
+    try:
+        report = run_training_benchmark(
+            workloads=[w for w in args.workloads.split(",") if w],
+            layouts=[x for x in args.layouts.split(",") if x],
+            runtimes=[r for r in args.runtimes.split(",") if r],
+            blocks=args.blocks,
+            steps=args.steps,
+            warmup=args.warmup,
+            settle=args.settle,
+            trees=trees,
+            profile=args.profile,
+            max_seconds=args.max_seconds,
+        )
+    except (ValueError, RuntimeError, _tfenv.TFUnavailable) as exc:
+        sys.exit(f"bench_training: {exc}")
+    print(f"\nTensorFlow {report['tensorflow']}; {args.blocks} blocks x {args.steps} steps per runtime\n")
+    print(format_table(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
