@@ -253,7 +253,8 @@ def _statistics_text(stats: dict[str, Any]) -> str:
         lines.append(
             f"  peer {peer} at {channel['target']} via {channel['data_path']}: "
             f"{channel['calls_started']} calls ({channel['calls_failed']} failed), "
-            f"{channel['tensors_received']} tensors / {channel['tensor_bytes_received']} bytes received"
+            f"{channel['tensors_received']} tensors / {channel['tensor_bytes_received']} bytes received, "
+            f"{channel['call_bytes_received']} bytes of responses"
         )
     return "\n".join(lines) + "\n"
 

@@ -13,6 +13,8 @@ into metric families. What is exported, every series labelled with the task
 * Per peer task (`peer`, `address`, `data_path` labels; `data_path` is "grpc", or "verbs"
   when grpc+verbs moves tensors through shared memory):
   `distserver_peer_tensor_bytes_received_total`, `distserver_peer_tensors_received_total`,
+  `distserver_peer_call_bytes_received_total` (responses of calls, where values of 1 MiB
+  or less come back inside RunGraph responses),
   `distserver_peer_calls_total`, `distserver_peer_calls_failed_total`.
 * `distserver_sessions`: master sessions open; and the process' own (`process_*`).
 """
@@ -57,6 +59,10 @@ def metric_families(stats: ServerStatistics, task: str) -> list[Metric]:
     counters = {
         "peer_tensor_bytes_received": ("tensor bytes received from the peer", "tensor_bytes_received"),
         "peer_tensors_received": ("tensors received from the peer", "tensors_received"),
+        "peer_call_bytes_received": (
+            "bytes of call responses from the peer (RunGraph responses carry pushed values)",
+            "call_bytes_received",
+        ),
         "peer_calls": ("calls made to the peer", "calls_started"),
         "peer_calls_failed": ("calls to the peer that failed", "calls_failed"),
     }

@@ -2,7 +2,8 @@
 
 Two tasks, each a `distserver serve` process; the worker also serves metrics. A client
 runs `STEPS` steps, each pulling one 2 MiB tensor from the ps to the worker (above the
-push limit, so it travels by RecvTensor on the data path), and one step that fails.
+push limit, so it travels by RecvTensor on the data path) and one of 256 KiB (pushed:
+it comes back inside the ps's RunGraph response), and one step that fails.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from distserver.testing import free_ports
 STEPS = 4
 ROWS, COLS = 512, 1024  # float32: 2 MiB
 NBYTES = ROWS * COLS * 4
+SMALL = 256 * 256  # float32: 256 KiB
 WORKER = "/job:worker/replica:0/task:0"
 PS = "/job:ps/replica:0/task:0"
 
@@ -62,13 +64,14 @@ def _run_workload(target):
     with graph.as_default():
         with ds.device("/job:ps/task:0"):
             big = ds.fill([ROWS, COLS], np.float32(1.0))
+            small = ds.fill([SMALL], np.float32(1.0))
         with ds.device("/job:worker/task:0"):
-            total = ds.reduce_sum(big)
+            total = ds.reduce_sum(big) + ds.reduce_sum(small)
             unfed = ds.placeholder(ds.float32, shape=[], name="unfed")
             needs_feed = unfed * 2.0
     with ds.Session(target, graph=graph) as session:
         for _ in range(STEPS):
-            assert session.run(total) == ROWS * COLS
+            assert session.run(total) == ROWS * COLS + SMALL
         with pytest.raises(ds.errors.InvalidArgumentError):
             session.run(needs_feed)
 
@@ -133,6 +136,8 @@ def test_counters_and_metrics_match_a_known_workload(python_env, protocol):
     assert value("distserver_peer_tensor_bytes_received_total", **peer) == STEPS * NBYTES
     assert value("distserver_peer_tensors_received_total", **peer) == STEPS
     assert value("distserver_peer_calls_failed_total", **peer) == 0
+    # The pushed 256 KiB came back in RunGraph responses: counted there, not as tensors.
+    assert value("distserver_peer_call_bytes_received_total", **peer) >= STEPS * SMALL * 4
     assert value("distserver_sessions") == 0
 
 

@@ -475,6 +475,7 @@ class GrpcChannel(Channel):
         self._calls_failed = 0
         self._tensors_received = 0
         self._tensor_bytes_received = 0
+        self._call_bytes_received = 0
 
     @property
     def tensor_path(self) -> TensorPath:
@@ -537,12 +538,14 @@ class GrpcChannel(Channel):
             if not wait_for_ready:
                 data = await self._call_framed(service, method, request.SerializeToString(), timeout)
                 if data is not None:
+                    self._call_bytes_received += len(data)
                     response_cls: Any = SERVICES[service][method][1]
                     framed: Message = response_cls.FromString(data)
                     return framed
             response: Message = await self._callable(service, method)(
                 request, timeout=timeout, wait_for_ready=wait_for_ready
             )
+        self._call_bytes_received += response.ByteSize()
         return response
 
     async def _call_framed(
@@ -633,6 +636,7 @@ class GrpcChannel(Channel):
             tensors_received=self._tensors_received,
             tensor_bytes_received=self._tensor_bytes_received,
             data_path=self._tensors.data_path,
+            call_bytes_received=self._call_bytes_received,
         )
 
 

@@ -83,22 +83,36 @@ def tf_client(pytestconfig: pytest.Config) -> TFClient:
     to the terminal as they come, past pytest's output capture: a first run that spends
     minutes installing TensorFlow says so.
     """
-    proc = subprocess.Popen(
-        [sys.executable, str(SETUP)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
     stderr_lines: list[str] = []
-    reader = threading.Thread(target=_echo_lines, args=(proc.stderr, stderr_lines, pytestconfig), daemon=True)
-    reader.start()
-    try:
-        stdout, _ = proc.communicate(timeout=SETUP_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
-        reader.join()
+    stdout_chunks: list[str] = []
+    with subprocess.Popen(
+        [sys.executable, str(SETUP)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as proc:
+
+        def read_stdout() -> None:
+            assert proc.stdout is not None
+            stdout_chunks.append(proc.stdout.read())
+
+        readers = [
+            threading.Thread(target=_echo_lines, args=(proc.stderr, stderr_lines, pytestconfig), daemon=True),
+            threading.Thread(target=read_stdout, daemon=True),
+        ]
+        for reader in readers:
+            reader.start()
+        timed_out = False
+        try:
+            proc.wait(timeout=SETUP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            proc.kill()
+            proc.wait()
+        for reader in readers:
+            reader.join()
+    if timed_out:
         pytest.fail(
             f"scripts/interop-setup did not finish within {SETUP_TIMEOUT} s:\n{_tail(''.join(stderr_lines))}"
         )
-    reader.join()
+    stdout = "".join(stdout_chunks)
     stderr = "".join(stderr_lines)
     if proc.returncode == EXIT_CANNOT_INSTALL:
         pytest.skip(f"TensorFlow cannot be installed on this machine:\n{_tail(stderr, 1500)}")
