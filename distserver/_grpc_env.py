@@ -1,5 +1,13 @@
 """gRPC core settings that only take effect when set before `grpc` is imported.
 
+Quiet C-core logs: gRPC's C core writes its own log lines ("E0000 00:00:... chttp2
+...") straight to the process' stderr, past Python's `logging`. distserver reports
+every failure it sees as an `OpError` and logs through `logging`, so those lines are
+noise in a user's terminal: `GRPC_VERBOSITY=NONE` is set unless the user set
+`GRPC_VERBOSITY` (set it to ERROR, INFO or DEBUG to see them again).
+
+Fewer thread hops:
+
 grpcio 1.85 moves every call between its EventEngine threads, its completion-queue
 poller thread and the asyncio loop. Turning off the EventEngine client and listener
 (the iomgr poller reads the sockets itself) takes one thread hop out of each RPC:
@@ -31,3 +39,16 @@ def apply() -> bool:
 
 
 APPLIED = apply()
+
+GRPC_VERBOSITY = "NONE"
+
+
+def quiet_core_logs() -> bool:
+    """Set `GRPC_VERBOSITY=NONE` for this process when it is still possible and not set."""
+    if "GRPC_VERBOSITY" in os.environ or "grpc" in sys.modules:
+        return False
+    os.environ["GRPC_VERBOSITY"] = GRPC_VERBOSITY
+    return True
+
+
+QUIETED = quiet_core_logs()

@@ -1,5 +1,5 @@
-"""Process-wide setup shared by distserver's processes and threads: the event loop, and
-dying with the parent process.
+"""Process-wide setup shared by distserver's processes and threads: the event loop,
+dying with the parent process, and a quiet exit on Ctrl-C.
 
 Every distserver process (`distserver serve`, the conformance peer, benchmarks) and the
 facade's loop thread get their event loop from `new_event_loop`, so they all run on
@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import logging
 import os
 import signal
 import sys
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 _uvloop: Any
@@ -60,3 +61,28 @@ def die_with_parent() -> None:
         return
     if os.getppid() != int(parent):  # the parent died before prctl took effect
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+INTERRUPTED_EXIT_STATUS = 130  # what a shell reports for a command ended by SIGINT
+
+
+def exit_quietly_on_interrupt(main: Callable[[], T]) -> T:
+    """Run `main()`; on Ctrl-C print one line and exit with status 130, without a traceback.
+
+    For programs (the `distserver` command, the examples) whose Ctrl-C would otherwise
+    print a traceback from wherever the main thread was waiting, then asyncio's "Future
+    exception was never retrieved" for the calls the interrupt left unanswered. The
+    `with` blocks `main` was in have been left (a `LocalCluster` has stopped its tasks)
+    when this exits. The exit is immediate (`os._exit`): threads still running a call
+    are not waited for, and a second Ctrl-C cannot interrupt the clean-up.
+    """
+    try:
+        return main()
+    except KeyboardInterrupt:
+        logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+        try:
+            sys.stdout.flush()
+        except (OSError, ValueError):
+            pass
+        print("\ninterrupted", file=sys.stderr, flush=True)
+        os._exit(INTERRUPTED_EXIT_STATUS)

@@ -27,7 +27,7 @@ from distserver.protos.device_attributes_pb2 import DeviceAttributes
 from distserver.protos.tensorflow_server_pb2 import ServerDef
 from distserver.runtime.master import DEFAULT_SESSION_GC_SECONDS
 from distserver.security import Security
-from distserver.server import AsyncServer
+from distserver.server import AsyncServer, ServerStatistics
 from distserver.session import AsyncSession
 
 T = TypeVar("T")
@@ -125,6 +125,10 @@ _LOOP = _LoopThread()
 atexit.register(_LOOP.shutdown)
 
 
+async def _statistics_of(server: AsyncServer) -> ServerStatistics:
+    return server.statistics()
+
+
 def run_blocking(coro: Coroutine[Any, Any, T]) -> T:
     """Run a coroutine on distserver's loop thread from synchronous code."""
     return _LOOP.run(coro)
@@ -137,7 +141,9 @@ class Server:
         server_or_cluster_def: A `ServerDef`, `ClusterDef`, `ClusterSpec` or dict.
         job_name: This task's job (may be omitted when the cluster has one job).
         task_index: This task's index (may be omitted when the job has one task).
-        protocol: "grpc" by default.
+        protocol: "grpc" (default: TensorFlow's wire protocol) or "grpc+verbs" (gRPC
+            for calls, shared memory for tensors between tasks on one host;
+            docs/verbs.md).
         config: A `ConfigProto` merged into every session this server creates.
         start: Start serving at once (the port is bound in the constructor either way).
         listen_on_all_interfaces: Bind every interface, not just this task's host.
@@ -201,6 +207,10 @@ class Server:
     def async_server(self) -> AsyncServer:
         """The `AsyncServer` doing the work (use it only on distserver's loop)."""
         return self._async
+
+    def statistics(self) -> ServerStatistics:
+        """This server's counters so far (`AsyncServer.statistics()`), read on its event loop."""
+        return _LOOP.run(_statistics_of(self._async))
 
     def start(self) -> None:
         """Start serving. Idempotent; raises FailedPreconditionError after a stop."""

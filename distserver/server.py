@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import enum
+import json
 import logging
 import os
 import random
@@ -28,20 +30,23 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
+from google.protobuf import empty_pb2, wrappers_pb2
+
 from distserver import errors
 from distserver.cluster import ClusterSpec, local_address, make_server_def, validate_cluster
 from distserver.devices import full_device_name, task_name
 from distserver.kernels.resources import ResourceManager
 from distserver.protos.cluster_pb2 import ClusterDef
 from distserver.protos.device_attributes_pb2 import DeviceAttributes
-from distserver.protos.services import EAGER_SERVICE, MASTER_SERVICE, WORKER_SERVICE
+from distserver.protos.services import EAGER_SERVICE, MASTER_SERVICE, STATUS_SERVICE, WORKER_SERVICE
 from distserver.protos.tensorflow_server_pb2 import ServerDef
 from distserver.runtime.clients import RemoteWorker, WorkerClient
+from distserver.runtime.counters import StepCounters, StepStatistics
 from distserver.runtime.eager import EagerService
 from distserver.runtime.master import DEFAULT_SESSION_GC_SECONDS, Master
 from distserver.runtime.worker import Worker
 from distserver.security import Security, from_environment
-from distserver.transports import Channel, Listener, Transport, get_transport
+from distserver.transports import Channel, ChannelStatistics, Listener, Transport, get_transport
 
 logger = logging.getLogger(__name__)
 
@@ -58,12 +63,34 @@ class ServerState(enum.Enum):
 
 @dataclass(frozen=True)
 class ServerStatistics:
-    """A snapshot of a server, for debugging and tests."""
+    """A snapshot of a server's activity (`AsyncServer.statistics()`, `distserver status --stats`).
+
+    `peers` are this task's channels to the other tasks, by task name: calls made, and
+    tensors and bytes received, with the data path each channel's tensors take
+    ("grpc"; "verbs" when grpc+verbs moves them through shared memory).
+    """
 
     target: str
     state: str
     sessions: int
     channels: int
+    steps: StepStatistics  # steps this task's master ran (its clients' Session.run)
+    graphs: StepStatistics  # partition graphs this task's worker ran (RunGraph)
+    peers: dict[str, ChannelStatistics]
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain data (JSON-ready): every field, and `in_flight` for steps and graphs."""
+        data = dataclasses.asdict(self)
+        data["steps"]["in_flight"] = self.steps.in_flight
+        data["graphs"]["in_flight"] = self.graphs.in_flight
+        return data
+
+    def bytes_received_by_data_path(self) -> dict[str, int]:
+        """Tensor bytes received from peers, summed by data path."""
+        totals: dict[str, int] = {}
+        for peer in self.peers.values():
+            totals[peer.data_path] = totals.get(peer.data_path, 0) + peer.tensor_bytes_received
+        return totals
 
 
 # Servers of this process by target, for the in-process shortcut of sessions.
@@ -86,7 +113,9 @@ class AsyncServer:
             dict accepted by `ClusterSpec` (TensorFlow's protos are accepted too).
         job_name: This task's job; may be omitted when the cluster has one job.
         task_index: This task's index; may be omitted when the job has one task.
-        protocol: "grpc" (default) or another registered transport.
+        protocol: "grpc" (default), "grpc+verbs" (gRPC for calls, shared memory for
+            tensors between tasks on one host; docs/verbs.md), or another registered
+            transport.
         config: A `ConfigProto` merged into every session this server's master creates.
         listen_on_all_interfaces: Bind every interface instead of the host named in
             this task's address (TensorFlow always binds every interface).
@@ -196,13 +225,21 @@ class AsyncServer:
         return self._loop
 
     def statistics(self) -> ServerStatistics:
+        """Counters of this server so far (cheap: a copy of a few integers per peer)."""
         sessions = len(self.master._sessions) if self.master else 0
+        empty = StepCounters().snapshot()
         return ServerStatistics(
             target=self.target if self._port is not None else "",
             state=self._state.value,
             sessions=sessions,
             channels=len(self._channels),
+            steps=self.master.steps.snapshot() if self.master else empty,
+            graphs=self.worker.graphs.snapshot() if self.worker else empty,
+            peers={task: channel.statistics() for task, channel in self._channels.items()},
         )
+
+    async def _get_statistics_rpc(self, request: empty_pb2.Empty) -> wrappers_pb2.StringValue:
+        return wrappers_pb2.StringValue(value=json.dumps(self.statistics().as_dict()))
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -237,6 +274,7 @@ class AsyncServer:
                     MASTER_SERVICE: self.master.service_handlers(),
                     WORKER_SERVICE: self.worker.service_handlers(),
                     EAGER_SERVICE: self.eager.service_handlers(),
+                    STATUS_SERVICE: {"GetStatistics": self._get_statistics_rpc},
                 },
                 self.worker.recv_tensor,
                 security=self._security,

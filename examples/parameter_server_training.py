@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 import distserver as ds
+from distserver._process import exit_quietly_on_interrupt
 from distserver.testing import LocalCluster
 from distserver.transports import get_transport
 
@@ -277,4 +278,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_quietly_on_interrupt(main)  # Ctrl-C: one line, no traceback

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
+import pytest
+
+import distserver
+from distserver.cli import build_parser
 from distserver.testing import free_ports
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_cli(args, env, timeout=60):
@@ -86,7 +95,10 @@ def test_status_of_a_target_that_is_down(python_env):
     (port,) = free_ports(1)
     result = run_cli(["status", f"grpc://localhost:{port}", "--timeout", "5"], python_env)
     assert result.returncode == 1
-    assert result.stderr.startswith("distserver status: UnavailableError: ListDevices to localhost:")
+    assert result.stderr.startswith(
+        f"distserver status: UnavailableError: grpc://localhost:{port} does not answer; is it running? "
+        f"GetStatus to localhost:{port} failed"
+    )
     assert "Traceback" not in result.stderr
 
 
@@ -97,8 +109,8 @@ def test_serve_with_a_bad_cluster_says_what_is_wrong(python_env):
     result = run_cli(
         ["serve", "--cluster", '{"worker": ["localhost:1"]}', "--job", "ps", "--task", "0"], python_env
     )
-    assert result.returncode == 1
-    assert 'InternalError: Job "ps" was not defined in cluster' in result.stderr
+    assert result.returncode == 2
+    assert "--job 'ps' is not a job of the cluster; its jobs: worker" in result.stderr
 
 
 def test_serve_with_a_missing_checkpoint_root_says_so(python_env, tmp_path):
@@ -115,3 +127,209 @@ def test_local_cluster_command(python_env):
     assert result.returncode == 0, result.stderr
     assert "3 devices in the cluster:" in result.stdout
     assert "cluster stopped" in result.stdout
+
+
+def start_serve(args, env):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "distserver", "serve", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert "serving at" in line, proc.stderr.read() if proc.stderr else ""
+    return proc
+
+
+def stop(proc):
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+
+
+def test_status_names_the_task_that_is_down_within_its_timeout(python_env):
+    """The worker is up, its ps is not: status says which task is missing, not DeadlineExceeded.
+
+    A 13 s timeout lets the worker wait past its 10 s "still waiting" log line, which
+    `serve`'s default log level shows on stderr.
+    """
+    ps_port, worker_port = free_ports(2)
+    cluster = {"ps": [f"localhost:{ps_port}"], "worker": [f"localhost:{worker_port}"]}
+    worker = start_serve(["--cluster", json.dumps(cluster), "--job", "worker", "--task", "0"], python_env)
+    try:
+        result = run_cli(["status", f"grpc://localhost:{worker_port}", "--timeout", "13"], python_env)
+    finally:
+        _, worker_log = stop(worker)
+    assert result.returncode == 1
+    assert result.stderr.startswith(
+        "distserver status: UnavailableError: Task /job:ps/replica:0/task:0 did not answer within"
+    ), result.stderr
+    assert "ListDevices still waiting for response from worker: /job:ps/replica:0/task:0" in worker_log
+
+
+CLUSTER_2W = '{"ps": ["localhost:1"], "worker": ["localhost:2", "localhost:3"]}'
+
+
+@pytest.mark.parametrize(
+    ("args", "tf_config", "message"),
+    [
+        (
+            ["serve", "--cluster", CLUSTER_2W, "--job", "wroker", "--task", "0"],
+            None,
+            "distserver serve: --job 'wroker' is not a job of the cluster; its jobs: ps, worker",
+        ),
+        (
+            ["serve", "--cluster", CLUSTER_2W, "--job", "worker", "--task", "3"],
+            None,
+            "distserver serve: --task 3 is not a task of job 'worker'; its tasks: 0, 1",
+        ),
+        (
+            ["serve", "--cluster", CLUSTER_2W, "--job", "worker"],
+            None,
+            "distserver serve: --task is missing: job 'worker' has tasks 0, 1",
+        ),
+        (["serve"], "{not json", "distserver serve: TF_CONFIG is not valid JSON"),
+        (["serve"], "[1, 2]", 'distserver serve: TF_CONFIG must look like {"cluster": '),
+        (
+            ["serve"],
+            json.dumps({"cluster": json.loads(CLUSTER_2W), "task": {"type": "chief", "index": 0}}),
+            "distserver serve: TF_CONFIG's task.type 'chief' is not a job of the cluster; "
+            "its jobs: ps, worker",
+        ),
+        (["serve", "--cluster", "[1]"], None, "distserver serve: --cluster must map job names to address"),
+        (
+            ["status", "http://localhost:1"],
+            None,
+            "distserver status: target 'http://localhost:1': unknown scheme 'http://'; "
+            "use one of grpc://, grpc+verbs://",
+        ),
+        (["local-cluster", "--workers", "0"], None, "distserver local-cluster: --workers must be at least 1"),
+        (["local-cluster", "--ps", "-1"], None, "distserver local-cluster: --ps must be 0 or more, not -1"),
+        (
+            ["local-cluster", "--protocol", "foo"],
+            None,
+            "distserver local-cluster: --protocol 'foo' is unknown; use one of grpc, grpc+verbs",
+        ),
+    ],
+)
+def test_command_line_mistakes_get_one_line_naming_the_option(python_env, args, tf_config, message):
+    env = dict(python_env)
+    if tf_config is not None:
+        env["TF_CONFIG"] = tf_config
+    result = run_cli(args, env)
+    assert result.returncode == 2
+    assert result.stderr.startswith(message), result.stderr
+    assert len(result.stderr.splitlines()) == 1
+    assert "Traceback" not in result.stderr
+
+
+def test_version(python_env):
+    result = run_cli(["--version"], python_env)
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"distserver {distserver.__version__}"
+
+
+def _actions(parser):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, subparser in action.choices.items():
+                yield from ((f"{name} {flag}", sub) for flag, sub in _actions(subparser))
+        else:
+            yield ",".join(action.option_strings) or action.dest, action
+
+
+def test_every_option_has_help():
+    missing = [name for name, action in _actions(build_parser()) if not action.help]
+    assert missing == []
+
+
+def test_serve_help_names_both_transports(python_env):
+    result = run_cli(["serve", "--help"], python_env)
+    assert result.returncode == 0
+    assert "grpc+verbs" in result.stdout
+    assert "grpc+verbs" in (distserver.Server.__doc__ or "")
+    assert "grpc+verbs" in (distserver.AsyncServer.__doc__ or "")
+
+
+def test_local_cluster_keep_serves_until_ctrl_c(python_env):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "distserver", "local-cluster", "--ps", "1", "--workers", "1", "--keep"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=python_env,
+        start_new_session=True,  # Ctrl-C reaches the whole process group, as in a terminal
+    )
+    try:
+        assert proc.stdout is not None
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("serving until Ctrl-C"):
+                break
+        target = next(line.split()[1] for line in lines if line.startswith("target: "))
+        export = next(line for line in lines if line.startswith("export TF_CONFIG="))
+        tf_config = json.loads(export.strip().removeprefix("export TF_CONFIG=").strip("'"))
+        assert sorted(tf_config["cluster"]) == ["ps", "worker"]
+        assert target == f"grpc://{tf_config['cluster']['worker'][0]}"
+        status = run_cli(["status", target], python_env)
+        assert status.returncode == 0, status.stderr
+        assert len(status.stdout.splitlines()) == 2
+        # The pasted TF_CONFIG is enough for a client: status of the ps through it.
+        ps_status = run_cli(["status", tf_config["cluster"]["ps"][0]], python_env)
+        assert ps_status.returncode == 0, ps_status.stderr
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        assert out.rstrip().endswith("cluster stopped")
+        assert "Traceback" not in err
+    finally:
+        proc.kill()
+
+
+def test_ctrl_c_in_the_demo_exits_quietly(python_env):
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(ROOT / "examples" / "parameter_server_training.py"),
+            "--local",
+            "--dataset",
+            "blobs",
+            "--steps",
+            "1000000",
+            "--log-every",
+            "1000000",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=python_env,
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("initial test loss"):  # training is under way
+                break
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130
+        assert err.strip() == "interrupted"
+    finally:
+        proc.kill()
+
+
+def test_status_only_target_checks_the_task_not_its_cluster(python_env):
+    ps_port, worker_port = free_ports(2)
+    cluster = {"ps": [f"localhost:{ps_port}"], "worker": [f"localhost:{worker_port}"]}  # no ps running
+    worker = start_serve(["--cluster", json.dumps(cluster), "--job", "worker", "--task", "0"], python_env)
+    try:
+        result = run_cli(["status", f"grpc://localhost:{worker_port}", "--only-target"], python_env)
+    finally:
+        stop(worker)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"grpc://localhost:{worker_port} is serving\n"

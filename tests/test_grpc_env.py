@@ -62,3 +62,29 @@ def test_a_bad_keepalive_setting_is_refused_naming_it(value):
         f"DISTSERVER_KEEPALIVE_MS must be a whole number of milliseconds above 0, got '{value}'"
         in result.stderr
     )
+
+
+VERBOSITY = "import os; {first}import distserver; print(os.environ.get('GRPC_VERBOSITY'))"
+
+
+@pytest.mark.parametrize(
+    ("env", "first", "expected"),
+    [
+        ({}, "", "NONE"),
+        ({"GRPC_VERBOSITY": "DEBUG"}, "", "DEBUG"),
+        ({}, "import grpc; ", "None"),
+    ],
+    ids=["quieted", "user-setting-kept", "grpc-imported-first"],
+)
+def test_grpc_core_logs_are_quiet_unless_asked_for(env, first, expected):
+    environment = {key: value for key, value in os.environ.items() if key != "GRPC_VERBOSITY"}
+    environment.update(env)
+    result = subprocess.run(
+        [sys.executable, "-c", VERBOSITY.format(first=first)],
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=60,
+        check=True,
+    )
+    assert result.stdout.strip() == expected

@@ -47,3 +47,8 @@ def test_training_doc_examples_run_and_print_what_they_say(python_env):
     assert len(snippets) == len(expected)
     for code, output in zip(snippets, expected, strict=True):
         assert run_block(code, python_env).split() == output
+
+
+def test_observability_doc_example_prints_what_it_says(python_env):
+    (snippet,) = python_blocks("docs/observability.md")
+    assert run_block(snippet, python_env).strip() == "3 {'InvalidArgumentError': 1} 0"

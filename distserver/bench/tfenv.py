@@ -63,6 +63,8 @@ def quiet_tf_env() -> dict[str, str]:
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"}
     if _grpc_env.APPLIED:
         env.pop("GRPC_EXPERIMENTS", None)
+    if _grpc_env.QUIETED:
+        env.pop("GRPC_VERBOSITY", None)
     return env
 
 

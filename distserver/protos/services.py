@@ -1,4 +1,5 @@
-"""The RPC methods of TensorFlow's MasterService, WorkerService and EagerService.
+"""The RPC methods of TensorFlow's MasterService, WorkerService and EagerService, and
+distserver's StatusService.
 
 TensorFlow serves them at `/tensorflow.MasterService/<Method>`,
 `/tensorflow.WorkerService/<Method>` (hand-registered paths; its .proto package is
@@ -13,6 +14,7 @@ streams, each served by the handler of a unary method, message by message
 
 from __future__ import annotations
 
+from google.protobuf import empty_pb2, wrappers_pb2
 from google.protobuf.message import Message
 
 from distserver.protos import eager_service_pb2 as e
@@ -67,9 +69,17 @@ EAGER_METHODS: MethodTable = {
     "CloseContext": (e.CloseContextRequest, e.CloseContextResponse),
 }
 
+# distserver's own: a task's counters (`AsyncServer.statistics()`) as JSON text, for
+# `distserver status --stats`. TensorFlow has no such service.
+STATUS_SERVICE = "distserver.StatusService"
+STATUS_METHODS: MethodTable = {
+    "GetStatistics": (empty_pb2.Empty, wrappers_pb2.StringValue),
+}
+
 SERVICES: dict[str, MethodTable] = {
     MASTER_SERVICE: MASTER_METHODS,
     WORKER_SERVICE: WORKER_METHODS,
+    STATUS_SERVICE: STATUS_METHODS,
     EAGER_SERVICE: EAGER_METHODS,
 }
 

@@ -375,7 +375,8 @@ async def run_kernel(kernel: OpKernel, ctx: StepContext, inputs: list[Any]) -> l
     node = _Node(
         0, kernel, [], [], 0, sizes_its_output=type(kernel).output_nbytes is not OpKernel.output_nbytes
     )
-    if ctx.pool is not None and _belongs_in_a_thread(node, inputs):
+    in_a_thread = not kernel.runs_on_loop and (kernel.does_io or _large(node, inputs))
+    if ctx.pool is not None and in_a_thread:
         return await asyncio.get_running_loop().run_in_executor(ctx.pool, _compute, kernel, ctx, inputs)
     return _compute(kernel, ctx, inputs)
 

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 from google.protobuf.message import Message
 
-from distserver import errors
+from distserver import call_deadline, errors
 from distserver.devices import DeviceSpec, RendezvousKey, parse_rendezvous_key, task_of_device
 from distserver.protos import master_pb2 as m
 from distserver.protos import worker_pb2 as w
@@ -38,6 +38,7 @@ from distserver.protos.node_def_pb2 import NodeDef
 from distserver.protos.tensor_pb2 import TensorProto
 from distserver.runtime.clients import WorkerClient
 from distserver.runtime.concurrency import decode_message_tensors, gather_all
+from distserver.runtime.counters import StepCounters
 from distserver.runtime.functions import function_attrs, index_library
 from distserver.runtime.names import canonical_tensor_name
 from distserver.runtime.plan import build_plan, import_graph
@@ -133,6 +134,7 @@ class Master:
         self._worker_client = worker_client
         self._default_config = default_session_config or ConfigProto()
         self._sessions: dict[str, MasterSession] = {}
+        self.steps = StepCounters()  # the steps this master ran
         self._background: set[asyncio.Task[Any]] = set()
         self._session_gc_seconds = session_gc_seconds
         self._session_gc: asyncio.Task[None] | None = None
@@ -200,7 +202,7 @@ class Master:
                 chosen.append(task)
         return chosen
 
-    async def _device_of(self, task: str, timeout: float) -> DeviceAttributes:
+    async def _device_of(self, task: str, timeout: float, caller: str) -> DeviceAttributes:
         """GetStatus of `task`, waiting (bounded) for it to come up."""
         worker = self._worker(task)
         deadline = asyncio.get_running_loop().time() + timeout
@@ -215,13 +217,41 @@ class Master:
             except (errors.DeadlineExceededError, errors.UnavailableError) as exc:
                 if asyncio.get_running_loop().time() >= deadline:
                     raise errors.UnavailableError(
-                        f"Task {task} did not answer within {timeout:g} s. Is it running, and is its "
+                        f"Task {task} did not answer within {timeout:.3g} s. Is it running, and is its "
                         f"address in the cluster right? Last error: {exc.message}"
                     ) from exc
-                logger.info("CreateSession still waiting for response from worker: %s", task)
+                logger.info("%s still waiting for response from worker: %s", caller, task)
 
-    async def _devices(self, tasks: Sequence[str], timeout: float) -> list[DeviceAttributes]:
-        return await gather_all(self._device_of(task, timeout) for task in tasks)
+    async def _devices(self, tasks: Sequence[str], timeout: float, caller: str) -> list[DeviceAttributes]:
+        """Each task's device, waiting up to `timeout` (or less, if our own caller waits less).
+
+        Raises:
+            UnavailableError: naming every task that did not answer in time.
+        """
+        left = call_deadline.time_left()
+        if left is not None:
+            timeout = min(timeout, left)
+        if len(tasks) == 1:
+            return [await self._device_of(tasks[0], timeout, caller)]
+        results = await asyncio.gather(
+            *(self._device_of(task, timeout, caller) for task in tasks), return_exceptions=True
+        )
+        missing: list[tuple[str, errors.UnavailableError]] = []
+        for task, result in zip(tasks, results, strict=True):
+            if isinstance(result, errors.UnavailableError):
+                missing.append((task, result))
+            elif isinstance(result, BaseException):
+                raise result
+        if len(missing) == 1:
+            raise missing[0][1]
+        if missing:
+            names = ", ".join(task for task, _ in missing)
+            raise errors.UnavailableError(
+                f"{len(missing)} of {len(tasks)} tasks did not answer within {timeout:.3g} s: {names}. "
+                f"Are they running, and are their addresses in the cluster right? "
+                f"Last error: {missing[-1][1].message}"
+            )
+        return results  # type: ignore[return-value]  # no exceptions left
 
     def _connect_timeout(self, config: ConfigProto) -> float:
         ms = config.operation_timeout_in_ms
@@ -244,7 +274,7 @@ class Master:
             )
         functions, nodes = await asyncio.to_thread(_import, request.graph_def, {}, {})
         tasks = self._filtered_tasks(list(config.device_filters))
-        devices = await self._devices(tasks, self._connect_timeout(config))
+        devices = await self._devices(tasks, self._connect_timeout(config), "CreateSession")
         handle = f"{random.getrandbits(64):016x}"
         create = w.CreateWorkerSessionRequest(
             session_handle=handle,
@@ -340,7 +370,7 @@ class Master:
                 raise errors.InvalidArgumentError(f"Session {request.session_handle} is not found.")
             response.local_device.extend(session.devices)
             return response
-        devices = await self._devices(self._tasks, self._connect_timeout(self._default_config))
+        devices = await self._devices(self._tasks, self._connect_timeout(self._default_config), "ListDevices")
         for task, device in zip(self._tasks, devices, strict=True):
             (response.local_device if task == self.task_name else response.remote_device).append(device)
         return response
@@ -379,19 +409,28 @@ class Master:
         task = asyncio.current_task()
         assert task is not None
         session.steps.add(task)
+        began = self.steps.start()
+        error: BaseException | None = None
         try:
             async with asyncio.timeout(timeout):
                 return await self._run_step(session, feeds, fetches, targets, options, metadata)
         except TimeoutError as exc:
-            raise errors.DeadlineExceededError(
+            error = errors.DeadlineExceededError(
                 f"Timed out after {timeout_ms} ms waiting for the step to finish "
                 "(RunOptions.timeout_in_ms / ConfigProto.operation_timeout_in_ms)"
-            ) from exc
-        except asyncio.CancelledError:
+            )
+            raise error from exc
+        except asyncio.CancelledError as exc:
+            error = exc
             if session.closed:
-                raise errors.CancelledError("Step was cancelled: the session was closed") from None
+                error = errors.CancelledError("Step was cancelled: the session was closed")
+                raise error from None
+            raise
+        except BaseException as exc:
+            error = exc
             raise
         finally:
+            self.steps.finish(began, error)
             session.steps.discard(task)
             session.last_used = asyncio.get_running_loop().time()
 

@@ -34,6 +34,7 @@ from distserver.protos.debug_pb2 import StepStats
 from distserver.protos.device_attributes_pb2 import DeviceAttributes
 from distserver.runtime.clients import WorkerClient
 from distserver.runtime.concurrency import decode_message_tensors
+from distserver.runtime.counters import StepCounters
 from distserver.runtime.executor import Executor, StepContext
 from distserver.runtime.push import worker_returns
 from distserver.runtime.rendezvous import RendezvousTable, StepRendezvous
@@ -85,6 +86,7 @@ class Worker:
         self.device = device
         self.resources = resources
         self._pool = pool
+        self.graphs = StepCounters()  # the partition graphs this worker ran (RunGraph)
         self._worker_client = worker_client
         self._recv_timeout = recv_timeout
         self._sessions: dict[str, WorkerSession] = {}
@@ -224,6 +226,22 @@ class Worker:
         *,
         timeout: float | None = None,
         stats: StepStats | None = None,
+    ) -> dict[str, Any]:
+        began = self.graphs.start()
+        try:
+            results = await self._run_graph(request, sends, timeout, stats)
+        except BaseException as exc:
+            self.graphs.finish(began, exc)
+            raise
+        self.graphs.finish(began, None)
+        return results
+
+    async def _run_graph(
+        self,
+        request: w.RunGraphRequest,
+        sends: Mapping[str, Any],
+        timeout: float | None,
+        stats: StepStats | None,
     ) -> dict[str, Any]:
         session = self._session(request.session_handle, request.create_worker_session_called)
         executor = session.graphs.get(request.graph_handle)

@@ -64,7 +64,12 @@ def parse_request(request_cls: type[MessageT], data: bytes | memoryview) -> Mess
 
 @dataclass(frozen=True)
 class ChannelStatistics:
-    """A snapshot of one channel's activity, for debugging and benchmarks."""
+    """A snapshot of one channel's activity, for debugging and benchmarks.
+
+    `tensor_bytes_received` counts the data plane (`recv_tensor`); `call_bytes_received`
+    the serialized responses of control calls, where a worker's RunGraph response
+    carries the values of 1 MiB or less it pushes (`runtime/push.py`).
+    """
 
     target: str
     calls_started: int
@@ -72,6 +77,7 @@ class ChannelStatistics:
     tensors_received: int
     tensor_bytes_received: int
     data_path: str
+    call_bytes_received: int = 0
 
 
 class Listener(abc.ABC):

@@ -47,7 +47,7 @@ import grpc
 import grpc.aio
 from google.protobuf.message import Message
 
-from distserver import errors
+from distserver import call_deadline, errors
 from distserver.devices import RendezvousKey, parse_rendezvous_key
 from distserver.protos.services import SERVICES, STREAMING_METHODS, WORKER_SERVICE
 from distserver.protos.worker_pb2 import RecvTensorRequest
@@ -197,6 +197,7 @@ def _wrap(
     # The request arrives as bytes and is parsed here, so that malformed bytes are
     # INVALID_ARGUMENT rather than grpc's UNKNOWN with a logged traceback.
     async def handle(data: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        call_deadline.set_from_timeout(context.time_remaining())
         try:
             return await fn(parse_request(request_cls, data))
         except Exception as exc:
@@ -493,6 +494,7 @@ class GrpcChannel(Channel):
         self._calls_failed = 0
         self._tensors_received = 0
         self._tensor_bytes_received = 0
+        self._call_bytes_received = 0
 
     @property
     def tensor_path(self) -> TensorPath:
@@ -555,12 +557,14 @@ class GrpcChannel(Channel):
             if not wait_for_ready:
                 data = await self._call_framed(service, method, request.SerializeToString(), timeout)
                 if data is not None:
+                    self._call_bytes_received += len(data)
                     response_cls: Any = SERVICES[service][method][1]
                     framed: Message = response_cls.FromString(data)
                     return framed
             response: Message = await self._callable(service, method)(
                 request, timeout=timeout, wait_for_ready=wait_for_ready
             )
+        self._call_bytes_received += response.ByteSize()
         return response
 
     async def _call_framed(
@@ -652,6 +656,7 @@ class GrpcChannel(Channel):
             tensors_received=self._tensors_received,
             tensor_bytes_received=self._tensor_bytes_received,
             data_path=self._tensors.data_path,
+            call_bytes_received=self._call_bytes_received,
         )
 
 

@@ -19,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,23 +76,60 @@ def _tail(text: str | bytes | None, limit: int = 6000) -> str:
 
 
 @pytest.fixture(scope="session")
-def tf_client() -> TFClient:
-    """A TensorFlow client runner; builds `.tfenv/` on first use (a few minutes)."""
-    try:
-        result = subprocess.run(
-            [sys.executable, str(SETUP)],
-            capture_output=True,
-            text=True,
-            timeout=SETUP_TIMEOUT,
-            check=False,
+def tf_client(pytestconfig: pytest.Config) -> TFClient:
+    """A TensorFlow client runner; builds `.tfenv/` on first use (a few minutes).
+
+    scripts/interop-setup's progress lines ("installing tensorflow-cpu...") go straight
+    to the terminal as they come, past pytest's output capture: a first run that spends
+    minutes installing TensorFlow says so.
+    """
+    stderr_lines: list[str] = []
+    stdout_chunks: list[str] = []
+    with subprocess.Popen(
+        [sys.executable, str(SETUP)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as proc:
+
+        def read_stdout() -> None:
+            assert proc.stdout is not None
+            stdout_chunks.append(proc.stdout.read())
+
+        readers = [
+            threading.Thread(target=_echo_lines, args=(proc.stderr, stderr_lines, pytestconfig), daemon=True),
+            threading.Thread(target=read_stdout, daemon=True),
+        ]
+        for reader in readers:
+            reader.start()
+        timed_out = False
+        try:
+            proc.wait(timeout=SETUP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            proc.kill()
+            proc.wait()
+        for reader in readers:
+            reader.join()
+    if timed_out:
+        pytest.fail(
+            f"scripts/interop-setup did not finish within {SETUP_TIMEOUT} s:\n{_tail(''.join(stderr_lines))}"
         )
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"scripts/interop-setup did not finish within {SETUP_TIMEOUT} s:\n{_tail(exc.stderr)}")
-    if result.returncode == EXIT_CANNOT_INSTALL:
-        pytest.skip(f"TensorFlow cannot be installed on this machine:\n{_tail(result.stderr, 1500)}")
-    if result.returncode != 0:
-        pytest.fail(f"scripts/interop-setup failed ({result.returncode}):\n{_tail(result.stderr)}")
-    return TFClient(result.stdout.strip().splitlines()[-1])
+    stdout = "".join(stdout_chunks)
+    stderr = "".join(stderr_lines)
+    if proc.returncode == EXIT_CANNOT_INSTALL:
+        pytest.skip(f"TensorFlow cannot be installed on this machine:\n{_tail(stderr, 1500)}")
+    if proc.returncode != 0:
+        pytest.fail(f"scripts/interop-setup failed ({proc.returncode}):\n{_tail(stderr)}")
+    return TFClient(stdout.strip().splitlines()[-1])
+
+
+def _echo_lines(stream: Any, lines: list[str], config: pytest.Config) -> None:
+    """Keep every line of `stream`; show interop-setup's own progress lines on the terminal."""
+    capture = config.pluginmanager.getplugin("capturemanager")
+    for line in stream:
+        lines.append(line)
+        if line.startswith("interop-setup:"):
+            with capture.global_and_fixture_disabled():
+                sys.stderr.write(f"\n{line}")
+                sys.stderr.flush()
 
 
 def _check(results: dict[str, Any], name: str) -> Any:
