@@ -47,7 +47,7 @@ from distserver.kernels._common import (
     type_name,
 )
 from distserver.kernels.registry import KernelContext, OpKernel, register_kernel
-from distserver.kernels.resources import DEFAULT_CONTAINER
+from distserver.kernels.resources import DEFAULT_CONTAINER, wake_waiters
 from distserver.tensors import ResourceHandle
 
 if TYPE_CHECKING:
@@ -119,7 +119,7 @@ class GradientAccumulator:
             self._add_locked(gradient)
             self._counter += 1
             finished = self._serve_locked()
-        _wake(finished)
+        wake_waiters(finished)
         return True
 
     async def take(self, required: int) -> Any:
@@ -128,7 +128,7 @@ class GradientAccumulator:
         with self._lock:
             self._takes.append(attempt)
             finished = self._serve_locked()
-        _wake(finished)
+        wake_waiters(finished)
         if not attempt.done:
             try:
                 await attempt.future
@@ -326,28 +326,6 @@ def _compatible(declared: PartialShape, shape: tuple[int, ...]) -> bool:
     return len(declared) == len(shape) and all(
         d is None or d == s for d, s in zip(declared, shape, strict=True)
     )
-
-
-def _wake(attempts: list[_Take]) -> None:
-    # Resolve each finished take's future on its own loop; directly when we are on it.
-    try:
-        running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-    except RuntimeError:
-        running = None
-    for attempt in attempts:
-        loop = attempt.future.get_loop()
-        if loop is running:
-            _resolve(attempt.future)
-        else:
-            try:
-                loop.call_soon_threadsafe(_resolve, attempt.future)
-            except RuntimeError:  # that loop is closed: nobody waits any more
-                pass
-
-
-def _resolve(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
 
 
 # --------------------------------------------------------------------------- kernels

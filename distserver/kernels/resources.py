@@ -23,7 +23,7 @@ import dataclasses
 import enum
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -421,7 +421,7 @@ class FIFOQueue:
                 attempt.error = errors.CancelledError("Enqueue operation was cancelled")
                 attempt.done = True
             finished = cancelled + self._flush_locked()
-        _wake(finished)
+        wake_waiters(finished)
 
     # ---------------------------------------------------------------- machinery
 
@@ -436,7 +436,7 @@ class FIFOQueue:
         with self._lock:
             self._line(attempt).append(attempt)
             finished = self._flush_locked()
-        _wake(finished)
+        wake_waiters(finished)
         if not attempt.done:
             try:
                 async with asyncio.timeout(timeout):
@@ -463,7 +463,7 @@ class FIFOQueue:
                 self._items.extendleft(reversed(attempt.taken))
                 attempt.taken = []
             finished = self._flush_locked()
-        _wake(finished)
+        wake_waiters(finished)
 
     def _flush_locked(self) -> list[_Attempt]:
         # TensorFlow's FlushUnlocked: serve both lines until neither makes progress.
@@ -584,8 +584,9 @@ class RandomShuffleQueue(FIFOQueue):
         return element
 
 
-def _wake(attempts: list[_Attempt]) -> None:
-    # Resolve each finished attempt's future on its own loop; direct when we are on it.
+def wake_waiters(attempts: Iterable[Any]) -> None:
+    """Resolve the `future` of each finished attempt (a queue's dequeue or enqueue, an
+    accumulator's take) on the loop that waits on it; directly when we are on it."""
     try:
         running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
     except RuntimeError:
