@@ -44,7 +44,8 @@ _RESPONSE_TENSOR_TAG = bytes([(1 << 3) | _LEN])
 _RESPONSE_IS_DEAD = bytes([(2 << 3) | _VARINT, 1])
 
 
-def _varint(value: int) -> bytes:
+def encode_varint(value: int) -> bytes:
+    """`value` (non-negative) as a protobuf base-128 varint."""
     out = bytearray()
     while True:
         byte = value & 0x7F
@@ -106,9 +107,11 @@ def encode_recv_tensor_response(value: Any, is_dead: bool = False) -> bytes:
     array = _contiguous_le(value)
     header = _header(array)
     content = _bytes_view(array) if array.nbytes else b""
-    content_field: list[Any] = [_TENSOR_CONTENT_TAG, _varint(array.nbytes), content] if array.nbytes else []
+    content_field: list[Any] = (
+        [_TENSOR_CONTENT_TAG, encode_varint(array.nbytes), content] if array.nbytes else []
+    )
     tensor_len = len(header) + sum(len(part) for part in content_field)
-    parts: list[Any] = [_RESPONSE_TENSOR_TAG, _varint(tensor_len), header, *content_field]
+    parts: list[Any] = [_RESPONSE_TENSOR_TAG, encode_varint(tensor_len), header, *content_field]
     if is_dead:
         parts.append(_RESPONSE_IS_DEAD)
     return b"".join(parts)

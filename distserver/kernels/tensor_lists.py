@@ -35,6 +35,7 @@ from distserver.tensors import (
     shape_to_proto,
     to_tensor_proto,
 )
+from distserver.wire import encode_varint
 
 if TYPE_CHECKING:
     from distserver.protos.node_def_pb2 import NodeDef
@@ -58,11 +59,11 @@ class TensorList:
         """TensorFlow's encoding of a TensorList (what crosses tasks)."""
         proto = VariantTensorDataProto(type_name=self.TYPE_NAME)
         unset = [i for i, item in enumerate(self.elements) if item is None]
-        metadata = bytearray(_varint(len(unset)))
+        metadata = bytearray(encode_varint(len(unset)))
         for index in unset:
-            metadata += _varint(index)
-        metadata += _varint(as_datatype(self.element_dtype))
-        metadata += _varint(self.max_num_elements % (1 << 64))
+            metadata += encode_varint(index)
+        metadata += encode_varint(as_datatype(self.element_dtype))
+        metadata += encode_varint(self.max_num_elements % (1 << 64))
         metadata += shape_to_proto(self.element_shape).SerializeToString()
         proto.metadata = bytes(metadata)
         proto.tensors.extend(to_tensor_proto(item) for item in self.elements if item is not None)
@@ -107,18 +108,6 @@ class TensorList:
         tensors = iter(proto.tensors)
         elements = tuple(None if i in unset else from_tensor_proto(next(tensors)) for i in range(total))
         return cls(elements, dtype, shape, max_elements)
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
 
 
 def _wrap(items: TensorList) -> np.ndarray:
