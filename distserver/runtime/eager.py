@@ -493,16 +493,7 @@ class EagerService:
         return context.handle((handle.op_id, handle.output_num))
 
     def _step_context(self, step_id: int, rendezvous: StepRendezvous) -> StepContext:
-        worker = self._worker
-        return StepContext(
-            step_id=step_id,
-            device=worker.device.name,
-            device_incarnation=worker.device.incarnation,
-            rendezvous=rendezvous,
-            resources=worker.resources,
-            pool=worker.pool,
-            checkpoint_root=worker.checkpoint_root,
-        )
+        return self._worker.step_context(step_id, rendezvous, self._worker.resources)
 
     async def _run_operation(
         self, context: EagerContext, operation: e.Operation, inline_values: list[Any]

@@ -110,6 +110,21 @@ class Worker:
             "CleanupAll": self.cleanup_all,
         }
 
+    def step_context(
+        self, step_id: int, rendezvous: StepRendezvous, resources: ResourceManager
+    ) -> StepContext:
+        """What the kernels of a step on this worker see (a graph's step, an eager op, a
+        component function)."""
+        return StepContext(
+            step_id=step_id,
+            device=self.device.name,
+            device_incarnation=self.device.incarnation,
+            rendezvous=rendezvous,
+            resources=resources,
+            pool=self._pool,
+            checkpoint_root=self.checkpoint_root,
+        )
+
     @property
     def pool(self) -> concurrent.futures.Executor:
         """The thread pool kernels with large inputs run in."""
@@ -252,15 +267,7 @@ class Worker:
             )
         step_id = request.step_id
         rendezvous = self._rendezvous.start(step_id)
-        ctx = StepContext(
-            step_id=step_id,
-            device=self.device.name,
-            device_incarnation=self.device.incarnation,
-            rendezvous=rendezvous,
-            resources=session.resources,
-            pool=self._pool,
-            checkpoint_root=self.checkpoint_root,
-        )
+        ctx = self.step_context(step_id, rendezvous, session.resources)
         try:
             for text, value in sends.items():
                 rendezvous.send(parse_rendezvous_key(text), value)
