@@ -306,6 +306,7 @@ class AsyncServer:
             resources=ResourceManager(),
             pool=self._pool,
             worker_client=self._worker_client,
+            batched_value_bytes=self._transport.batched_value_bytes,
             checkpoint_root=self._checkpoint_root,
         )
         self.eager = EagerService(worker=self.worker, on_cluster=self._learn_cluster)

@@ -16,7 +16,8 @@ that is not ready while another one is, so no key waits behind another (no new
 dependencies between values, hence no deadlock), and keys that arrive while a call
 is out go in a call of their own.
 
-Large values (over `PUSH_LIMIT_BYTES`) and dead ones are answered "ready, fetch it
+Large values (over the transport's `batched_value_bytes`: 1 MiB over grpc, 32 KiB
+over grpc+verbs; never over `PUSH_LIMIT_BYTES`) and dead ones are answered "ready, fetch it
 with RecvTensor": the transports move big tensors better (grpc+verbs through shared
 memory), and RecvTensor says a value is dead. A peer without the method (TensorFlow)
 answers UNIMPLEMENTED; it then gets plain RecvTensors for good.
@@ -59,10 +60,13 @@ BatchCall = Callable[[int, list[str]], Awaitable[dict[str, Any]]]
 SingleFetch = Callable[[int, RendezvousKey], Awaitable[tuple[Any, bool]]]
 
 
-async def answer(rendezvous: StepRendezvous, keys: list[RendezvousKey]) -> dict[str, Any]:
+async def answer(
+    rendezvous: StepRendezvous, keys: list[RendezvousKey], value_limit: int = PUSH_LIMIT_BYTES
+) -> dict[str, Any]:
     """The sending side: once some of `keys` are sent here, those values (by key text).
 
-    Each is the value, or `FETCH_SEPARATELY` for a dead or large one. Raises the
+    Each is the value, or `FETCH_SEPARATELY` for a dead one or one over `value_limit`
+    bytes (the transport's `batched_value_bytes`, at most `PUSH_LIMIT_BYTES`). Raises the
     step's error if it failed. The caller has checked `len(keys) <= MAX_BATCH_KEYS`.
     """
     slots = rendezvous.slots(keys)
@@ -79,7 +83,7 @@ async def answer(rendezvous: StepRendezvous, keys: list[RendezvousKey]) -> dict[
             ready[key.text] = FETCH_SEPARATELY
             continue
         nbytes = tensor_nbytes(value)
-        if nbytes > PUSH_LIMIT_BYTES:
+        if nbytes > value_limit:
             ready[key.text] = FETCH_SEPARATELY
         elif nbytes <= budget or not ready:
             ready[key.text] = value

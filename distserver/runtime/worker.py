@@ -37,7 +37,7 @@ from distserver.runtime.clients import WorkerClient
 from distserver.runtime.concurrency import decode_message_tensors
 from distserver.runtime.counters import StepCounters
 from distserver.runtime.executor import Executor, StepContext
-from distserver.runtime.push import worker_returns
+from distserver.runtime.push import PUSH_LIMIT_BYTES, worker_returns
 from distserver.runtime.rendezvous import RendezvousTable, StepRendezvous
 from distserver.tensors import tensor_nbytes, to_tensor_proto
 
@@ -80,6 +80,7 @@ class Worker:
         worker_client: Callable[[str], WorkerClient] | None = None,
         recv_timeout: float | None = None,
         checkpoint_root: str | None = None,
+        batched_value_bytes: int = PUSH_LIMIT_BYTES,
     ) -> None:
         self.task_name = task_name
         # The resolved directory checkpoint kernels may use (None: they refuse).
@@ -99,6 +100,8 @@ class Worker:
         self._peers_met: set[str] = set()
         # Remote values are fetched in batches per step and task (`batched_recv`).
         self._batched = batched_recv.BatchedReceiver(self._batch_call, self._fetch_remote)
+        # Larger values are answered "fetch by RecvTensor" (the transport's choice).
+        self._batched_value_bytes = min(batched_value_bytes, PUSH_LIMIT_BYTES)
         self._rendezvous = RendezvousTable(task_name, self._batched.fetch if worker_client else None)
         # WorkerService method -> proto-in, proto-out handler. RecvTensor is the data
         # plane: transports serve it from `recv_tensor` (the task's tensor source).
@@ -336,7 +339,9 @@ class Worker:
         for key in keys:
             self._check_source(key)
         step_id = request.step_id
-        values = await batched_recv.answer(self._rendezvous.find_or_create(step_id), keys)
+        values = await batched_recv.answer(
+            self._rendezvous.find_or_create(step_id), keys, self._batched_value_bytes
+        )
         response = w.RunGraphResponse()
         for text, value in values.items():
             named = response.recv.add(name=text)

@@ -122,13 +122,16 @@ def test_a_peer_dying_mid_batch_fails_the_step():
                 parts = [gated * float(i) for i in range(5)]
             with ds.device("/job:ps/task:0"):
                 total = ds.add_n(parts)
+            enqueue = queue.enqueue(ds.constant(2.0))
         with ds.Session(cluster.target("ps"), graph=graph) as session:
-            options = ds.RunOptions(timeout_in_ms=60_000)
+            session.run(enqueue)
+            assert session.run(total) == 30.0  # warm: graphs registered
+            before = _peer(_statistics("grpc", cluster.target("ps")), WORKER_TASK)
             outcome = {}
 
             def run():
                 try:
-                    outcome["value"] = session.run(total, options=options)
+                    outcome["value"] = session.run(total)  # no step timeout
                 except errors.OpError as exc:
                     outcome["error"] = exc
 
@@ -136,6 +139,9 @@ def test_a_peer_dying_mid_batch_fails_the_step():
             thread.start()
             thread.join(3.0)  # the step now waits on the worker's queue
             assert thread.is_alive()
+            during = _peer(_statistics("grpc", cluster.target("ps")), WORKER_TASK)
+            # RunGraph and one RecvTensors for the 5 parts (plain: 5 RecvTensors more).
+            assert during["calls_started"] - before["calls_started"] == 2, (before, during)
             os.kill(cluster.process("worker").pid, signal.SIGKILL)
             thread.join(60.0)
             assert not thread.is_alive(), "the step still hangs after its peer died"
