@@ -147,3 +147,28 @@ def test_a_peer_dying_mid_batch_fails_the_step():
             assert not thread.is_alive(), "the step still hangs after its peer died"
     assert "error" in outcome, outcome
     assert isinstance(outcome["error"], (errors.UnavailableError, errors.AbortedError)), outcome["error"]
+
+
+def test_hostile_recv_tensors_requests_get_clear_errors():
+    from distserver.protos import worker_pb2 as w
+    from distserver.protos.services import TENSOR_SERVICE
+    from distserver.runtime.batched_recv import MAX_BATCH_KEYS
+
+    async def ask(address, keys):
+        channel = get_transport("grpc").connect(address)
+        try:
+            request = w.RunGraphRequest(step_id=1, recv_key=keys)
+            with pytest.raises(errors.InvalidArgumentError) as info:
+                await channel.call(TENSOR_SERVICE, "RecvTensors", request, timeout=30)
+        finally:
+            await channel.close()
+        return info.value.message
+
+    with LocalCluster({"worker": 1}) as cluster:
+        address = cluster.target("worker").partition("://")[2]
+        too_many = asyncio.run(ask(address, ["k"] * (MAX_BATCH_KEYS + 1)))
+        assert f"ask for 1 to {MAX_BATCH_KEYS}" in too_many
+        assert "ask for 1 to" in asyncio.run(ask(address, []))
+        assert "Invalid rendezvous key" in asyncio.run(ask(address, ["not a key"]))
+        other = f"{PS_TASK}/device:CPU:0;1;{WORKER_TASK}/device:CPU:0;x:0;0:0"
+        assert "Invalid rendezvous key (src)" in asyncio.run(ask(address, [other]))
