@@ -20,7 +20,9 @@ Large values (over the transport's `batched_value_bytes`: 1 MiB over grpc, 32 Ki
 over grpc+verbs; never over `PUSH_LIMIT_BYTES`) and dead ones are answered "ready, fetch it
 with RecvTensor": the transports move big tensors better (grpc+verbs through shared
 memory), and RecvTensor says a value is dead. A peer without the method (TensorFlow)
-answers UNIMPLEMENTED; it then gets plain RecvTensors for good.
+answers UNIMPLEMENTED; it then gets plain RecvTensors for good. A key once answered
+"fetch it" is fetched with RecvTensor right away in later steps (rendezvous keys do
+not name the step), saving the batch's round trip before the fetch.
 
 Budgets: at most `MAX_BATCH_KEYS` keys per call (checked before anything is
 waited for), and at most `BATCH_RESPONSE_BYTES` of values per response (the rest
@@ -46,6 +48,8 @@ from distserver.tensors import from_tensor_proto, tensor_nbytes
 
 logger = logging.getLogger(__name__)
 
+# How many keys answered "fetch it with RecvTensor" a receiver remembers.
+REMEMBERED_KEYS = 4096
 # Keys one RecvTensors call may ask for.
 MAX_BATCH_KEYS = 1024
 # Bytes of values one response carries (each value at most PUSH_LIMIT_BYTES).
@@ -126,11 +130,12 @@ class BatchedReceiver:
         self._gathering: dict[tuple[str, int], _Batch] = {}
         self._batching_peers: set[str] = set()  # have answered a RecvTensors call
         self._plain_peers: set[str] = set()  # answered UNIMPLEMENTED
+        self._fetched_separately: set[str] = set()  # keys once answered FETCH_SEPARATELY
         self._tasks: set[asyncio.Task[Any]] = set()
 
     async def fetch(self, step_id: int, key: RendezvousKey) -> tuple[Any, bool]:
         """The value of `key` in step `step_id` from its sending task."""
-        if key.src_task in self._plain_peers:
+        if key.src_task in self._plain_peers or key.text in self._fetched_separately:
             return await self._fetch_one(step_id, key)
         loop = asyncio.get_running_loop()
         batch = self._gathering.get((key.src_task, step_id))
@@ -188,6 +193,9 @@ class BatchedReceiver:
                     delivered += 1
                     key, future = entry
                     if value is FETCH_SEPARATELY:
+                        if len(self._fetched_separately) >= REMEMBERED_KEYS:
+                            self._fetched_separately.clear()
+                        self._fetched_separately.add(text)
                         self._spawn(self._fetch_into(batch.step_id, key, future))
                     elif not future.done():
                         future.set_result((value, False))
