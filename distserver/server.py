@@ -38,7 +38,13 @@ from distserver.devices import full_device_name, task_name
 from distserver.kernels.resources import ResourceManager
 from distserver.protos.cluster_pb2 import ClusterDef
 from distserver.protos.device_attributes_pb2 import DeviceAttributes
-from distserver.protos.services import EAGER_SERVICE, MASTER_SERVICE, STATUS_SERVICE, WORKER_SERVICE
+from distserver.protos.services import (
+    EAGER_SERVICE,
+    MASTER_SERVICE,
+    STATUS_SERVICE,
+    TENSOR_SERVICE,
+    WORKER_SERVICE,
+)
 from distserver.protos.tensorflow_server_pb2 import ServerDef
 from distserver.runtime.clients import RemoteWorker, WorkerClient
 from distserver.runtime.counters import StepCounters, StepStatistics
@@ -275,6 +281,7 @@ class AsyncServer:
                     WORKER_SERVICE: self.worker.service_handlers(),
                     EAGER_SERVICE: self.eager.service_handlers(),
                     STATUS_SERVICE: {"GetStatistics": self._get_statistics_rpc},
+                    TENSOR_SERVICE: self.worker.tensor_handlers(),
                 },
                 self.worker.recv_tensor,
                 security=self._security,
@@ -299,6 +306,7 @@ class AsyncServer:
             resources=ResourceManager(),
             pool=self._pool,
             worker_client=self._worker_client,
+            batched_value_bytes=self._transport.batched_value_bytes,
             checkpoint_root=self._checkpoint_root,
         )
         self.eager = EagerService(worker=self.worker, on_cluster=self._learn_cluster)

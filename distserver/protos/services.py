@@ -76,10 +76,21 @@ STATUS_METHODS: MethodTable = {
     "GetStatistics": (empty_pb2.Empty, wrappers_pb2.StringValue),
 }
 
+# distserver's own: many RecvTensors of one step from one task in one call
+# (`distserver.runtime.batched_recv`). The request is a RunGraphRequest of which only
+# `step_id` and `recv_key` are read; the response's `recv` holds the values that were
+# ready (a NamedTensorProto with an unset dtype: ready, but fetch it with RecvTensor).
+# TensorFlow servers answer UNIMPLEMENTED.
+TENSOR_SERVICE = "distserver.TensorService"
+TENSOR_METHODS: MethodTable = {
+    "RecvTensors": (w.RunGraphRequest, w.RunGraphResponse),
+}
+
 SERVICES: dict[str, MethodTable] = {
     MASTER_SERVICE: MASTER_METHODS,
     WORKER_SERVICE: WORKER_METHODS,
     STATUS_SERVICE: STATUS_METHODS,
+    TENSOR_SERVICE: TENSOR_METHODS,
     EAGER_SERVICE: EAGER_METHODS,
 }
 

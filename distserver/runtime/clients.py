@@ -20,7 +20,8 @@ from distserver.protos import master_pb2 as m
 from distserver.protos import worker_pb2 as w
 from distserver.protos.config_pb2 import RunMetadata, RunOptions
 from distserver.protos.debug_pb2 import StepStats
-from distserver.protos.services import MASTER_SERVICE, WORKER_SERVICE
+from distserver.protos.services import MASTER_SERVICE, TENSOR_SERVICE, WORKER_SERVICE
+from distserver.runtime.batched_recv import decode_response
 from distserver.runtime.names import canonical_tensor_name
 from distserver.tensors import from_tensor_proto, to_tensor_proto
 
@@ -85,6 +86,17 @@ class WorkerClient(Protocol):
         self, step_id: int, key: RendezvousKey, *, timeout: float | None = None
     ) -> tuple[Any, bool]:
         """Fetch the value sent under `key` in step `step_id` on that worker."""
+        ...
+
+    async def recv_tensors(
+        self, step_id: int, keys: list[str], *, timeout: float | None = None
+    ) -> dict[str, Any]:
+        """Some of the values sent under `keys` in step `step_id` on that worker: those
+        sent by the time the first one is (`distserver.runtime.batched_recv`).
+
+        Raises:
+            UnimplementedError: the worker has no such method (TensorFlow).
+        """
         ...
 
 
@@ -172,6 +184,13 @@ class RemoteWorker:
         self, step_id: int, key: RendezvousKey, *, timeout: float | None = None
     ) -> tuple[Any, bool]:
         return await self.channel.recv_tensor(step_id, key, timeout=timeout)
+
+    async def recv_tensors(
+        self, step_id: int, keys: list[str], *, timeout: float | None = None
+    ) -> dict[str, Any]:
+        request = w.RunGraphRequest(step_id=step_id, recv_key=keys)
+        response: Any = await self.channel.call(TENSOR_SERVICE, "RecvTensors", request, timeout=timeout)
+        return decode_response(response)
 
 
 class RemoteMaster:

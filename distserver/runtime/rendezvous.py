@@ -79,6 +79,11 @@ class StepRendezvous:
         # shield: a cancelled receiver must not cancel the slot another may wait on.
         return await asyncio.shield(self._slot(key))
 
+    def slots(self, keys: list[RendezvousKey]) -> list[asyncio.Future[tuple[Any, bool]]]:
+        """The futures of values sent on this task, for waiting on many at once
+        (`batched_recv.answer`); only wait on them (asyncio.wait), never cancel them."""
+        return [self._slot(key) for key in keys]
+
     def abort(self, error: errors.OpError) -> None:
         """Fail every pending and future receive of this step with (a copy of) `error`.
 

@@ -32,11 +32,12 @@ from distserver.kernels.resources import ResourceManager
 from distserver.protos import worker_pb2 as w
 from distserver.protos.debug_pb2 import StepStats
 from distserver.protos.device_attributes_pb2 import DeviceAttributes
+from distserver.runtime import batched_recv
 from distserver.runtime.clients import WorkerClient
 from distserver.runtime.concurrency import decode_message_tensors
 from distserver.runtime.counters import StepCounters
 from distserver.runtime.executor import Executor, StepContext
-from distserver.runtime.push import worker_returns
+from distserver.runtime.push import PUSH_LIMIT_BYTES, worker_returns
 from distserver.runtime.rendezvous import RendezvousTable, StepRendezvous
 from distserver.tensors import tensor_nbytes, to_tensor_proto
 
@@ -79,6 +80,7 @@ class Worker:
         worker_client: Callable[[str], WorkerClient] | None = None,
         recv_timeout: float | None = None,
         checkpoint_root: str | None = None,
+        batched_value_bytes: int = PUSH_LIMIT_BYTES,
     ) -> None:
         self.task_name = task_name
         # The resolved directory checkpoint kernels may use (None: they refuse).
@@ -96,7 +98,11 @@ class Worker:
         self._graph_ids = itertools.count(1)
         # Tasks this worker has called once (see `_fetch_remote`).
         self._peers_met: set[str] = set()
-        self._rendezvous = RendezvousTable(task_name, self._fetch_remote if worker_client else None)
+        # Remote values are fetched in batches per step and task (`batched_recv`).
+        self._batched = batched_recv.BatchedReceiver(self._batch_call, self._fetch_remote)
+        # Larger values are answered "fetch by RecvTensor" (the transport's choice).
+        self._batched_value_bytes = min(batched_value_bytes, PUSH_LIMIT_BYTES)
+        self._rendezvous = RendezvousTable(task_name, self._batched.fetch if worker_client else None)
         # WorkerService method -> proto-in, proto-out handler. RecvTensor is the data
         # plane: transports serve it from `recv_tensor` (the task's tensor source).
         self._handlers: dict[str, Callable[[Any], Awaitable[Message]]] = {
@@ -324,13 +330,52 @@ class Worker:
 
     # -- RecvTensor ---------------------------------------------------------------
 
-    async def recv_tensor(
-        self, step_id: int, key: RendezvousKey, *, timeout: float | None = None
-    ) -> tuple[Any, bool]:
-        """The value this task sent under `key` in step `step_id`, once its `_Send` ran.
+    def tensor_handlers(self) -> dict[str, Callable[[Any], Awaitable[Message]]]:
+        """TENSOR_SERVICE method name -> handler (distserver peers' batched receives)."""
+        return {"RecvTensors": self.recv_tensors_rpc}
 
-        This is the task's tensor source: transports serve RecvTensor from it.
-        """
+    async def recv_tensors_rpc(self, request: w.RunGraphRequest) -> w.RunGraphResponse:
+        """Some of the values of `request.recv_key` this task sent in `request.step_id`:
+        those sent by the time the first one is (`batched_recv.answer`)."""
+        if not request.recv_key or len(request.recv_key) > batched_recv.MAX_BATCH_KEYS:
+            raise errors.InvalidArgumentError(
+                f"RecvTensors asks for {len(request.recv_key)} keys; ask for 1 to "
+                f"{batched_recv.MAX_BATCH_KEYS} per call"
+            )
+        keys = [parse_rendezvous_key(text) for text in request.recv_key]
+        for key in keys:
+            self._check_source(key)
+        step_id = request.step_id
+        values = await batched_recv.answer(
+            self._rendezvous.find_or_create(step_id), keys, self._batched_value_bytes
+        )
+        response = w.RunGraphResponse()
+        for text, value in values.items():
+            named = response.recv.add(name=text)
+            if value is not batched_recv.FETCH_SEPARATELY:
+                named.tensor.CopyFrom(to_tensor_proto(value))
+                self._rendezvous.served(step_id, parse_rendezvous_key(text))
+        return response
+
+    def _batch_call(self, task: str) -> batched_recv.BatchCall:
+        assert self._worker_client is not None
+        client = self._worker_client(task)
+
+        async def call(step_id: int, keys: list[str]) -> dict[str, Any]:
+            return await client.recv_tensors(step_id, keys, timeout=self._recv_timeout)
+
+        return call
+
+    async def recv_tensors(
+        self, step_id: int, keys: list[str], *, timeout: float | None = None
+    ) -> dict[str, Any]:
+        """`WorkerClient.recv_tensors` in process."""
+        async with asyncio.timeout(timeout):
+            response = await self.recv_tensors_rpc(w.RunGraphRequest(step_id=step_id, recv_key=keys))
+        return batched_recv.decode_response(response)
+
+    def _check_source(self, key: RendezvousKey) -> None:
+        """Raise unless `key` names a value this task (this incarnation) sends."""
         if key.src_task != self.task_name:
             raise errors.InvalidArgumentError(f"Invalid rendezvous key (src): {key.text} @ {self.task_name}")
         if key.src_incarnation != self.device.incarnation:
@@ -339,6 +384,15 @@ class Worker:
                 f'{self.device.incarnation}. Your worker job ("{self.task_name}") was probably restarted. '
                 "Check your worker job for the reason why it was restarted."
             )
+
+    async def recv_tensor(
+        self, step_id: int, key: RendezvousKey, *, timeout: float | None = None
+    ) -> tuple[Any, bool]:
+        """The value this task sent under `key` in step `step_id`, once its `_Send` ran.
+
+        This is the task's tensor source: transports serve RecvTensor from it.
+        """
+        self._check_source(key)
         rendezvous = self._rendezvous.find_or_create(step_id)
         async with asyncio.timeout(timeout):
             value = await rendezvous.recv_local(key)

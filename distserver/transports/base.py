@@ -153,6 +153,10 @@ class Transport(abc.ABC):
     """A way for tasks to serve and call RPCs, registered under a protocol name."""
 
     name: str
+    # Values of at most this many bytes that one distserver task receives from another
+    # ride in a batched `RecvTensors` response (`runtime/batched_recv.py`); larger ones
+    # go by the data plane (`Channel.recv_tensor`), which moves them better.
+    batched_value_bytes: int = 1 << 20
 
     @abc.abstractmethod
     async def listen(

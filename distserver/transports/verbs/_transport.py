@@ -40,7 +40,7 @@ import grpc.aio
 
 from distserver import errors
 from distserver.devices import RendezvousKey, parse_rendezvous_key
-from distserver.protos.services import WORKER_SERVICE
+from distserver.protos.services import TENSOR_SERVICE, WORKER_SERVICE
 from distserver.protos.worker_pb2 import RecvTensorRequest
 from distserver.security import Security
 from distserver.transports.base import (
@@ -76,6 +76,10 @@ _DEAD, _ALIVE = b"\1", b"\0"
 
 def _raw(data: bytes) -> bytes:
     return data
+
+
+# Services whose calls between distserver tasks ride the queue pair.
+_QUEUE_PAIR_SERVICES = (WORKER_SERVICE, TENSOR_SERVICE)
 
 
 class TaskListener(Listener):
@@ -165,9 +169,9 @@ class VerbsTensorPath(TensorPath):
     async def carry_call(
         self, service: str, method: str, payload: bytes, timeout: float | None
     ) -> bytes | memoryview | None:
-        # WorkerService calls ride the queue pair (`_calls`).
+        # WorkerService calls, and batched receives, ride the queue pair (`_calls`).
         path = f"/{service}/{method}"
-        if service != WORKER_SERVICE or len(path) + len(payload) > MAX_CALL_BYTES:
+        if service not in _QUEUE_PAIR_SERVICES or len(path) + len(payload) > MAX_CALL_BYTES:
             return None
         endpoint = await self._endpoint_for_calls(timeout)
         if endpoint is None:
@@ -235,6 +239,8 @@ class VerbsTransport(Transport):
     """
 
     name = "grpc+verbs"
+    # Shared memory moves anything but small values better than a gRPC response.
+    batched_value_bytes = 32 << 10
 
     def __init__(self, *, strict: bool | None = None) -> None:
         self.strict = os.environ.get(STRICT_ENV) == "1" if strict is None else strict
@@ -269,7 +275,7 @@ class VerbsTransport(Transport):
             # A peer's WorkerService call over the queue pair: served like one on the call stream.
             if calls.draining:
                 raise errors.UnavailableError("the server is stopping")
-            if not path.startswith(f"/{WORKER_SERVICE}/"):
+            if path.split("/")[1] not in _QUEUE_PAIR_SERVICES:
                 raise errors.UnimplementedError(f"{path} is not served over the verbs queue pair")
             return await calls.dispatch(path, payload)
 

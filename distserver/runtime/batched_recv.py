@@ -1,0 +1,226 @@
+"""Batched receives: the values one step needs from one distserver task, in few calls.
+
+Without this, every `_Recv` of a remote value makes its own RecvTensor call; a
+training step with 60 small variables on a ps makes about 120 of them (the worker
+pulls 60 reads, the ps pulls 60 gradients), and over gRPC each costs a round trip
+and ~0.2 ms of CPU per side.
+
+The receiving side (`BatchedReceiver`): `_Recv`s that ask for values of the same
+step from the same task in one turn of the event loop (an executor starts every
+`_Recv` of a partition at once) are gathered into one `RecvTensors` call
+(`distserver.protos.services.TENSOR_SERVICE`). The sending side (`answer`) waits
+until at least one of the asked keys has been sent, lets one more loop turn pass
+(values computed in the same pass), and returns every value sent by then; the
+receiver delivers those and asks again for the rest. A call never waits for a value
+that is not ready while another one is, so no key waits behind another (no new
+dependencies between values, hence no deadlock), and keys that arrive while a call
+is out go in a call of their own.
+
+Large values (over the transport's `batched_value_bytes`: 1 MiB over grpc, 32 KiB
+over grpc+verbs; never over `PUSH_LIMIT_BYTES`) and dead ones are answered "ready, fetch it
+with RecvTensor": the transports move big tensors better (grpc+verbs through shared
+memory), and RecvTensor says a value is dead. A peer without the method (TensorFlow)
+answers UNIMPLEMENTED; it then gets plain RecvTensors for good. A key once answered
+"fetch it" is fetched with RecvTensor right away in later steps (rendezvous keys do
+not name the step), saving the batch's round trip before the fetch.
+
+Budgets: at most `MAX_BATCH_KEYS` keys per call (checked before anything is
+waited for), and at most `BATCH_RESPONSE_BYTES` of values per response (the rest
+are left for the next call). Failure: the step's error on the sender, or the call's
+(an UnavailableError when the peer dies, a DeadlineExceededError after the receive
+timeout), fails every receive of the batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from distserver import errors
+from distserver.devices import RendezvousKey
+from distserver.protos import worker_pb2 as w
+from distserver.runtime.push import PUSH_LIMIT_BYTES
+from distserver.runtime.rendezvous import StepRendezvous
+from distserver.tensors import from_tensor_proto, tensor_nbytes
+
+logger = logging.getLogger(__name__)
+
+# How many keys answered "fetch it with RecvTensor" a receiver remembers.
+REMEMBERED_KEYS = 4096
+# Keys one RecvTensors call may ask for.
+MAX_BATCH_KEYS = 1024
+# Bytes of values one response carries (each value at most PUSH_LIMIT_BYTES).
+BATCH_RESPONSE_BYTES = 4 << 20
+
+# What `answer` returns for a key that is ready but must be fetched with RecvTensor.
+FETCH_SEPARATELY: Any = None
+
+# (step_id, keys) -> {key text: value, or FETCH_SEPARATELY} for some of the keys.
+BatchCall = Callable[[int, list[str]], Awaitable[dict[str, Any]]]
+# (step_id, key) -> (value, is_dead) with a plain RecvTensor.
+SingleFetch = Callable[[int, RendezvousKey], Awaitable[tuple[Any, bool]]]
+
+
+async def answer(
+    rendezvous: StepRendezvous, keys: list[RendezvousKey], value_limit: int = PUSH_LIMIT_BYTES
+) -> dict[str, Any]:
+    """The sending side: once some of `keys` are sent here, those values (by key text).
+
+    Each is the value, or `FETCH_SEPARATELY` for a dead one or one over `value_limit`
+    bytes (the transport's `batched_value_bytes`, at most `PUSH_LIMIT_BYTES`). Raises the
+    step's error if it failed. The caller has checked `len(keys) <= MAX_BATCH_KEYS`.
+    """
+    slots = rendezvous.slots(keys)
+    if not any(slot.done() for slot in slots):
+        await asyncio.wait(slots, return_when=asyncio.FIRST_COMPLETED)
+    await asyncio.sleep(0)  # values sent in the same pass of the executor
+    ready: dict[str, Any] = {}
+    budget = BATCH_RESPONSE_BYTES
+    for key, slot in zip(keys, slots, strict=True):
+        if not slot.done():
+            continue
+        value, is_dead = slot.result()  # raises the step's error
+        if is_dead:
+            ready[key.text] = FETCH_SEPARATELY
+            continue
+        nbytes = tensor_nbytes(value)
+        if nbytes > value_limit:
+            ready[key.text] = FETCH_SEPARATELY
+        elif nbytes <= budget or not ready:
+            ready[key.text] = value
+            budget -= nbytes
+    return ready
+
+
+def decode_response(response: w.RunGraphResponse) -> dict[str, Any]:
+    """A RecvTensors response as `answer` made it: key text -> value or `FETCH_SEPARATELY`."""
+    return {
+        named.name: from_tensor_proto(named.tensor) if named.tensor.dtype else FETCH_SEPARATELY
+        for named in response.recv
+    }
+
+
+@dataclass
+class _Batch:
+    """Receives of one step from one task, asked for in the same call."""
+
+    task: str
+    step_id: int
+    waiting: dict[str, tuple[RendezvousKey, asyncio.Future[tuple[Any, bool]]]] = field(default_factory=dict)
+    runner: asyncio.Task[None] | None = None
+
+    def abandoned(self) -> bool:
+        return all(future.done() for _, future in self.waiting.values())
+
+
+class BatchedReceiver:
+    """The receiving side: gathers the remote receives of a step per sending task.
+
+    `batch_call(task)` gives the task's RecvTensors call; `fetch_one` is the plain
+    RecvTensor fetch, for values answered `FETCH_SEPARATELY` and for peers without
+    the method.
+    """
+
+    def __init__(self, batch_call: Callable[[str], BatchCall], fetch_one: SingleFetch) -> None:
+        self._batch_call = batch_call
+        self._fetch_one = fetch_one
+        self._gathering: dict[tuple[str, int], _Batch] = {}
+        self._batching_peers: set[str] = set()  # have answered a RecvTensors call
+        self._plain_peers: set[str] = set()  # answered UNIMPLEMENTED
+        self._fetched_separately: set[str] = set()  # keys once answered FETCH_SEPARATELY
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    async def fetch(self, step_id: int, key: RendezvousKey) -> tuple[Any, bool]:
+        """The value of `key` in step `step_id` from its sending task."""
+        if key.src_task in self._plain_peers or key.text in self._fetched_separately:
+            return await self._fetch_one(step_id, key)
+        loop = asyncio.get_running_loop()
+        batch = self._gathering.get((key.src_task, step_id))
+        if batch is None:
+            batch = self._gathering[(key.src_task, step_id)] = _Batch(key.src_task, step_id)
+            loop.call_soon(self._send, batch)
+        entry = batch.waiting.get(key.text)
+        if entry is None:
+            entry = batch.waiting[key.text] = (key, loop.create_future())
+        try:
+            return await asyncio.shield(entry[1])
+        except asyncio.CancelledError:
+            if not entry[1].done():
+                entry[1].cancel()
+            if batch.runner is not None and batch.abandoned():
+                batch.runner.cancel()  # nobody waits for the rest: stop asking
+            raise
+
+    def _send(self, batch: _Batch) -> None:
+        self._gathering.pop((batch.task, batch.step_id), None)
+        batch.runner = self._spawn(self._run(batch))
+
+    def _spawn(self, coroutine: Awaitable[Any]) -> asyncio.Task[Any]:
+        task: asyncio.Task[Any] = asyncio.ensure_future(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _run(self, batch: _Batch) -> None:
+        call = self._batch_call(batch.task)
+        waiting = batch.waiting
+        try:
+            while True:
+                for text in [text for text, (_, future) in waiting.items() if future.done()]:
+                    del waiting[text]
+                if not waiting:
+                    return
+                keys = list(waiting)[:MAX_BATCH_KEYS]
+                try:
+                    values = await call(batch.step_id, keys)
+                except errors.UnimplementedError:
+                    if batch.task in self._batching_peers:
+                        raise  # the step's own error (a peer that batches knows the method)
+                    self._plain_peers.add(batch.task)
+                    logger.debug("%s has no RecvTensors: plain RecvTensor from now on", batch.task)
+                    for key, future in list(waiting.values()):
+                        self._spawn(self._fetch_into(batch.step_id, key, future))
+                    return
+                self._batching_peers.add(batch.task)
+                delivered = 0
+                for text, value in values.items():
+                    entry = waiting.pop(text, None)
+                    if entry is None:
+                        continue  # not asked for: ignored
+                    delivered += 1
+                    key, future = entry
+                    if value is FETCH_SEPARATELY:
+                        if len(self._fetched_separately) >= REMEMBERED_KEYS:
+                            self._fetched_separately.clear()
+                        self._fetched_separately.add(text)
+                        self._spawn(self._fetch_into(batch.step_id, key, future))
+                    elif not future.done():
+                        future.set_result((value, False))
+                if not delivered:
+                    raise errors.InternalError(
+                        f"RecvTensors from {batch.task} for step {batch.step_id} answered none of "
+                        f"the {len(keys)} keys asked for"
+                    )
+        except errors.OpError as exc:
+            for _, future in waiting.values():
+                if not future.done():
+                    future.set_exception(exc)
+        except asyncio.CancelledError:
+            for _, future in waiting.values():
+                future.cancel()
+            raise
+
+    async def _fetch_into(
+        self, step_id: int, key: RendezvousKey, future: asyncio.Future[tuple[Any, bool]]
+    ) -> None:
+        try:
+            result = await self._fetch_one(step_id, key)
+        except errors.OpError as exc:
+            if not future.done():
+                future.set_exception(exc)
+            return
+        if not future.done():
+            future.set_result(result)

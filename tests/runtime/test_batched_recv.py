@@ -1,0 +1,174 @@
+"""Batched receives between distserver tasks (`runtime/batched_recv.py`), one OS process per task.
+
+A step that reads many small ps variables on a worker and sends as many updates back
+makes a few RecvTensors calls per peer instead of one RecvTensor per value; values
+stay equal; large values still go by RecvTensor; a peer that dies mid-batch fails
+the step with an error instead of a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import threading
+
+import numpy as np
+import pytest
+from google.protobuf.empty_pb2 import Empty
+
+import distserver as ds
+from distserver import errors
+from distserver.protos.services import STATUS_SERVICE
+from distserver.testing import LocalCluster
+from distserver.transports import get_transport
+
+COUNT = 30
+PS_TASK = "/job:ps/replica:0/task:0"
+WORKER_TASK = "/job:worker/replica:0/task:0"
+
+
+def _statistics(protocol, target):
+    async def ask():
+        address = target.partition("://")[2]
+        channel = get_transport(protocol).connect(address)
+        try:
+            answer = await channel.call(STATUS_SERVICE, "GetStatistics", Empty(), timeout=30)
+        finally:
+            await channel.close()
+        return json.loads(answer.value)
+
+    return asyncio.run(ask())
+
+
+def _peer(stats, task):
+    return stats["peers"][task]
+
+
+def _graph(count, size):
+    """`count` variables on the ps read by the worker, each updated by a value the worker computes."""
+    graph = ds.Graph()
+    with graph.as_default():
+        variables = []
+        with ds.device("/job:ps/task:0"):
+            for i in range(count):
+                variables.append(ds.Variable(np.full(size, float(i), np.float32), name=f"v{i}"))
+        with ds.device("/job:worker/task:0"):
+            doubled = [v.read_value() * 2.0 for v in variables]
+            total = ds.add_n([ds.reduce_sum(d) for d in doubled])
+        with ds.device("/job:ps/task:0"):
+            updates = [v.assign_add(d) for v, d in zip(variables, doubled, strict=True)]
+        init = ds.global_variables_initializer()
+    return graph, init, total, updates
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "grpc+verbs"])
+def test_many_small_values_cross_in_few_calls_and_stay_equal(protocol):
+    with LocalCluster({"ps": 1, "worker": 1}, protocol=protocol) as cluster:
+        graph, init, total, updates = _graph(COUNT, 4)
+        with ds.Session(cluster.target("worker"), graph=graph) as session:
+            session.run(init)
+            session.run([total, updates])  # warm: graphs registered, peers met
+            worker_before = _peer(_statistics(protocol, cluster.target("worker")), PS_TASK)
+            ps_before = _peer(_statistics(protocol, cluster.target("ps")), WORKER_TASK)
+            steps = 3
+            for step in range(steps):
+                got_total, got_updates = session.run([total, updates])
+                # Before this step each v_i held i * 3**(step + 1): it reads that, doubles it, adds it.
+                held = np.arange(COUNT, dtype=np.float32) * 3.0 ** (step + 1)
+                assert got_total == pytest.approx(float((held * 2.0).sum() * 4))
+                for i, value in enumerate(got_updates):
+                    np.testing.assert_array_equal(value, np.full(4, held[i] * 3.0, np.float32))
+            worker_after = _peer(_statistics(protocol, cluster.target("worker")), PS_TASK)
+            ps_after = _peer(_statistics(protocol, cluster.target("ps")), WORKER_TASK)
+    # One RecvTensor per value would be COUNT per step on each side, plus the RunGraph.
+    worker_calls = (worker_after["calls_started"] - worker_before["calls_started"]) / steps
+    ps_calls = (ps_after["calls_started"] - ps_before["calls_started"]) / steps
+    worker_tensors = (worker_after["tensors_received"] - worker_before["tensors_received"]) / steps
+    ps_tensors = (ps_after["tensors_received"] - ps_before["tensors_received"]) / steps
+    print(f"per step: worker->ps {worker_calls} calls, ps->worker {ps_calls} calls")
+    assert worker_tensors == 0  # no plain RecvTensor for small values
+    assert ps_tensors == 0
+    assert worker_calls < COUNT / 2, worker_after
+    assert ps_calls < COUNT / 2, ps_after
+
+
+def test_large_values_still_go_by_recv_tensor():
+    size = (2 << 20) // 4  # 2 MiB float32: above the batch's value limit
+    with LocalCluster({"ps": 1, "worker": 1}) as cluster:
+        graph, init, total, updates = _graph(2, size)
+        with ds.Session(cluster.target("worker"), graph=graph) as session:
+            session.run(init)
+            got_total, got_updates = session.run([total, updates])
+            assert got_total == pytest.approx(2.0 * size)
+            np.testing.assert_array_equal(got_updates[1], np.full(size, 3.0, np.float32))
+            stats = _statistics("grpc", cluster.target("worker"))
+    assert _peer(stats, PS_TASK)["tensors_received"] == 2  # both reads, by RecvTensor
+
+
+def test_a_peer_dying_mid_batch_fails_the_step():
+    """The ps waits in a RecvTensors call for values the worker is still computing
+    (blocked in a FIFOQueue dequeue); the worker dies: the ps's step fails, no hang."""
+    with LocalCluster({"ps": 1, "worker": 1}) as cluster:
+        graph = ds.Graph()
+        with graph.as_default():
+            with ds.device("/job:ps/task:0"):
+                # The worker's partition receives this: its values are fetched, not pushed.
+                one = ds.constant(1.0, name="one")
+            with ds.device("/job:worker/task:0"):
+                queue = ds.FIFOQueue(1, [ds.float32], shapes=[[]], name="gate")
+                gated = queue.dequeue() + one
+                parts = [gated * float(i) for i in range(5)]
+            with ds.device("/job:ps/task:0"):
+                total = ds.add_n(parts)
+            enqueue = queue.enqueue(ds.constant(2.0))
+        with ds.Session(cluster.target("ps"), graph=graph) as session:
+            session.run(enqueue)
+            assert session.run(total) == 30.0  # warm: graphs registered
+            before = _peer(_statistics("grpc", cluster.target("ps")), WORKER_TASK)
+            outcome = {}
+
+            def run():
+                try:
+                    outcome["value"] = session.run(total)  # no step timeout
+                except errors.OpError as exc:
+                    outcome["error"] = exc
+
+            thread = threading.Thread(target=run)
+            thread.start()
+            thread.join(3.0)  # the step now waits on the worker's queue
+            assert thread.is_alive()
+            during = _peer(_statistics("grpc", cluster.target("ps")), WORKER_TASK)
+            # RunGraph and one RecvTensors for the 5 parts (plain: 5 RecvTensors more).
+            assert during["calls_started"] - before["calls_started"] == 2, (before, during)
+            os.kill(cluster.process("worker").pid, signal.SIGKILL)
+            thread.join(60.0)
+            assert not thread.is_alive(), "the step still hangs after its peer died"
+    assert "error" in outcome, outcome
+    assert isinstance(outcome["error"], (errors.UnavailableError, errors.AbortedError)), outcome["error"]
+
+
+def test_hostile_recv_tensors_requests_get_clear_errors():
+    from distserver.protos import worker_pb2 as w
+    from distserver.protos.services import TENSOR_SERVICE
+    from distserver.runtime.batched_recv import MAX_BATCH_KEYS
+
+    async def ask(address, keys):
+        channel = get_transport("grpc").connect(address)
+        try:
+            request = w.RunGraphRequest(step_id=1, recv_key=keys)
+            with pytest.raises(errors.InvalidArgumentError) as info:
+                await channel.call(TENSOR_SERVICE, "RecvTensors", request, timeout=30)
+        finally:
+            await channel.close()
+        return info.value.message
+
+    with LocalCluster({"worker": 1}) as cluster:
+        address = cluster.target("worker").partition("://")[2]
+        too_many = asyncio.run(ask(address, ["k"] * (MAX_BATCH_KEYS + 1)))
+        assert f"ask for 1 to {MAX_BATCH_KEYS}" in too_many
+        assert "ask for 1 to" in asyncio.run(ask(address, []))
+        assert "Invalid rendezvous key" in asyncio.run(ask(address, ["not a key"]))
+        other = f"{PS_TASK}/device:CPU:0;1;{WORKER_TASK}/device:CPU:0;x:0;0:0"
+        assert "Invalid rendezvous key (src)" in asyncio.run(ask(address, [other]))
