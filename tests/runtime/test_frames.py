@@ -21,6 +21,7 @@ from distserver.kernels.resources import ResourceManager
 from distserver.protos import types_pb2
 from distserver.protos.attr_value_pb2 import AttrValue
 from distserver.protos.graph_pb2 import GraphDef
+from distserver.runtime import executor as executor_module
 from distserver.runtime.executor import Executor, StepContext
 from distserver.runtime.rendezvous import StepRendezvous
 from distserver.tensors import to_tensor_proto
@@ -157,9 +158,21 @@ def test_a_counting_loop_runs_its_body_until_the_condition_fails(n):
 
 
 @pytest.mark.parametrize("parallel", [1, 2, 32])
-def test_parallel_iterations_give_the_same_result(parallel):
+def test_parallel_iterations_give_the_same_result(parallel, monkeypatch):
+    most_alive = 0
+    new_iteration = executor_module._Frame.new_iteration
+
+    def counting(frame: Any) -> Any:
+        nonlocal most_alive
+        iteration = new_iteration(frame)
+        if frame.parent is not None:
+            most_alive = max(most_alive, len(frame.iterations))
+        return iteration
+
+    monkeypatch.setattr(executor_module._Frame, "new_iteration", counting)
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         assert run(counting_loop(parallel), [25, 2], 2, pool) == [25, 2 * sum(range(25))]
+    assert 1 <= most_alive <= parallel
 
 
 def test_nested_loops_run_the_inner_loop_once_per_outer_iteration():
