@@ -382,6 +382,7 @@ def _load_builtin_kernels() -> None:
         import distserver.kernels.ref_variables
         import distserver.kernels.sendrecv
         import distserver.kernels.sparse
+        import distserver.kernels.stacks
         import distserver.kernels.state
         import distserver.kernels.stateless_random
         import distserver.kernels.strings

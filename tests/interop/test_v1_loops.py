@@ -1,5 +1,5 @@
 """Loops of control flow v1 (tf.while_loop under disable_control_flow_v2) from a real
-TensorFlow client: counting loops, parallel_iterations=1, nested loops with a cond
+TensorFlow client: counting loops, a loop's gradient (stacks), parallel_iterations=1, nested loops with a cond
 inside, a loop inside a cond, loops reading variables; compared with TensorFlow alone."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ SAME = [
         for check in (
             "count",
             "powered",
+            "grad",
             "serial",
             "alternating",
             "local_read",

@@ -303,3 +303,23 @@ def test_a_loop_body_that_crosses_tasks_is_refused_naming_the_loop():
     b.retval("out", exits[0], 0)
     with pytest.raises(errors.UnimplementedError, match="loop 'while_frame', which spans tasks"):
         Executor(b.graph)
+
+
+def test_stacks_pop_in_reverse_and_report_misuse():
+    """A stack's values come back last first; popping an empty stack or overflowing fails."""
+    b = Builder()
+    size = b.arg("size", 0)
+    stack = b.node("stack", "StackV2", [size], elem_type=AttrValue(type=INT), stack_name="s")
+    first = b.op("push1", "StackPushV2", [stack, b.const("one", 1)])
+    second = b.op("push2", "StackPushV2", [stack, b.const("two", 2)])
+    b.graph.node[-1].input.append(f"^{first}")
+    pop1 = b.node("pop1", "StackPopV2", [stack, f"^{second}"], elem_type=AttrValue(type=INT))
+    pop2 = b.node("pop2", "StackPopV2", [stack, f"^{pop1}"], elem_type=AttrValue(type=INT))
+    b.retval("r1", pop1, 0)
+    b.retval("r2", pop2, 1)
+    assert run(b.graph, [-1], 2) == [2, 1]
+    with pytest.raises(errors.InvalidArgumentError, match=r"overflowed its max_size \(1\)"):
+        run(b.graph, [1], 2)
+    b.node("pop3", "StackPopV2", [stack, f"^{pop2}"], elem_type=AttrValue(type=INT))
+    with pytest.raises(errors.InvalidArgumentError, match="is empty"):
+        run(b.graph, [-1], 2)

@@ -38,6 +38,9 @@ def build(remote: bool) -> tuple[tf.Graph, dict]:
             # The counting loop, and a loop carrying a vector (x * 1.5^n).
             count = tf.while_loop(lambda i: i < n, lambda i: i + 1, [0])
             _, powered = tf.while_loop(lambda i, v: i < n, lambda i, v: (i + 1, v * 1.5), [0, x])
+            # Its gradient: a second loop popping the first one's values off stacks.
+            _, squared = tf.while_loop(lambda i, v: i < n, lambda i, v: (i + 1, v * v * 0.5), [0, x])
+            grad = tf.gradients(tf.reduce_sum(squared), x)[0]
             serial = tf.while_loop(
                 lambda i, v: i < n, lambda i, v: (i + 1, v * 1.5 + 1.0), [0, x], parallel_iterations=1
             )[1]
@@ -77,7 +80,7 @@ def build(remote: bool) -> tuple[tf.Graph, dict]:
             bumped = tf.while_loop(lambda i: i < n, bump, [0])
         init = tf1.global_variables_initializer()
     nodes = dict(
-        n=n, x=x, pred=pred, count=count, powered=powered, serial=serial, alternating=alternating,
+        n=n, x=x, pred=pred, count=count, grad=grad, powered=powered, serial=serial, alternating=alternating,
         in_cond=in_cond, local_read=local_read, ps_invariant=ps_invariant, ps_read_in_body=ps_read_in_body,
         bumped=bumped, counter=counter,
         init=init,
@@ -94,6 +97,7 @@ def run_all(prefix: str, target: str, remote: bool) -> None:
             feed = {g["x"]: xs, g["n"]: count}
             checks.run(f"{prefix}/count_{count}", lambda f=feed: sess.run(g["count"], f))
             checks.run(f"{prefix}/powered_{count}", lambda f=feed: sess.run(g["powered"], f))
+            checks.run(f"{prefix}/grad_{count}", lambda f=feed: sess.run(g["grad"], f))
             checks.run(f"{prefix}/serial_{count}", lambda f=feed: sess.run(g["serial"], f))
             checks.run(f"{prefix}/alternating_{count}", lambda f=feed: sess.run(g["alternating"], f))
             checks.run(f"{prefix}/local_read_{count}", lambda f=feed: sess.run(g["local_read"], f))
