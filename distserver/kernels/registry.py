@@ -387,6 +387,7 @@ def _load_builtin_kernels() -> None:
         import distserver.kernels.stateless_random
         import distserver.kernels.strings
         import distserver.kernels.summary
+        import distserver.kernels.tensor_arrays
         import distserver.kernels.tensor_lists  # noqa: F401
 
         _loaded = True

@@ -41,6 +41,25 @@ def build(remote: bool) -> tuple[tf.Graph, dict]:
             # Its gradient: a second loop popping the first one's values off stacks.
             _, squared = tf.while_loop(lambda i, v: i < n, lambda i, v: (i + 1, v * v * 0.5), [0, x])
             grad = tf.gradients(tf.reduce_sum(squared), x)[0]
+
+            # TensorArrays: written in a loop of n iterations, and an RNN over the rows of
+            # `x` (unstacked into an array, outputs stacked from another) with its gradient.
+            def write(i, ta):
+                return i + 1, ta.write(i, tf.cast(i, tf.float32) * x[0])
+
+            written = tf.while_loop(lambda i, ta: i < n, write, [0, tf.TensorArray(tf.float32, size=n)])[1]
+            stacked = written.stack()
+            rows = tf.reshape(tf.tile(x, [4]), [4, 3]) * tf.constant([[1.0], [0.5], [-1.0], [2.0]])
+            inputs = tf.TensorArray(tf.float32, size=4).unstack(rows)
+
+            def rnn_step(i, h, outputs):
+                h = tf.tanh(h * 0.5 + inputs.read(i))
+                return i + 1, h, outputs.write(i, h)
+
+            rnn_outputs = tf.while_loop(
+                lambda i, h, o: i < 4, rnn_step, [0, tf.zeros([3]), tf.TensorArray(tf.float32, size=4)]
+            )[2].stack()
+            rnn_grad = tf.gradients(tf.reduce_sum(rnn_outputs * rnn_outputs), x)[0]
             serial = tf.while_loop(
                 lambda i, v: i < n, lambda i, v: (i + 1, v * 1.5 + 1.0), [0, x], parallel_iterations=1
             )[1]
@@ -80,7 +99,8 @@ def build(remote: bool) -> tuple[tf.Graph, dict]:
             bumped = tf.while_loop(lambda i: i < n, bump, [0])
         init = tf1.global_variables_initializer()
     nodes = dict(
-        n=n, x=x, pred=pred, count=count, grad=grad, powered=powered, serial=serial, alternating=alternating,
+        n=n, x=x, pred=pred, count=count, grad=grad, stacked=stacked,
+        rnn_outputs=rnn_outputs, rnn_grad=rnn_grad, powered=powered, serial=serial, alternating=alternating,
         in_cond=in_cond, local_read=local_read, ps_invariant=ps_invariant, ps_read_in_body=ps_read_in_body,
         bumped=bumped, counter=counter,
         init=init,
@@ -98,6 +118,7 @@ def run_all(prefix: str, target: str, remote: bool) -> None:
             checks.run(f"{prefix}/count_{count}", lambda f=feed: sess.run(g["count"], f))
             checks.run(f"{prefix}/powered_{count}", lambda f=feed: sess.run(g["powered"], f))
             checks.run(f"{prefix}/grad_{count}", lambda f=feed: sess.run(g["grad"], f))
+            checks.run(f"{prefix}/tensor_array_{count}", lambda f=feed: sess.run(g["stacked"], f))
             checks.run(f"{prefix}/serial_{count}", lambda f=feed: sess.run(g["serial"], f))
             checks.run(f"{prefix}/alternating_{count}", lambda f=feed: sess.run(g["alternating"], f))
             checks.run(f"{prefix}/local_read_{count}", lambda f=feed: sess.run(g["local_read"], f))
@@ -108,6 +129,8 @@ def run_all(prefix: str, target: str, remote: bool) -> None:
                     lambda f=feed, t=taken: sess.run(g["in_cond"], {**f, g["pred"]: t}),
                 )
             checks.run(f"{prefix}/ps_read_in_body_{count}", lambda f=feed: sess.run(g["ps_read_in_body"], f))
+        checks.run(f"{prefix}/rnn_outputs", lambda: sess.run(g["rnn_outputs"], {g["x"]: xs}))
+        checks.run(f"{prefix}/rnn_grad", lambda: sess.run(g["rnn_grad"], {g["x"]: xs}))
         checks.run(f"{prefix}/ps_updates_in_body", lambda: sess.run([g["bumped"], g["counter"]], {g["n"]: 3}))
 
 
