@@ -520,6 +520,8 @@ _KIND_OF_OP = {
     "RefNextIteration": _NEXT_ITERATION,
 }
 _TRANSFER_OPS = frozenset({"_Send", "_Recv", "_HostSend", "_HostRecv"})
+# A step with loops gives the event loop a turn after this many nodes run inline.
+_YIELD_EVERY = 1024
 
 
 class _LoopPlan:
@@ -663,10 +665,16 @@ class _LoopStep:
                 in_flight -= 1
                 wake.set()
 
+        ran = 0
         try:
             async with asyncio.TaskGroup() as group:
                 while True:
                     while self.ready:
+                        ran += 1
+                        if not ran % _YIELD_EVERY:
+                            # A loop may run for ever: let other steps, RPCs and the
+                            # step's cancellation (its timeout) in now and then.
+                            await asyncio.sleep(0)
                         i, iteration, inputs, dead = self.ready.popleft()
                         node = nodes[i]
                         if dead:

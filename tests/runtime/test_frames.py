@@ -323,3 +323,34 @@ def test_stacks_pop_in_reverse_and_report_misuse():
     b.node("pop3", "StackPopV2", [stack, f"^{pop2}"], elem_type=AttrValue(type=INT))
     with pytest.raises(errors.InvalidArgumentError, match="is empty"):
         run(b.graph, [-1], 2)
+
+
+def test_a_loop_that_never_ends_can_be_cancelled():
+    """The step yields to the event loop while it loops, so its timeout can stop it."""
+    b = Builder()
+    zero = b.const("zero", 0)
+    limit = b.const("limit", 1)
+
+    def cond(vars_: list[str], invs: list[str], pivot: str) -> str:
+        return b.node("loop/less", "Less", [vars_[0], invs[0]], T=AttrValue(type=INT))
+
+    def body(vars_: list[str], invs: list[str], pivot: str) -> list[str]:
+        return [b.op("loop/same", "Identity", [vars_[0]])]  # never reaches the limit
+
+    exits = b.loop("loop", [zero], [limit], cond, body)
+    b.retval("out", exits[0], 0)
+    executor = Executor(b.graph)
+    ctx = StepContext(
+        step_id=1,
+        device=DEVICE,
+        device_incarnation=1,
+        rendezvous=StepRendezvous(1, TASK, None),
+        resources=ResourceManager(),
+        frame=FunctionFrame(args=[], retvals=[UNSET]),
+    )
+
+    async def step_with_timeout() -> None:
+        await asyncio.wait_for(executor.run(ctx), 0.5)
+
+    with pytest.raises(TimeoutError):
+        asyncio.run(step_with_timeout())
