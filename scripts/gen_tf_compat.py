@@ -33,6 +33,8 @@ GROUPS = {
     "accumulators": "Conditional accumulators (SyncReplicasOptimizer)",
     "functional": "Graph functions and loops (control flow v2)",
     "tensor_lists": "TensorLists (control flow v2 loops, TensorArrays, map_fn)",
+    "stacks": "Stacks (control flow v1 loop gradients)",
+    "tensor_arrays": "TensorArrays of control flow v1",
     "datasets": "tf.data datasets and iterators",
     "optionals": "Optionals (control flow v2 gradients)",
     "sendrecv": "Runtime (inserted by the master)",

@@ -74,3 +74,49 @@ class ControlTriggerKernel(OpKernel):
 
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
         return []
+
+
+@register_kernel("Enter", "RefEnter", "Exit", "RefExit", "NextIteration", "RefNextIteration")
+class LoopTransferKernel(OpKernel):
+    """Control flow v1 loops: passes its input on; the executor moves it between frames.
+
+    `Enter` takes a value into the loop frame `frame_name` (iteration 0, or every
+    iteration when `is_constant`), `NextIteration` into the next iteration of its frame,
+    `Exit` out to the parent frame (see `runtime/executor.py`, frames).
+    """
+
+    runs_on_loop = True
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        if self.op.startswith("Ref"):
+            self.ref_inputs = frozenset({0})
+        if self.op.endswith("Enter"):
+            self.frame_name = self.attr_str("frame_name")
+            if not self.frame_name:
+                raise errors.InvalidArgumentError(f"{self.op} node '{self.name}' has an empty frame_name")
+            self.is_constant = self.attr_bool("is_constant", False)
+            self.parallel_iterations = self.attr_int("parallel_iterations", 10)
+            if self.parallel_iterations < 1:
+                raise errors.InvalidArgumentError(
+                    f"{self.op} node '{self.name}': parallel_iterations must be at least 1, "
+                    f"got {self.parallel_iterations}"
+                )
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        return [inputs[0]]
+
+
+@register_kernel("LoopCond")
+class LoopCondKernel(OpKernel):
+    """`(input: bool scalar) -> output`: the loop's predicate, passed on to its Switches."""
+
+    runs_on_loop = True
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        pred = np.asarray(inputs[0])
+        if pred.shape != () or pred.dtype != np.bool_:
+            raise errors.InvalidArgumentError(
+                f"LoopCond's input must be a bool scalar, got {pred.dtype} of shape {list(pred.shape)}"
+            )
+        return [pred]

@@ -382,10 +382,12 @@ def _load_builtin_kernels() -> None:
         import distserver.kernels.ref_variables
         import distserver.kernels.sendrecv
         import distserver.kernels.sparse
+        import distserver.kernels.stacks
         import distserver.kernels.state
         import distserver.kernels.stateless_random
         import distserver.kernels.strings
         import distserver.kernels.summary
+        import distserver.kernels.tensor_arrays
         import distserver.kernels.tensor_lists  # noqa: F401
 
         _loaded = True

@@ -21,6 +21,14 @@ resolves inputs, and rejects cycles. `run(ctx)` then executes one step:
   with a dead input is not computed, and everything downstream is dead until a
   Merge picks the live branch (`OpKernel.dead_inputs` says how each kernel treats
   them). A dead node's control edges make their targets dead too.
+* Loops of control flow v1 (a graph with `Enter` nodes; other graphs never reach this
+  code): a step runs as TensorFlow's executor does, each value tagged with a frame (one
+  per execution of a loop, made by its `Enter`s) and an iteration. `NextIteration`
+  feeds the next iteration's `Merge`, which runs on its first live input; at most
+  `parallel_iterations` iterations of a frame are alive at once (further ones wait);
+  `Exit` passes a live value to the parent frame, and a loop that only saw dead values
+  (a loop on a branch not taken) passes DEAD out once it is done. A loop whose body
+  sends to or receives from another task is refused when the graph is registered.
 * The first failing node stops the step: the other nodes in flight are cancelled
   and the error names the node.
 """
@@ -203,6 +211,8 @@ class Executor:
             node.mode = _mode_of(node)
             node.sources = tuple(src for src, _ in node.inputs)
         self._roots = [n.index for n in self._nodes if n.num_waits == 0]
+        has_loops = any(n.kernel.op in ("Enter", "RefEnter") for n in self._nodes)
+        self._loop_plan = _LoopPlan(self._nodes) if has_loops else None
         self._check_acyclic()
         self._functions = (
             FunctionLibraryRuntime(index_library(graph_def.library))
@@ -234,12 +244,22 @@ class Executor:
         return values
 
     def _check_acyclic(self) -> None:
+        """Refuse a cycle, except through a loop's NextIteration (its edges go to the next
+        iteration)."""
         waits = [n.num_waits for n in self._nodes]
-        ready = deque(self._roots)
+        plan = self._loop_plan
+        if plan is not None:
+            for i, kind in enumerate(plan.kind):
+                if kind == _NEXT_ITERATION:
+                    for c in self._nodes[i].consumers:
+                        waits[c] -= 1
+        ready = deque(i for i, w in enumerate(waits) if w == 0)
         seen = 0
         while ready:
             i = ready.popleft()
             seen += 1
+            if plan is not None and plan.kind[i] == _NEXT_ITERATION:
+                continue
             for c in self._nodes[i].consumers:
                 waits[c] -= 1
                 if waits[c] == 0:
@@ -263,6 +283,9 @@ class Executor:
         """
         if self._functions is not None and ctx.functions is None:
             ctx = dataclasses.replace(ctx, functions=self._functions)
+        if self._loop_plan is not None:
+            await _LoopStep(self, ctx, stats).run()
+            return
         nodes = self._nodes
         # Outputs still to be taken by a consumer; a node's entry is dropped with its last read.
         unread = [n.num_reads for n in nodes]
@@ -476,3 +499,381 @@ async def _guard(kernel: OpKernel, coro: Any) -> list[Any]:
         return result
     except errors.OpError as exc:
         raise errors.with_node(exc, kernel.name) from exc
+
+
+# -- Loops of control flow v1: frames and iterations ------------------------------------
+
+# `_LoopPlan.kind` values.
+_PLAIN = 0
+_MERGE = 1
+_ENTER = 2
+_EXIT = 3
+_NEXT_ITERATION = 4
+_KIND_OF_OP = {
+    "Merge": _MERGE,
+    "RefMerge": _MERGE,
+    "Enter": _ENTER,
+    "RefEnter": _ENTER,
+    "Exit": _EXIT,
+    "RefExit": _EXIT,
+    "NextIteration": _NEXT_ITERATION,
+    "RefNextIteration": _NEXT_ITERATION,
+}
+_TRANSFER_OPS = frozenset({"_Send", "_Recv", "_HostSend", "_HostRecv"})
+# A step with loops gives the event loop a turn after this many nodes run inline.
+_YIELD_EVERY = 1024
+
+
+class _LoopPlan:
+    """What a graph with loops (`Enter` nodes) needs to run them, built once per graph."""
+
+    def __init__(self, nodes: list[_Node]) -> None:
+        self.kind = [_KIND_OF_OP.get(n.kernel.op, _PLAIN) for n in nodes]
+        # Data edges out of each node: (output index, consumer, consumer's input slot).
+        self.data_out: list[list[tuple[int, int, int]]] = [[] for _ in nodes]
+        self.num_controls = [0] * len(nodes)
+        for node in nodes:
+            for slot, (src, k) in enumerate(node.inputs):
+                self.data_out[src].append((k, node.index, slot))
+            for c in node.control_consumers:
+                self.num_controls[c] += 1
+        # How many Enter nodes feed each frame: a frame's iteration 0 is complete once all have.
+        self.enters_of_frame: dict[str, int] = {}
+        for node in nodes:
+            if self.kind[node.index] == _ENTER:
+                name = node.kernel.frame_name  # type: ignore[attr-defined]
+                self.enters_of_frame[name] = self.enters_of_frame.get(name, 0) + 1
+        self._refuse_transfers_in_loops(nodes)
+
+    def _refuse_transfers_in_loops(self, nodes: list[_Node]) -> None:
+        """A loop whose body sends to or receives from another task is not supported: refuse
+        it when the graph is registered (rendezvous keys would need frame and iteration ids)."""
+        frame: list[str | None] = [None] * len(nodes)  # None: the root frame
+        parents: dict[str, str | None] = {}
+        seen = [False] * len(nodes)
+        todo = deque(i for i, n in enumerate(nodes) if n.num_waits == 0)
+        for i in todo:
+            seen[i] = True
+        while todo:
+            i = todo.popleft()
+            node = nodes[i]
+            kind = self.kind[i]
+            if kind == _ENTER:
+                name = node.kernel.frame_name  # type: ignore[attr-defined]
+                parents.setdefault(name, frame[i])
+                out_frame: str | None = name
+            elif kind == _EXIT and frame[i] is not None:
+                out_frame = parents.get(frame[i])  # type: ignore[arg-type]
+            else:
+                out_frame = frame[i]
+            if out_frame is not None and node.kernel.op in _TRANSFER_OPS:
+                raise errors.UnimplementedError(
+                    f"Node '{node.kernel.name}' ({node.kernel.op}) is inside the loop '{out_frame}', "
+                    "which spans tasks: distserver runs a control flow v1 loop (tf.while_loop under "
+                    "disable_control_flow_v2) only when its body is on one task. Place the loop's "
+                    "ops and the variables it reads on one task, or use control flow v2 loops "
+                    "(While), whose body may read variables on other tasks.",
+                    node_name=node.kernel.name,
+                )
+            for c in node.consumers:
+                if not seen[c]:
+                    seen[c] = True
+                    frame[c] = out_frame
+                    todo.append(c)
+            # (a node's frame is that of its first input reached; TensorFlow checks the
+            # rest agree, a malformed loop fails here or hangs no worse than in TF.)
+
+
+class _Frame:
+    """One execution of a loop (TensorFlow's FrameState): its live iterations."""
+
+    def __init__(self, name: str, parent: _Iteration | None, pending_enters: int, parallel: int) -> None:
+        self.name = name
+        self.parent = parent
+        self.pending_enters = pending_enters  # Enter nodes still to arrive from the parent
+        self.parallel = parallel  # most iterations alive at once (`parallel_iterations`)
+        self.iterations: dict[int, _Iteration] = {}
+        self.last = -1  # index of the newest iteration
+        self.invariants: list[tuple[int, Any]] = []  # (Enter node, value) of `is_constant` Enters
+        self.deferred: list[tuple[int, Any]] = []  # NextIteration outputs waiting for room
+        self.live_exits: set[int] = set()
+        self.dead_exits: set[int] = set()
+        self.children: dict[tuple[str, int], _Frame] = {}
+
+    def new_iteration(self) -> _Iteration:
+        self.last += 1
+        iteration = _Iteration(self, self.last)
+        self.iterations[self.last] = iteration
+        return iteration
+
+
+class _Iteration:
+    """One iteration of a frame (TensorFlow's IterationState): the nodes waiting in it."""
+
+    def __init__(self, frame: _Frame, index: int) -> None:
+        self.frame = frame
+        self.index = index
+        self.pending: dict[int, int] = {}  # node -> edges still to arrive (Merge: control edges)
+        self.inputs: dict[int, list[Any]] = {}
+        self.dead: set[int] = set()  # nodes with a dead input (Merge: dead data inputs counted)
+        self.merge_dead: dict[int, int] = {}
+        self.merge_live: set[int] = set()  # Merges that have a live data input
+        self.fired: set[int] = set()  # Merges that ran
+        self.outstanding = 0  # nodes of this iteration ready or running
+        self.child_frames = 0  # frames started from this iteration still running
+
+
+class _LoopStep:
+    """One step of a graph with loops: values are tagged with a frame and an iteration,
+    as in TensorFlow's executor. Nodes run inline on the loop, except asynchronous and
+    large kernels (as in `Executor.run`)."""
+
+    def __init__(self, executor: Executor, ctx: StepContext, stats: DeviceStepStats | None) -> None:
+        assert executor._loop_plan is not None
+        self.nodes = executor._nodes
+        self.plan: _LoopPlan = executor._loop_plan
+        self.ctx = ctx
+        self.stats = stats
+        self.ready: deque[tuple[int, _Iteration, list[Any], bool]] = deque()
+        self.root = _Frame("", None, 0, 1)
+        self.root_iteration = self.root.new_iteration()
+
+    async def run(self) -> None:
+        nodes = self.nodes
+        root = self.root_iteration
+        for i, node in enumerate(nodes):
+            if node.num_waits == 0:
+                root.outstanding += 1
+                self.ready.append((i, root, [], False))
+        wake = asyncio.Event()
+        in_flight = 0
+
+        async def run_task(i: int, iteration: _Iteration, inputs: list[Any], offload: bool) -> None:
+            nonlocal in_flight
+            kernel = nodes[i].kernel
+            started = time.time_ns() if self.stats is not None else 0
+            try:
+                if offload:
+                    loop = asyncio.get_running_loop()
+                    values = await loop.run_in_executor(self.ctx.pool, _compute, kernel, self.ctx, inputs)
+                else:
+                    values = await _guard(kernel, kernel.compute_async(self.ctx, inputs))
+                if self.stats is not None:
+                    _record(self.stats, kernel, started, time.time_ns())
+                self.finish(i, iteration, values, dead=False)
+            finally:
+                in_flight -= 1
+                wake.set()
+
+        ran = 0
+        try:
+            async with asyncio.TaskGroup() as group:
+                while True:
+                    while self.ready:
+                        ran += 1
+                        if not ran % _YIELD_EVERY:
+                            # A loop may run for ever: let other steps, RPCs and the
+                            # step's cancellation (its timeout) in now and then.
+                            await asyncio.sleep(0)
+                        i, iteration, inputs, dead = self.ready.popleft()
+                        node = nodes[i]
+                        if dead:
+                            policy = node.kernel.dead_inputs
+                            if policy == SKIP_WHEN_DEAD:
+                                self.finish(i, iteration, [DEAD] * _num_outputs(node, self.plan), dead=True)
+                                continue
+                            if policy == CARRIES_DEADNESS:
+                                inputs = [DEAD] * len(inputs)
+                        mode = node.mode
+                        if mode == _TASK:
+                            in_flight += 1
+                            group.create_task(run_task(i, iteration, inputs, offload=False))
+                        elif self.ctx.pool is not None and (
+                            mode == _THREAD or (mode == _BY_SIZE and _large(node, inputs))
+                        ):
+                            in_flight += 1
+                            group.create_task(run_task(i, iteration, inputs, offload=True))
+                        else:
+                            started = time.time_ns() if self.stats is not None else 0
+                            values = _compute(node.kernel, self.ctx, inputs)
+                            if self.stats is not None:
+                                _record(self.stats, node.kernel, started, time.time_ns())
+                            self.finish(i, iteration, values, dead=False)
+                        del inputs
+                    if in_flight == 0:
+                        break
+                    await wake.wait()
+                    wake.clear()
+        except BaseExceptionGroup as group_error:
+            raise first_error(group_error) from None
+
+    # -- propagation (TensorFlow's PropagateOutputs / ActivateNodes) --
+
+    def finish(self, i: int, iteration: _Iteration, values: list[Any], dead: bool) -> None:
+        """Deliver the outputs of node `i` run in `iteration` to their consumers."""
+        plan = self.plan
+        kind = plan.kind[i]
+        is_dead = dead or (bool(values) and all(v is DEAD for v in values))
+        frame = iteration.frame
+        if kind in (_PLAIN, _MERGE):
+            self.activate(i, iteration, values, is_dead)
+        elif kind == _ENTER:
+            kernel: Any = self.nodes[i].kernel
+            child = self.child_frame(iteration, kernel)
+            child.pending_enters -= 1
+            if kernel.is_constant:
+                child.invariants.append((i, values[0]))
+                for target in list(child.iterations.values()):
+                    self.activate(i, target, values, is_dead)
+            else:
+                first = child.iterations.get(0)
+                if first is not None:
+                    self.activate(i, first, values, is_dead)
+            self.cleanup(child)  # its first iteration may be complete now
+        elif kind == _EXIT:
+            if is_dead:
+                if i not in frame.live_exits:
+                    frame.dead_exits.add(i)
+            elif frame.parent is not None:
+                frame.live_exits.add(i)
+                frame.dead_exits.discard(i)
+                self.activate(i, frame.parent, values, False)
+            else:  # an Exit outside any loop: TensorFlow passes the value on
+                self.activate(i, iteration, values, False)
+        elif not is_dead:  # _NEXT_ITERATION; a dead one ends its loop: nothing to pass on
+            following = frame.iterations.get(iteration.index + 1)
+            if following is None and iteration.index + 1 > frame.last:
+                if frame.deferred or len(frame.iterations) >= frame.parallel:
+                    frame.deferred.append((i, values[0]))
+                else:
+                    following = self.start_iteration(frame)
+            if following is not None:
+                self.activate(i, following, values, False)
+        iteration.outstanding -= 1
+        self.cleanup(frame)
+
+    def child_frame(self, iteration: _Iteration, enter: Any) -> _Frame:
+        key = (enter.frame_name, iteration.index)
+        child = iteration.frame.children.get(key)
+        if child is None:
+            child = _Frame(
+                enter.frame_name,
+                iteration,
+                self.plan.enters_of_frame[enter.frame_name],
+                enter.parallel_iterations,
+            )
+            iteration.frame.children[key] = child
+            iteration.child_frames += 1
+            child.new_iteration()
+        return child
+
+    def start_iteration(self, frame: _Frame) -> _Iteration:
+        new = frame.new_iteration()
+        for enter, value in frame.invariants:
+            self.activate(enter, new, [value], value is DEAD)
+        return new
+
+    def activate(self, i: int, iteration: _Iteration, values: list[Any], is_dead: bool) -> None:
+        """Hand node `i`'s outputs to its consumers in `iteration`; queue those now ready."""
+        plan = self.plan
+        nodes = self.nodes
+        from_enter = plan.kind[i] == _ENTER
+        for k, c, slot in plan.data_out[i]:
+            value = DEAD if is_dead else values[k] if k < len(values) else _missing(nodes, i, k, c)
+            self.deliver(c, iteration, slot, value, value is DEAD, from_enter)
+        for c in nodes[i].control_consumers:
+            self.deliver(c, iteration, -1, None, is_dead, False)
+
+    def deliver(
+        self, c: int, iteration: _Iteration, slot: int, value: Any, dead: bool, from_enter: bool
+    ) -> None:
+        node = self.nodes[c]
+        plan = self.plan
+        inputs = iteration.inputs.get(c)
+        if inputs is None:
+            inputs = iteration.inputs[c] = [None] * len(node.inputs)
+            iteration.pending[c] = plan.num_controls[c] if plan.kind[c] == _MERGE else node.num_waits
+        if plan.kind[c] == _MERGE:
+            if c in iteration.fired:
+                return
+            if slot < 0:
+                iteration.pending[c] -= 1
+            elif dead:
+                iteration.merge_dead[c] = iteration.merge_dead.get(c, 0) + 1
+                if from_enter:  # a loop on a branch not taken: the loop is dead
+                    iteration.merge_dead[c] = len(node.inputs)
+            else:
+                inputs[slot] = value
+                iteration.merge_live.add(c)
+            live = c in iteration.merge_live
+            if iteration.pending[c] == 0 and (live or iteration.merge_dead.get(c, 0) >= len(node.inputs)):
+                iteration.fired.add(c)
+                if live:
+                    merged = [DEAD if v is None else v for v in inputs]
+                    self.enqueue(c, iteration, merged, False)
+                else:
+                    self.enqueue(c, iteration, [DEAD] * len(inputs), True)
+            return
+        if slot >= 0:
+            inputs[slot] = value
+        if dead:
+            iteration.dead.add(c)
+        left = iteration.pending[c] - 1
+        iteration.pending[c] = left
+        if left == 0:
+            del iteration.pending[c]
+            del iteration.inputs[c]
+            self.enqueue(c, iteration, inputs, c in iteration.dead)
+
+    def enqueue(self, c: int, iteration: _Iteration, inputs: list[Any], dead: bool) -> None:
+        iteration.outstanding += 1
+        self.ready.append((c, iteration, inputs, dead))
+
+    # -- completion (TensorFlow's CleanupFramesIterations / DeleteFrame) --
+
+    def cleanup(self, frame: _Frame) -> None:
+        """Drop the frame's finished iterations (oldest first), start a deferred one, and
+        end the frame when it is done."""
+        if frame.parent is None:
+            return  # the root frame ends with the step
+        index = min(frame.iterations) if frame.iterations else None
+        while index is not None and self.iteration_done(frame, index):
+            del frame.iterations[index]
+            if frame.deferred:
+                deferred, frame.deferred = frame.deferred, []
+                new = self.start_iteration(frame)
+                for node, value in deferred:
+                    self.activate(node, new, [value], False)
+            index = min(frame.iterations) if frame.iterations else None
+        self.maybe_frame_done(frame)
+
+    def iteration_done(self, frame: _Frame, index: int) -> bool:
+        iteration = frame.iterations[index]
+        if iteration.outstanding or iteration.child_frames:
+            return False
+        return frame.pending_enters == 0 if index == 0 else True
+
+    def maybe_frame_done(self, frame: _Frame) -> None:
+        if frame.iterations or frame.pending_enters or frame.deferred or frame.parent is None:
+            return
+        parent = frame.parent
+        del parent.frame.children[(frame.name, parent.index)]
+        frame.parent = None  # done once
+        for i in sorted(frame.dead_exits - frame.live_exits):
+            self.activate(i, parent, [DEAD], True)
+        parent.child_frames -= 1
+        self.cleanup(parent.frame)
+
+
+def _num_outputs(node: _Node, plan: _LoopPlan) -> int:
+    """How many outputs a dead node has: enough for every consumer's output index."""
+    return max((k + 1 for k, _, _ in plan.data_out[node.index]), default=1)
+
+
+def _missing(nodes: list[_Node], src: int, k: int, consumer: int) -> Any:
+    producer = nodes[src].kernel
+    raise errors.InvalidArgumentError(
+        f"Node '{nodes[consumer].kernel.name}' wants output {k} of '{producer.name}' ({producer.op}), "
+        "which it does not have",
+        node_name=nodes[consumer].kernel.name,
+    )

@@ -168,13 +168,16 @@ def import_graph(
         copy = NodeDef()
         copy.CopyFrom(node)
         nodes[node.name] = copy
-    # Kahn's algorithm over the new nodes; inputs from `existing` are already there.
+    # Kahn's algorithm over the new nodes; inputs from `existing` are already there. A
+    # loop's NextIteration feeds its Merge in the next iteration: not a cycle.
     waiting: dict[str, int] = {}
     consumers: dict[str, list[str]] = {}
     for node in nodes.values():
         count = 0
         for text in node.input:
             source = parse_input(text)[0]
+            if source in nodes and nodes[source].op in _NEXT_ITERATION_OPS:
+                continue
             if source in nodes:
                 count += 1
                 consumers.setdefault(source, []).append(node.name)
@@ -204,12 +207,8 @@ def import_graph(
 # Ops that call graph functions which distserver neither inlines (function calls, If,
 # Case: `functions.inline_functions`) nor runs (While: kernels/functional.py).
 _FUNCTION_CALL_OPS = frozenset({"SymbolicGradient", "RemoteCall"})
-# Ops of TF 1.x control flow (tf.cond / tf.while_loop without control flow v2).
-# The loop ops of control flow v1 (conditionals, Switch/Merge, have kernels).
-_LOOP_OPS = frozenset(
-    {"Enter", "RefEnter", "Exit", "RefExit", "NextIteration", "RefNextIteration", "LoopCond"}
-)
 _MAX_LISTED_OPS = 10
+_NEXT_ITERATION_OPS = frozenset({"NextIteration", "RefNextIteration"})
 
 
 def check_kernels(graph_def: GraphDef) -> None:
@@ -244,8 +243,6 @@ def check_kernels(graph_def: GraphDef) -> None:
             " SymbolicGradient and RemoteCall are not supported (tf.function calls, tf.cond, "
             "tf.switch_case and tf.while_loop are)."
         )
-    if not _LOOP_OPS.isdisjoint(unsupported):
-        message += " Loops of control flow v1 (tf.while_loop) are not supported; tf.cond is."
     first_node = next(iter(unsupported.values()))[0]
     raise errors.UnimplementedError(message, node_name=first_node)
 

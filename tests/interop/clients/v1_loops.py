@@ -1,0 +1,139 @@
+"""Loops of control flow v1 (Enter/Exit/NextIteration/LoopCond, what tf.while_loop builds
+under disable_control_flow_v2) on a distserver cluster and on TensorFlow alone.
+
+Every check runs twice: against the cluster ("distserver/<name>") and in an in-process
+TensorFlow session ("tensorflow/<name>"); the test compares the two.
+
+Argument (JSON): {"cluster": {"ps": [a], "worker": [b]}}
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+from _common import Checks, args, target_of
+
+tf1 = tf.compat.v1
+tf1.disable_v2_behavior()
+tf1.disable_control_flow_v2()
+
+cluster = args()["cluster"]
+worker = target_of(cluster["worker"][0])
+checks = Checks()
+
+
+def build(remote: bool) -> tuple[tf.Graph, dict]:
+    ps = "/job:ps/task:0" if remote else None
+    wk = "/job:worker/task:0" if remote else None
+    graph = tf.Graph()
+    with graph.as_default():
+        n = tf1.placeholder(tf.int32, [], name="n")
+        x = tf1.placeholder(tf.float32, [3], name="x")
+        pred = tf1.placeholder(tf.bool, [], name="pred")
+        with tf1.device(ps):
+            scale_on_ps = tf1.get_variable("scale_on_ps", initializer=tf.constant(2.0), use_resource=False)
+            counter = tf1.get_variable("counter", initializer=tf.constant(0.0), use_resource=False)
+        with tf1.device(wk):
+            scale = tf1.get_variable("scale", initializer=tf.constant(0.5), use_resource=False)
+            # The counting loop, and a loop carrying a vector (x * 1.5^n).
+            count = tf.while_loop(lambda i: i < n, lambda i: i + 1, [0])
+            _, powered = tf.while_loop(lambda i, v: i < n, lambda i, v: (i + 1, v * 1.5), [0, x])
+            # Its gradient: a second loop popping the first one's values off stacks.
+            _, squared = tf.while_loop(lambda i, v: i < n, lambda i, v: (i + 1, v * v * 0.5), [0, x])
+            grad = tf.gradients(tf.reduce_sum(squared), x)[0]
+
+            # TensorArrays: written in a loop of n iterations, and an RNN over the rows of
+            # `x` (unstacked into an array, outputs stacked from another) with its gradient.
+            def write(i, ta):
+                return i + 1, ta.write(i, tf.cast(i, tf.float32) * x[0])
+
+            written = tf.while_loop(lambda i, ta: i < n, write, [0, tf.TensorArray(tf.float32, size=n)])[1]
+            stacked = written.stack()
+            rows = tf.reshape(tf.tile(x, [4]), [4, 3]) * tf.constant([[1.0], [0.5], [-1.0], [2.0]])
+            inputs = tf.TensorArray(tf.float32, size=4).unstack(rows)
+
+            def rnn_step(i, h, outputs):
+                h = tf.tanh(h * 0.5 + inputs.read(i))
+                return i + 1, h, outputs.write(i, h)
+
+            rnn_outputs = tf.while_loop(
+                lambda i, h, o: i < 4, rnn_step, [0, tf.zeros([3]), tf.TensorArray(tf.float32, size=4)]
+            )[2].stack()
+            rnn_grad = tf.gradients(tf.reduce_sum(rnn_outputs * rnn_outputs), x)[0]
+            serial = tf.while_loop(
+                lambda i, v: i < n, lambda i, v: (i + 1, v * 1.5 + 1.0), [0, x], parallel_iterations=1
+            )[1]
+
+            # Nested loops with a cond inside the outer body.
+            def outer(i, total):
+                inner = tf.while_loop(lambda j, s: j < i, lambda j, s: (j + 1, s + 1.0), [0, 0.0])[1]
+                step = tf.cond(tf.equal(i % 2, 0), lambda: inner, lambda: -inner)
+                return i + 1, total + step
+
+            alternating = tf.while_loop(lambda i, t: i < n, outer, [0, 0.0])[1]
+            # A loop inside a cond: dead on the branch not taken.
+            in_cond = tf.cond(
+                pred,
+                lambda: tf.while_loop(lambda i, v: i < n, lambda i, v: (i + 1, v + 2.0), [0, x])[1],
+                lambda: x - 1.0,
+            )
+            # A loop reading a variable of its own task in its body, and one of the ps
+            # read before the loop (a loop invariant).
+            local_read = tf.while_loop(lambda i, v: i < n, lambda i, v: (i + 1, v * scale), [0, x])[1]
+            ps_value = tf.identity(scale_on_ps)
+            ps_invariant = tf.while_loop(lambda i, v: i < n, lambda i, v: (i + 1, v * ps_value), [0, x])[1]
+            # A loop whose body reads the ps variable itself (the loop takes its value in
+            # once, through an Enter: the read is outside the loop).
+            ps_read_in_body = tf.while_loop(
+                lambda i, v: i < n, lambda i, v: (i + 1, v * scale_on_ps), [0, x]
+            )[1]
+
+            # A loop whose body updates a variable on the ps each iteration: the body
+            # spans two tasks.
+            def bump(i):
+                with tf1.device(ps):
+                    update = tf1.assign_add(counter, 1.0)
+                with tf.control_dependencies([update]):
+                    return i + 1
+
+            bumped = tf.while_loop(lambda i: i < n, bump, [0])
+        init = tf1.global_variables_initializer()
+    nodes = dict(
+        n=n, x=x, pred=pred, count=count, grad=grad, stacked=stacked,
+        rnn_outputs=rnn_outputs, rnn_grad=rnn_grad, powered=powered, serial=serial, alternating=alternating,
+        in_cond=in_cond, local_read=local_read, ps_invariant=ps_invariant, ps_read_in_body=ps_read_in_body,
+        bumped=bumped, counter=counter,
+        init=init,
+    )  # fmt: skip
+    return graph, nodes
+
+
+def run_all(prefix: str, target: str, remote: bool) -> None:
+    graph, g = build(remote)
+    xs = np.array([1.0, 2.0, 4.0], np.float32)
+    with tf1.Session(target, graph=graph) as sess:
+        sess.run(g["init"])
+        for count in (0, 1, 5):
+            feed = {g["x"]: xs, g["n"]: count}
+            checks.run(f"{prefix}/count_{count}", lambda f=feed: sess.run(g["count"], f))
+            checks.run(f"{prefix}/powered_{count}", lambda f=feed: sess.run(g["powered"], f))
+            checks.run(f"{prefix}/grad_{count}", lambda f=feed: sess.run(g["grad"], f))
+            checks.run(f"{prefix}/tensor_array_{count}", lambda f=feed: sess.run(g["stacked"], f))
+            checks.run(f"{prefix}/serial_{count}", lambda f=feed: sess.run(g["serial"], f))
+            checks.run(f"{prefix}/alternating_{count}", lambda f=feed: sess.run(g["alternating"], f))
+            checks.run(f"{prefix}/local_read_{count}", lambda f=feed: sess.run(g["local_read"], f))
+            checks.run(f"{prefix}/ps_invariant_{count}", lambda f=feed: sess.run(g["ps_invariant"], f))
+            for taken in (True, False):
+                checks.run(
+                    f"{prefix}/in_cond_{taken}_{count}",
+                    lambda f=feed, t=taken: sess.run(g["in_cond"], {**f, g["pred"]: t}),
+                )
+            checks.run(f"{prefix}/ps_read_in_body_{count}", lambda f=feed: sess.run(g["ps_read_in_body"], f))
+        checks.run(f"{prefix}/rnn_outputs", lambda: sess.run(g["rnn_outputs"], {g["x"]: xs}))
+        checks.run(f"{prefix}/rnn_grad", lambda: sess.run(g["rnn_grad"], {g["x"]: xs}))
+        checks.run(f"{prefix}/ps_updates_in_body", lambda: sess.run([g["bumped"], g["counter"]], {g["n"]: 3}))
+
+
+run_all("distserver", worker, remote=True)
+run_all("tensorflow", "", remote=False)
+checks.emit()
