@@ -234,15 +234,7 @@ class GrpcioSide:
             self.channel = None
         proc, self.proc = self.proc, None
         if proc is not None:
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(timeout=10)
-            if proc.stdout is not None:
-                proc.stdout.close()
+            timing.stop_processes([proc])
         if self._stderr is not None:
             self._stderr.close()
             self._stderr = None

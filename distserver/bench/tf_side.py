@@ -161,17 +161,7 @@ class _Cluster:
         return lines[-1] if lines else "(no stderr)"
 
     def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
-            if proc.stdout is not None:
-                proc.stdout.close()
+        timing.stop_processes(self.procs.values())
         for stream in self._stderr.values():
             stream.close()
         self.procs, self.pids, self._stderr = {}, {}, {}

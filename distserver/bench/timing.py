@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import os
 import statistics
+import subprocess
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 KiB = 1 << 10
@@ -69,6 +70,23 @@ def proc_memory(pid: int) -> dict[str, int]:
             if key in ("VmHWM", "VmRSS"):
                 out[key] = int(value.split()[0]) * 1024
     return out
+
+
+def stop_processes(procs: Iterable[subprocess.Popen[Any]]) -> None:
+    """Terminate `procs` (SIGTERM to all first, so they stop side by side), wait up to
+    10 s each, kill what is left, and close their stdout pipes."""
+    procs = list(procs)
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+        if proc.stdout is not None:
+            proc.stdout.close()
 
 
 def machine_cpu() -> dict[str, float]:

@@ -273,17 +273,7 @@ class TFRuntime(Runtime):
         return None
 
     def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
-            if proc.stdout is not None:
-                proc.stdout.close()
+        _shared.stop_processes(self.procs.values())
         for stream in self._stderr.values():
             stream.close()
         self.procs, self._stderr = {}, {}
