@@ -81,6 +81,11 @@ class KernelContext(Protocol):
         """The arguments and results of the function call this step runs, if it runs one."""
         ...
 
+    @property
+    def frame_iter(self) -> tuple[int, int] | None:
+        """(frame id, iteration) of the loop iteration a `_Send`/`_Recv` runs in; None outside loops."""
+        ...
+
     async def call_function(self, function: NameAttrList, args: list[Any]) -> list[Any]:
         """Run graph function `function` (name and attrs) of the graph's library on `args`.
 

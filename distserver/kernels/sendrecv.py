@@ -7,6 +7,7 @@ incarnation and the tensor, which together make the rendezvous key.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -43,6 +44,13 @@ class _SendRecvKernel(OpKernel):
         )
         self.client_terminated = self.attr_bool("client_terminated", False)
 
+    def key_in(self, ctx: KernelContext) -> RendezvousKey:
+        """The key of this run: inside a loop it names the frame and the iteration."""
+        frame_iter = ctx.frame_iter
+        if frame_iter is None:
+            return self.key
+        return dataclasses.replace(self.key, frame_id=frame_iter[0], iter_id=frame_iter[1], text="")
+
 
 @register_kernel("_Send", "_HostSend")
 class SendKernel(_SendRecvKernel):
@@ -51,9 +59,9 @@ class SendKernel(_SendRecvKernel):
 
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
         if inputs[0] is DEAD:
-            ctx.rendezvous.send(self.key, _DEAD_PAYLOAD, is_dead=True)
+            ctx.rendezvous.send(self.key_in(ctx), _DEAD_PAYLOAD, is_dead=True)
         else:
-            ctx.rendezvous.send(self.key, inputs[0])
+            ctx.rendezvous.send(self.key_in(ctx), inputs[0])
         return []
 
 
@@ -61,6 +69,9 @@ class SendKernel(_SendRecvKernel):
 class RecvKernel(_SendRecvKernel):
     is_async = True
     may_output_dead = True  # the sender's value may be dead
+    # Runs even when what it waits on is dead (only loops give a `_Recv` inputs): the
+    # sender sends in every iteration, dead or not, and each value must be taken.
+    dead_inputs = CARRIES_DEADNESS
 
     def __init__(self, node: NodeDef) -> None:
         super().__init__(node)
@@ -72,5 +83,5 @@ class RecvKernel(_SendRecvKernel):
         if self.pushed:
             value, is_dead = await ctx.rendezvous.recv_local(self.key)
         else:
-            value, is_dead = await ctx.rendezvous.recv(self.key)
+            value, is_dead = await ctx.rendezvous.recv(self.key_in(ctx))
         return [DEAD if is_dead else value]

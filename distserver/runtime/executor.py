@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import hashlib
 import threading
 import time
 from collections import deque
@@ -88,6 +89,9 @@ class StepContext:
     functions: FunctionLibraryRuntime | None = None
     frame: FunctionFrame | None = None
     call_depth: int = 0
+    # (frame id, iteration) of the loop iteration a `_Send`/`_Recv` runs in, for its
+    # rendezvous key (`runtime.control_loops`); None outside loops.
+    frame_iter: tuple[int, int] | None = None
 
     async def call_function(self, function: NameAttrList, args: list[Any]) -> list[Any]:
         """Run `function` of the graph's library on `args` in this step (`KernelContext`)."""
@@ -543,45 +547,8 @@ class _LoopPlan:
             if self.kind[node.index] == _ENTER:
                 name = node.kernel.frame_name  # type: ignore[attr-defined]
                 self.enters_of_frame[name] = self.enters_of_frame.get(name, 0) + 1
-        self._refuse_transfers_in_loops(nodes)
-
-    def _refuse_transfers_in_loops(self, nodes: list[_Node]) -> None:
-        """A loop whose body sends to or receives from another task is not supported: refuse
-        it when the graph is registered (rendezvous keys would need frame and iteration ids)."""
-        frame: list[str | None] = [None] * len(nodes)  # None: the root frame
-        parents: dict[str, str | None] = {}
-        seen = [False] * len(nodes)
-        todo = deque(i for i, n in enumerate(nodes) if n.num_waits == 0)
-        for i in todo:
-            seen[i] = True
-        while todo:
-            i = todo.popleft()
-            node = nodes[i]
-            kind = self.kind[i]
-            if kind == _ENTER:
-                name = node.kernel.frame_name  # type: ignore[attr-defined]
-                parents.setdefault(name, frame[i])
-                out_frame: str | None = name
-            elif kind == _EXIT and frame[i] is not None:
-                out_frame = parents.get(frame[i])  # type: ignore[arg-type]
-            else:
-                out_frame = frame[i]
-            if out_frame is not None and node.kernel.op in _TRANSFER_OPS:
-                raise errors.UnimplementedError(
-                    f"Node '{node.kernel.name}' ({node.kernel.op}) is inside the loop '{out_frame}', "
-                    "which spans tasks: distserver runs a control flow v1 loop (tf.while_loop under "
-                    "disable_control_flow_v2) only when its body is on one task. Place the loop's "
-                    "ops and the variables it reads on one task, or use control flow v2 loops "
-                    "(While), whose body may read variables on other tasks.",
-                    node_name=node.kernel.name,
-                )
-            for c in node.consumers:
-                if not seen[c]:
-                    seen[c] = True
-                    frame[c] = out_frame
-                    todo.append(c)
-            # (a node's frame is that of its first input reached; TensorFlow checks the
-            # rest agree, a malformed loop fails here or hangs no worse than in TF.)
+        # `_Send`/`_Recv` nodes: inside a loop they name the frame and iteration in their key.
+        self.transfer = [n.kernel.op in _TRANSFER_OPS for n in nodes]
 
 
 class _Frame:
@@ -590,6 +557,10 @@ class _Frame:
     def __init__(self, name: str, parent: _Iteration | None, pending_enters: int, parallel: int) -> None:
         self.name = name
         self.parent = parent
+        # Every task running a part of this loop names this execution of it the same
+        # way (the loop under its parent's name and iteration), hence the same id.
+        self.path: str = f"{parent.frame.path};{parent.index};{name}" if parent is not None else ""
+        self.id = _frame_id(self.path) if parent is not None else 0
         self.pending_enters = pending_enters  # Enter nodes still to arrive from the parent
         self.parallel = parallel  # most iterations alive at once (`parallel_iterations`)
         self.iterations: dict[int, _Iteration] = {}
@@ -648,16 +619,18 @@ class _LoopStep:
         wake = asyncio.Event()
         in_flight = 0
 
-        async def run_task(i: int, iteration: _Iteration, inputs: list[Any], offload: bool) -> None:
+        async def run_task(
+            i: int, iteration: _Iteration, ctx: StepContext, inputs: list[Any], offload: bool
+        ) -> None:
             nonlocal in_flight
             kernel = nodes[i].kernel
             started = time.time_ns() if self.stats is not None else 0
             try:
                 if offload:
                     loop = asyncio.get_running_loop()
-                    values = await loop.run_in_executor(self.ctx.pool, _compute, kernel, self.ctx, inputs)
+                    values = await loop.run_in_executor(ctx.pool, _compute, kernel, ctx, inputs)
                 else:
-                    values = await _guard(kernel, kernel.compute_async(self.ctx, inputs))
+                    values = await _guard(kernel, kernel.compute_async(ctx, inputs))
                 if self.stats is not None:
                     _record(self.stats, kernel, started, time.time_ns())
                 self.finish(i, iteration, values, dead=False)
@@ -684,18 +657,21 @@ class _LoopStep:
                                 continue
                             if policy == CARRIES_DEADNESS:
                                 inputs = [DEAD] * len(inputs)
+                        ctx = self.ctx
+                        if self.plan.transfer[i] and iteration.frame is not self.root:
+                            ctx = dataclasses.replace(ctx, frame_iter=(iteration.frame.id, iteration.index))
                         mode = node.mode
                         if mode == _TASK:
                             in_flight += 1
-                            group.create_task(run_task(i, iteration, inputs, offload=False))
-                        elif self.ctx.pool is not None and (
+                            group.create_task(run_task(i, iteration, ctx, inputs, offload=False))
+                        elif ctx.pool is not None and (
                             mode == _THREAD or (mode == _BY_SIZE and _large(node, inputs))
                         ):
                             in_flight += 1
-                            group.create_task(run_task(i, iteration, inputs, offload=True))
+                            group.create_task(run_task(i, iteration, ctx, inputs, offload=True))
                         else:
                             started = time.time_ns() if self.stats is not None else 0
-                            values = _compute(node.kernel, self.ctx, inputs)
+                            values = _compute(node.kernel, ctx, inputs)
                             if self.stats is not None:
                                 _record(self.stats, node.kernel, started, time.time_ns())
                             self.finish(i, iteration, values, dead=False)
@@ -863,6 +839,11 @@ class _LoopStep:
             self.activate(i, parent, [DEAD], True)
         parent.child_frames -= 1
         self.cleanup(parent.frame)
+
+
+def _frame_id(path: str) -> int:
+    """A frame's id in rendezvous keys: 64 bits of a hash of its path, never 0 (the root's)."""
+    return int.from_bytes(hashlib.blake2b(path.encode(), digest_size=8).digest(), "big") or 1
 
 
 def _num_outputs(node: _Node, plan: _LoopPlan) -> int:

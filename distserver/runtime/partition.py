@@ -7,6 +7,8 @@ partition and a `_Recv` in the destination partition, with TensorFlow's attrs
 destination device however many nodes consume it there. A control edge across
 devices is carried by a dummy scalar: a `Const` in the source partition that
 waits on the source node is sent, and the destination node waits on its `_Recv`.
+An edge inside a loop is cut so that both tasks run their part of each iteration
+(`control_loops`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from distserver.devices import task_of_device
 from distserver.protos.graph_pb2 import GraphDef
 from distserver.protos.node_def_pb2 import NodeDef
 from distserver.protos.types_pb2 import DT_FLOAT
+from distserver.runtime.control_loops import ENTER_OPS, LOOP_FRAME_ATTR, ControlLoops, LoopFrames
 from distserver.runtime.names import int64_attr, parse_input
 from distserver.tensors import to_tensor_proto
 
@@ -42,6 +45,7 @@ def partition(
     # (source tensor or "^node", destination device) -> name of the _Recv there.
     received: dict[tuple[str, str], str] = {}
     edge_ids = iter(range(1 << 62))
+    frames = LoopFrames(nodes) if any(node.op in ENTER_OPS for node in nodes) else None
 
     def part(device: str) -> GraphDef:
         task = task_of_device(device)
@@ -78,11 +82,20 @@ def partition(
         if is_control:
             recv.attr["tensor_type"].type = DT_FLOAT  # type: ignore[assignment]
         received[key] = recv.name
+        frame = frames.output_frame(src_node) if frames is not None else ""
+        if frame:  # the edge is inside a loop: the _Recv runs in each of its iterations
+            assert control_loops is not None
+            recv.input.append("^" + control_loops.anchor(src_node, frame, dst_device))
+            send.attr[LOOP_FRAME_ATTR].s = recv.attr[LOOP_FRAME_ATTR].s = frame.encode()
         return recv.name
+
+    control_loops = ControlLoops(frames, device_of, part, cross) if frames is not None else None
 
     for node in nodes:
         copy = part(node.device).node.add()
         copy.CopyFrom(node)
+        if control_loops is not None:
+            control_loops.cover(node.name, node.device)
         for i, text in enumerate(copy.input):
             src, index, is_control = parse_input(text)
             if src not in device_of or task_of_device(device_of[src]) == task_of_device(node.device):

@@ -46,6 +46,11 @@ RESOURCE_PRODUCERS = frozenset(
         # tf.data iterators: GetNext and MakeIterator run where the iterator is.
         "IteratorV2",
         "OneShotIterator",
+        # Stacks (v1 loop gradients) and TensorArrays: held by their handle's value,
+        # they live on one task, where every op using them runs.
+        "StackV2",
+        "TensorArrayV3",
+        "TensorArrayGradV3",
     }
 )
 
@@ -96,8 +101,22 @@ def _colocation_targets(node: NodeDef, by_name: dict[str, NodeDef]) -> tuple[lis
 # Ops that pass a value through unchanged (output k is input k, or input 0): a resource
 # handle keeps its device through them. Inlined functions put an `Identity` per argument
 # and an `IdentityN` per call between a variable and its readers; lowered `If`s a `Switch`;
-# a `While` passes a loop-invariant handle from its input k to its output k.
-_PASS_THROUGH = frozenset({"Identity", "IdentityN", "Switch", "While", "StatelessWhile"})
+# a `While` passes a loop-invariant handle from its input k to its output k; a v1 loop's
+# `Enter` (and `Merge`, `NextIteration`, `Exit`) passes its input 0 into or out of the loop.
+_PASS_THROUGH = frozenset(
+    {
+        "Identity",
+        "IdentityN",
+        "Switch",
+        "While",
+        "StatelessWhile",
+        "Enter",
+        "RefEnter",
+        "Merge",
+        "NextIteration",
+        "Exit",
+    }
+)
 _PORT_FOR_PORT = frozenset({"IdentityN", "While", "StatelessWhile"})
 
 
@@ -108,7 +127,7 @@ def _resource_producer(src: str, port: int, by_name: dict[str, NodeDef]) -> str 
         seen.add(src)
         node = by_name[src]
         if node.op in RESOURCE_PRODUCERS:
-            return src
+            return src if port == 0 else None  # (a TensorArray's output 1 is its flow)
         if node.op not in _PASS_THROUGH:
             return None
         data = [text for text in node.input if not text.startswith("^")]

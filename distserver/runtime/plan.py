@@ -30,6 +30,7 @@ from distserver.kernels.ref_variables import REF_OUTPUT_OPS
 from distserver.protos.function_pb2 import FunctionDef
 from distserver.protos.graph_pb2 import GraphDef
 from distserver.protos.node_def_pb2 import NodeDef
+from distserver.runtime.control_loops import ENTER_OPS, LoopFrames
 from distserver.runtime.functions import (
     has_function_calls,
     index_library,
@@ -365,8 +366,10 @@ def _fetch_refs_after_their_users(nodes: list[NodeDef], by_name: Mapping[str, No
     response when the step is over, so `run([train_op, global_step])` returns the step
     after the update. Here the fetch's `_Send` reads when it runs: it gets a control
     input from every other node of the step that takes the variable (its updates among
-    them), which gives the same value. The `_Send` has no consumers: no cycle can form.
+    them), which gives the same value; a use inside a loop stands for the loop's Exit
+    nodes. The `_Send` has no consumers: no cycle can form.
     """
+    frames = LoopFrames(nodes) if any(node.op in ENTER_OPS for node in nodes) else None
     users: dict[str, list[str]] = {}
     for node in nodes:
         for text in node.input:
@@ -378,5 +381,7 @@ def _fetch_refs_after_their_users(nodes: list[NodeDef], by_name: Mapping[str, No
         source = by_name.get(parse_input(node.input[0])[0])
         if source is None or source.op not in REF_OUTPUT_OPS:
             continue
-        others = sorted({name for name in users.get(source.name, ()) if name != node.name})
-        node.input.extend(f"^{name}" for name in others)
+        others = {name for name in users.get(source.name, ()) if name != node.name}
+        if frames is not None:
+            others = {after for name in others for after in frames.after_loops(name)}
+        node.input.extend(f"^{name}" for name in sorted(others))

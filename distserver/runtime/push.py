@@ -36,6 +36,7 @@ from collections.abc import Mapping
 from distserver.devices import task_of_device
 from distserver.kernels.sendrecv import RECV_PUSHED_ATTR
 from distserver.protos.graph_pb2 import GraphDef
+from distserver.runtime.control_loops import LOOP_FRAME_ATTR
 from distserver.runtime.names import sendrecv_key
 
 # A value for another task rides in a RunGraph response only up to this size.
@@ -66,6 +67,7 @@ def plan_pushes(parts: Mapping[str, GraphDef], master_task: str) -> dict[str, se
             for n in graph.node
             if n.op == "_Send"
             and not n.attr["client_terminated"].b
+            and not n.attr[LOOP_FRAME_ATTR].s  # its key changes every iteration
             and task_of_device(n.attr["recv_device"].s.decode()) == master_task
         }
         if keys:

@@ -42,6 +42,7 @@ class Context:
     resources: ResourceManager = dataclasses.field(default_factory=ResourceManager)
     rendezvous: Any = None
     checkpoint_root: str | None = None
+    frame_iter: tuple[int, int] | None = None
 
 
 def _is_dtype(value: Any) -> bool:

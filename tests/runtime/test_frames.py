@@ -23,6 +23,7 @@ from distserver.protos.attr_value_pb2 import AttrValue
 from distserver.protos.graph_pb2 import GraphDef
 from distserver.runtime import executor as executor_module
 from distserver.runtime.executor import Executor, StepContext
+from distserver.runtime.partition import partition
 from distserver.runtime.rendezvous import StepRendezvous
 from distserver.tensors import to_tensor_proto
 
@@ -277,32 +278,147 @@ def test_a_graph_without_loops_still_refuses_cycles():
         Executor(b.graph)
 
 
-def test_a_loop_body_that_crosses_tasks_is_refused_naming_the_loop():
+PS_TASK = "/job:ps/replica:0/task:0"
+PS = f"{PS_TASK}/device:CPU:0"
+
+
+def run_on_two_tasks(graph: GraphDef, on_ps: set[str], args: list[Any], num_results: int) -> list[Any]:
+    """Place the nodes named in `on_ps` on a second task, split the graph as the master
+    does (`partition`) and run both partitions, each with its own rendezvous, as two
+    workers would. Checks that every value one task sent the other was taken."""
+    for node in graph.node:
+        node.device = PS if node.name in on_ps else DEVICE
+    parts = partition(list(graph.node), incarnation=lambda device: 1)
+    assert set(parts) == {TASK, PS_TASK}
+    rendezvous: dict[str, StepRendezvous] = {}
+
+    async def fetch(step_id: int, key: Any) -> Any:  # what RecvTensor does between workers
+        sender = rendezvous[key.src_task]
+        value = await sender.recv_local(key)
+        sender.hand_over([key.text])
+        return value
+
+    frames = {
+        TASK: FunctionFrame(args=[np.int32(a) for a in args], retvals=[UNSET] * num_results),
+        PS_TASK: FunctionFrame(args=[], retvals=[]),
+    }
+
+    async def step() -> None:
+        runs = []
+        for task, part in parts.items():
+            rendezvous[task] = StepRendezvous(1, task, fetch)
+            ctx = StepContext(
+                step_id=1,
+                device=PS if task == PS_TASK else DEVICE,
+                device_incarnation=1,
+                rendezvous=rendezvous[task],
+                resources=ResourceManager(),
+                frame=frames[task],
+            )
+            runs.append(Executor(part).run(ctx))
+        await asyncio.gather(*runs)
+
+    asyncio.run(asyncio.wait_for(step(), 60))
+    for task in parts:
+        assert not rendezvous[task].needed_elsewhere(), f"{task} sent values nobody took"
+        assert not rendezvous[task].pending_keys()
+    return frames[TASK].retvals
+
+
+def loop_with_body_on_ps(parallel: int) -> tuple[GraphDef, set[str]]:
+    """i, total = 0, 0; while i < n: total += i * step; i += 1, with `i * step` on the ps."""
     b = Builder()
     n = b.arg("n", 0)
+    step = b.arg("step", 1)
     zero = b.const("zero", 0)
 
     def cond(vars_: list[str], invs: list[str], pivot: str) -> str:
         return b.node("loop/less", "Less", [vars_[0], invs[0]], T=AttrValue(type=INT))
 
     def body(vars_: list[str], invs: list[str], pivot: str) -> list[str]:
-        b.node(
-            "loop/send",
-            "_Send",
-            [vars_[0]],
-            T=AttrValue(type=INT),
-            tensor_name="x",
-            send_device=DEVICE,
-            recv_device="/job:ps/replica:0/task:0/device:CPU:0",
-            send_device_incarnation=1,
-        )
+        product = b.op("loop/product", "Mul", [vars_[0], invs[1]])
         one = b.const("loop/one", 1, control=pivot)
-        return [b.op("loop/add", "AddV2", [vars_[0], one])]
+        return [b.op("loop/next_i", "AddV2", [vars_[0], one]), b.op("loop/sum", "AddV2", [vars_[1], product])]
 
-    exits = b.loop("while_frame", [zero], [n], cond, body)
-    b.retval("out", exits[0], 0)
-    with pytest.raises(errors.UnimplementedError, match="loop 'while_frame', which spans tasks"):
-        Executor(b.graph)
+    exits = b.loop("while_frame", [zero, zero], [n, step], cond, body, parallel=parallel)
+    b.retval("i", exits[0], 0)
+    b.retval("total", exits[1], 1)
+    return b.graph, {"loop/product"}
+
+
+@pytest.mark.parametrize("parallel", [1, 10])
+@pytest.mark.parametrize("n", [0, 1, 5])
+# The invariant's Enter on the ps too: that task holds no part of the loop's own
+# machinery, yet its Enter's value must be used in every iteration there.
+@pytest.mark.parametrize("invariant_on_ps", [False, True])
+def test_a_loop_whose_body_spans_two_tasks_runs_each_iteration_on_both(parallel, n, invariant_on_ps):
+    graph, on_ps = loop_with_body_on_ps(parallel)
+    if invariant_on_ps:
+        on_ps.add("while_frame/inv1")
+    expected = [n, sum(i * 3 for i in range(n))]
+    assert run(graph, [n, 3], 2) == expected  # on one task
+    assert run_on_two_tasks(graph, on_ps, [n, 3], 2) == expected
+
+
+def test_the_other_task_gets_a_control_loop_and_keys_with_the_iteration():
+    graph, on_ps = loop_with_body_on_ps(10)
+    for node in graph.node:
+        node.device = PS if node.name in on_ps else DEVICE
+    parts = partition(list(graph.node), incarnation=lambda device: 1)
+    ps_ops = sorted(node.op for node in parts[PS_TASK].node)
+    # Mul, its two inputs and the loop predicate received, the product sent back, and
+    # the control loop (start, Enter, Merge, Switch, NextIteration).
+    assert ps_ops == sorted(
+        ["Mul", "_Recv", "_Recv", "_Recv", "_Send", "Const", "Enter", "Merge", "Switch", "NextIteration"]
+    )
+    for node in parts[PS_TASK].node:
+        if node.op in ("_Send", "_Recv"):
+            assert node.attr["_loop_frame"].s == b"while_frame"
+        if node.op == "_Recv":  # each waits on the control loop's iteration
+            assert any(text.startswith("^_control_loop_0/") for text in node.input)
+
+
+def test_nested_loops_spanning_tasks_name_each_inner_execution_apart():
+    """for i < n: for j < i: total += j * step (the product on the ps): the inner loop's
+    executions in different outer iterations must not mix their values."""
+    b = Builder()
+    n = b.arg("n", 0)
+    step = b.arg("step", 1)
+    zero = b.const("zero", 0)
+
+    def outer_cond(vars_: list[str], invs: list[str], pivot: str) -> str:
+        return b.node("outer/less", "Less", [vars_[0], invs[0]], T=AttrValue(type=INT))
+
+    def outer_body(vars_: list[str], invs: list[str], pivot: str) -> list[str]:
+        inner_zero = b.const("outer/zero", 0, control=pivot)
+
+        def inner_cond(ivars: list[str], iinvs: list[str], ipivot: str) -> str:
+            return b.node("inner/less", "Less", [ivars[0], iinvs[0]], T=AttrValue(type=INT))
+
+        def inner_body(ivars: list[str], iinvs: list[str], ipivot: str) -> list[str]:
+            product = b.op("inner/product", "Mul", [ivars[0], iinvs[1]])
+            one = b.const("inner/one", 1, control=ipivot)
+            return [
+                b.op("inner/next_j", "AddV2", [ivars[0], one]),
+                b.op("inner/sum", "AddV2", [ivars[1], product]),
+            ]
+
+        inner = b.loop("inner_frame", [inner_zero, vars_[1]], [vars_[0], invs[1]], inner_cond, inner_body)
+        one = b.const("outer/one", 1, control=pivot)
+        return [b.op("outer/next_i", "AddV2", [vars_[0], one]), b.op("outer/total", "Identity", [inner[1]])]
+
+    exits = b.loop("outer_frame", [zero, zero], [n, step], outer_cond, outer_body)
+    b.retval("total", exits[1], 0)
+    for count in (0, 1, 4):
+        expected = [sum(j * 3 for i in range(count) for j in range(i))]
+        assert run(b.graph, [count, 3], 1) == expected
+        assert run_on_two_tasks(b.graph, {"inner/product"}, [count, 3], 1) == expected
+
+
+def test_a_next_iteration_apart_from_its_merge_is_refused():
+    graph, _ = loop_with_body_on_ps(10)
+    with pytest.raises(errors.UnimplementedError, match="NextIteration node 'while_frame/next1'"):
+        run_on_two_tasks(graph, {"while_frame/next1"}, [3, 3], 2)
 
 
 def test_stacks_pop_in_reverse_and_report_misuse():

@@ -33,6 +33,17 @@ def build(remote: bool) -> tuple[tf.Graph, dict]:
         with tf1.device(ps):
             scale_on_ps = tf1.get_variable("scale_on_ps", initializer=tf.constant(2.0), use_resource=False)
             counter = tf1.get_variable("counter", initializer=tf.constant(0.0), use_resource=False)
+            w_rnn = tf1.get_variable(
+                "w_rnn",
+                initializer=tf.constant([[0.5, -0.2, 0.1], [0.3, 0.4, -0.5], [-0.1, 0.2, 0.3]]),
+                use_resource=True,
+            )
+            u_rnn = tf1.get_variable(
+                "u_rnn",
+                initializer=tf.constant([[0.2, 0.1, -0.3], [0.0, 0.5, 0.2], [0.4, -0.1, 0.1]]),
+                use_resource=True,
+            )
+            total_ps = tf1.get_variable("total_ps", initializer=tf.constant(0.0), use_resource=True)
         with tf1.device(wk):
             scale = tf1.get_variable("scale", initializer=tf.constant(0.5), use_resource=False)
             # The counting loop, and a loop carrying a vector (x * 1.5^n).
@@ -97,12 +108,48 @@ def build(remote: bool) -> tuple[tf.Graph, dict]:
                     return i + 1
 
             bumped = tf.while_loop(lambda i: i < n, bump, [0])
+
+            # An RNN whose weights (resource variables on the ps) are read in the body at
+            # every step, trained by gradient descent: the loop and its gradient loop run
+            # on both tasks.
+            sequence = tf.reshape(tf.tile(x, [4]), [4, 3]) * tf.constant([[1.0], [0.5], [-1.0], [2.0]])
+
+            def ps_rnn_step(i, h):
+                row = tf.reshape(sequence[i], [1, 3])
+                return i + 1, tf.tanh(tf.matmul(h, w_rnn) + tf.matmul(row, u_rnn))
+
+            h_final = tf.while_loop(lambda i, h: i < 4, ps_rnn_step, [0, tf.zeros([1, 3])])[1]
+            rnn_loss = tf.reduce_sum(tf.square(h_final - 0.5))
+            rnn_train = tf1.train.GradientDescentOptimizer(0.05).minimize(rnn_loss)
+
+            # Nested loops whose inner body updates a variable on the ps.
+            def outer_bump(i):
+                def inner_bump(j):
+                    with tf1.device(ps):
+                        update = total_ps.assign_add(1.0)
+                    with tf.control_dependencies([update]):
+                        return j + 1
+
+                inner = tf.while_loop(lambda j: j < i, inner_bump, [0])[0]
+                with tf.control_dependencies([inner]):
+                    return i + 1
+
+            nested_bumped = tf.while_loop(lambda i: i < n, outer_bump, [0])
+            # A loop spanning tasks on a branch of a cond: dead when not taken.
+            ps_in_cond = tf.cond(
+                pred,
+                lambda: tf.while_loop(
+                    lambda i, v: i < n, lambda i, v: (i + 1, tf.matmul(v, w_rnn)), [0, tf.ones([1, 3])]
+                )[1],
+                lambda: tf.zeros([1, 3]),
+            )
         init = tf1.global_variables_initializer()
     nodes = dict(
         n=n, x=x, pred=pred, count=count, grad=grad, stacked=stacked,
         rnn_outputs=rnn_outputs, rnn_grad=rnn_grad, powered=powered, serial=serial, alternating=alternating,
         in_cond=in_cond, local_read=local_read, ps_invariant=ps_invariant, ps_read_in_body=ps_read_in_body,
-        bumped=bumped, counter=counter,
+        bumped=bumped, counter=counter, w_rnn=w_rnn, u_rnn=u_rnn, rnn_loss=rnn_loss, rnn_train=rnn_train,
+        total_ps=total_ps, nested_bumped=nested_bumped, ps_in_cond=ps_in_cond,
         init=init,
     )  # fmt: skip
     return graph, nodes
@@ -131,7 +178,20 @@ def run_all(prefix: str, target: str, remote: bool) -> None:
             checks.run(f"{prefix}/ps_read_in_body_{count}", lambda f=feed: sess.run(g["ps_read_in_body"], f))
         checks.run(f"{prefix}/rnn_outputs", lambda: sess.run(g["rnn_outputs"], {g["x"]: xs}))
         checks.run(f"{prefix}/rnn_grad", lambda: sess.run(g["rnn_grad"], {g["x"]: xs}))
-        checks.run(f"{prefix}/ps_updates_in_body", lambda: sess.run([g["bumped"], g["counter"]], {g["n"]: 3}))
+        checks.run(
+            f"{prefix}/ps_updates_in_body",
+            lambda: np.hstack(sess.run([g["bumped"], g["counter"]], {g["n"]: 3})),
+        )
+        for taken in (True, False):
+            feed = {g["n"]: 3, g["pred"]: taken}
+            checks.run(f"{prefix}/ps_in_cond_{taken}", lambda f=feed: sess.run(g["ps_in_cond"], f))
+        checks.run(
+            f"{prefix}/nested_ps_updates",
+            lambda: np.hstack(sess.run([g["nested_bumped"], g["total_ps"]], {g["n"]: 4})),
+        )
+        losses = [sess.run([g["rnn_train"], g["rnn_loss"]], {g["x"]: xs})[1] for _ in range(4)]
+        checks.run(f"{prefix}/ps_rnn_losses", lambda: losses)
+        checks.run(f"{prefix}/ps_rnn_weights", lambda: sess.run([g["w_rnn"], g["u_rnn"]]))
 
 
 run_all("distserver", worker, remote=True)
