@@ -5,9 +5,17 @@ inputs and parameters, nothing read yet). An iterator is a resource on the task 
 holds it (`IteratorV2`, `OneShotIterator`); `MakeIterator` starts a fresh pass over a
 dataset in it and `IteratorGetNext` takes the next element, or raises
 `OutOfRangeError("End of sequence")` at the end, as TensorFlow does. `MapDataset` and
-`FilterDataset` call their functions through `KernelContext.call_function`, in the
-step of the `IteratorGetNext` that needs the element; `OneShotIterator` calls its
-`dataset_factory` once, on its first run.
+`FilterDataset` (and `ScanDataset`, `TakeWhileDataset`) call their functions through
+`KernelContext.call_function`, in the step of the `IteratorGetNext` that needs the
+element; `OneShotIterator` calls its `dataset_factory` once, on its first run.
+
+In a `tf.function`, `iter(dataset)` is an anonymous iterator (`AnonymousIteratorV3`,
+or V2 with a deleter and `DeleteIterator`): a new one per run, owned by its handle
+(`OwningHandle`), so it lives as long as the step's values hold the handle, as
+TensorFlow's ref-counted handles do; `IteratorGetNextAsOptional` gives an empty
+optional at the end. `for x in dataset:` becomes `ReduceDataset` over a `ScanDataset`
+(and a `TakeWhileDataset` for a `break`): the reduce function runs once per element,
+in the step.
 
 `ShuffleDataset` is seeded (numpy's generator from `seed`/`seed2`): the same seeds
 give the same order in every run, but not TensorFlow's order. `PrefetchDataset`
@@ -18,6 +26,7 @@ an iterator's ops run where the iterator is.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -27,9 +36,11 @@ import numpy as np
 from distserver import errors
 from distserver.kernels._common import handle_input, handle_output
 from distserver.kernels.functional import to_bool
+from distserver.kernels.optionals import OptionalValue, optional_tensor
 from distserver.kernels.registry import KernelContext, OpKernel, register_kernel
 from distserver.kernels.resources import DEFAULT_CONTAINER
 from distserver.protos.resource_handle_pb2 import ResourceHandleProto
+from distserver.protos.tensor_pb2 import VariantTensorDataProto
 from distserver.tensors import ResourceHandle, as_numpy_dtype
 
 if TYPE_CHECKING:
@@ -56,6 +67,14 @@ class Dataset:
 
     def iterate(self) -> ElementIterator:
         raise NotImplementedError
+
+    def to_variant_proto(self) -> VariantTensorDataProto:
+        """A dataset has no wire form: a value that must leave its task fails here."""
+        raise errors.UnimplementedError(
+            "A tf.data dataset cannot be sent to another task (distserver runs a dataset on the task "
+            "that made it): place the ops that use it (its iterator, a tf.function looping over it, "
+            "and the variables that loop updates) on the dataset's task"
+        )
 
 
 def _wrap(dataset: Dataset) -> np.ndarray:
@@ -305,6 +324,73 @@ class Map(_Wrapping):
         return Mapping()
 
 
+class Scan(_Wrapping):
+    """`f(state..., element..., captured...) -> (new state..., output...)` over the elements."""
+
+    def __init__(
+        self, source: Dataset, function: NameAttrList, initial: list[Any], captured: list[Any]
+    ) -> None:
+        super().__init__(source)
+        self.function, self.initial, self.captured = function, initial, captured
+
+    def iterate(self) -> ElementIterator:
+        dataset, source = self, self.source.iterate()
+
+        class Scanning(ElementIterator):
+            state = list(dataset.initial)
+
+            async def next(self, ctx: KernelContext) -> Element | None:
+                element = await source.next(ctx)
+                if element is None:
+                    return None
+                results = await ctx.call_function(
+                    dataset.function, [*self.state, *element, *dataset.captured]
+                )
+                count = len(self.state)
+                if len(results) < count:
+                    raise errors.InvalidArgumentError(
+                        f"The scan function returned {len(results)} values; the state has {count} components"
+                    )
+                self.state = results[:count]
+                return results[count:]
+
+        return Scanning()
+
+
+class TakeWhile(_Wrapping):
+    """The elements up to the first for which `predicate(element..., captured...)` is false."""
+
+    def __init__(self, source: Dataset, predicate: NameAttrList, captured: list[Any]) -> None:
+        super().__init__(source)
+        self.predicate, self.captured = predicate, captured
+
+    def iterate(self) -> ElementIterator:
+        dataset, source = self, self.source.iterate()
+
+        class TakingWhile(ElementIterator):
+            ended = False
+
+            async def next(self, ctx: KernelContext) -> Element | None:
+                if self.ended:
+                    return None
+                element = await source.next(ctx)
+                if element is not None:
+                    (keep,) = await ctx.call_function(dataset.predicate, [*element, *dataset.captured])
+                    if _predicate_value(keep):
+                        return element
+                self.ended = True
+                return None
+
+        return TakingWhile()
+
+
+def _predicate_value(value: Any) -> bool:
+    array = np.asarray(value)
+    if array.shape != () or array.dtype != np.bool_:
+        raise errors.InvalidArgumentError("The take_while predicate must return a scalar bool tensor")
+    return bool(array)
+
+
 class Zip(Dataset):
     def __init__(self, sources: list[Dataset]) -> None:
         self.sources = sources
@@ -422,32 +508,122 @@ class ZipDatasetKernel(_DatasetKernel):
         return Zip([_dataset(v) for v in inputs])
 
 
+@register_kernel("ScanDataset")
+class ScanDatasetKernel(_DatasetKernel):
+    """`(dataset, initial_state..., other_arguments...)`, `f` over (state, element)."""
+
+    def make(self, inputs: list[Any]) -> Dataset:
+        count = len(self.node.attr["Tstate"].list.type)
+        return Scan(
+            _dataset(inputs[0]),
+            self.node.attr["f"].func,
+            list(inputs[1 : 1 + count]),
+            list(inputs[1 + count :]),
+        )
+
+
+@register_kernel("TakeWhileDataset")
+class TakeWhileDatasetKernel(_DatasetKernel):
+    def make(self, inputs: list[Any]) -> Dataset:
+        return TakeWhile(_dataset(inputs[0]), self.node.attr["predicate"].func, list(inputs[1:]))
+
+
+@register_kernel("ReduceDataset")
+class ReduceDatasetKernel(OpKernel):
+    """`(dataset, initial_state..., other_arguments...) -> state...`: `f(state..., element...,
+    captured...)` folded over every element (what `for x in dataset:` becomes in a tf.function).
+
+    Runs in the step, as long as the dataset lasts (the step's cancellation stops it).
+    """
+
+    is_async = True
+    is_stateful = True  # f may update variables
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        self.function = node.attr["f"].func
+        self.count = len(node.attr["Tstate"].list.type)
+
+    async def compute_async(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        try:
+            state = list(inputs[1 : 1 + self.count])
+            captured = list(inputs[1 + self.count :])
+            elements = _dataset(inputs[0]).iterate()
+            while (element := await elements.next(ctx)) is not None:
+                state = await ctx.call_function(self.function, [*state, *element, *captured])
+                if len(state) != self.count:
+                    raise errors.InvalidArgumentError(
+                        f"The reduce function returned {len(state)} values; "
+                        f"the state has {self.count} components"
+                    )
+                await asyncio.sleep(0)  # a dataset of cheap elements never waits: let the loop breathe
+            return state
+        except errors.OpError as exc:
+            raise errors.with_node(exc, self.name) from None
+
+
 # --------------------------------------------------------------------------- iterators
 
 
 class IteratorResource:
     """An iterator: the pass it is on (None before MakeIterator), taken one element at a time."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = "") -> None:
+        self.name = name
         self.current: ElementIterator | None = None
         self.lock = asyncio.Lock()
+        self.deleted = False  # by DeleteIterator: every later use is NotFoundError
 
-    async def next(self, ctx: KernelContext) -> Element:
+    def check_alive(self) -> None:
+        if self.deleted:
+            raise errors.NotFoundError(f"Resource {DEFAULT_CONTAINER}/{self.name} does not exist.")
+
+    async def start(self, dataset: Dataset) -> None:
+        """Start a new pass over `dataset` (MakeIterator)."""
+        async with self.lock:
+            self.check_alive()
+            self.current = dataset.iterate()
+
+    async def next_or_none(self, ctx: KernelContext) -> Element | None:
+        """The next element, or None at the end."""
         async with self.lock:  # one GetNext at a time, in order
+            self.check_alive()
             if self.current is None:
                 raise errors.FailedPreconditionError(
                     "GetNext() failed because the iterator has not been initialized. Ensure that you "
                     "have run the initializer operation for this iterator before getting the next element."
                 )
-            element = await self.current.next(ctx)
+            return await self.current.next(ctx)
+
+    async def next(self, ctx: KernelContext) -> Element:
+        element = await self.next_or_none(ctx)
         if element is None:
             raise errors.OutOfRangeError("End of sequence")
         return element
 
+    def delete(self) -> None:
+        self.check_alive()
+        self.deleted = True
+        self.current = None
+
+
+@dataclasses.dataclass(frozen=True)
+class OwningHandle(ResourceHandle):
+    """The handle of an anonymous iterator, holding the iterator itself.
+
+    TF 2's anonymous iterators are owned by their handles: the iterator lives as long
+    as a copy of its handle does (here: as long as a value holds this object) and is
+    never in the task's resource manager. On the wire it is a plain handle.
+    """
+
+    iterator: IteratorResource | None = dataclasses.field(default=None, compare=False, repr=False)
+
 
 def _iterator(ctx: KernelContext, kernel: OpKernel, value: Any) -> IteratorResource:
     handle = handle_input(kernel, value)
-    resource = ctx.resources.lookup(handle.container, handle.name)
+    resource = handle.iterator if isinstance(handle, OwningHandle) else None
+    if resource is None:
+        resource = ctx.resources.lookup(handle.container, handle.name)
     if not isinstance(resource, IteratorResource):
         raise errors.InvalidArgumentError(f"Resource {handle.container}/{handle.name} is not an iterator")
     return resource
@@ -478,7 +654,9 @@ class IteratorV2Kernel(_IteratorKernel):
         self.iterator_name = self.attr_str("shared_name", "") or f"_{next(_anonymous_ids)}_{self.name}"
 
     async def run(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
-        resource = ctx.resources.lookup_or_create(self.container, self.iterator_name, IteratorResource)
+        resource = ctx.resources.lookup_or_create(
+            self.container, self.iterator_name, lambda: IteratorResource(self.iterator_name)
+        )
         if not isinstance(resource, IteratorResource):
             raise errors.InvalidArgumentError(
                 f"Resource {self.container}/{self.iterator_name} is not an iterator"
@@ -510,22 +688,78 @@ class MakeIteratorKernel(_IteratorKernel):
 
     async def run(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
         dataset = _dataset(inputs[0])
-        resource = _iterator(ctx, self, inputs[1])
-        async with resource.lock:
-            resource.current = dataset.iterate()
+        await _iterator(ctx, self, inputs[1]).start(dataset)
         return []
+
+
+def _check_components(kernel: OpKernel, element: Element) -> Element:
+    expected = len(kernel.node.attr["output_types"].list.type)
+    if expected and len(element) != expected:
+        raise errors.InvalidArgumentError(
+            f"The iterator's elements have {len(element)} components; output_types lists {expected}"
+        )
+    return element
 
 
 @register_kernel("IteratorGetNext")
 class IteratorGetNextKernel(_IteratorKernel):
     async def run(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
-        element = await _iterator(ctx, self, inputs[0]).next(ctx)
-        expected = len(self.node.attr["output_types"].list.type)
-        if expected and len(element) != expected:
-            raise errors.InvalidArgumentError(
-                f"The iterator's elements have {len(element)} components; output_types lists {expected}"
-            )
-        return element
+        return _check_components(self, await _iterator(ctx, self, inputs[0]).next(ctx))
+
+
+@register_kernel("IteratorGetNextAsOptional")
+class IteratorGetNextAsOptionalKernel(_IteratorKernel):
+    """`iterator -> optional`: the next element, or an empty optional at the end."""
+
+    async def run(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        element = await _iterator(ctx, self, inputs[0]).next_or_none(ctx)
+        if element is None:
+            return [optional_tensor(OptionalValue(None))]
+        return [optional_tensor(OptionalValue(tuple(_check_components(self, element))))]
+
+
+@register_kernel("AnonymousIteratorV3")
+class AnonymousIteratorV3Kernel(_IteratorKernel):
+    """`-> handle`: a new iterator each run, owned by its handle (see `OwningHandle`)."""
+
+    async def run(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        return [handle_output(self.new_handle(ctx))]
+
+    def new_handle(self, ctx: KernelContext) -> OwningHandle:
+        name = f"AnonymousIterator{next(_anonymous_ids)}"
+        return OwningHandle(ctx.device, DEFAULT_CONTAINER, name, iterator=IteratorResource(name))
+
+
+class IteratorDeleter:
+    """The `deleter` of `AnonymousIteratorV2`: keeps its iterator alive while it is held."""
+
+    def __init__(self, iterator: IteratorResource) -> None:
+        self.iterator = iterator
+
+
+@register_kernel("AnonymousIteratorV2")
+class AnonymousIteratorV2Kernel(AnonymousIteratorV3Kernel):
+    """`-> (handle, deleter)`: as V3; `DeleteIterator` takes both."""
+
+    async def run(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        handle = self.new_handle(ctx)
+        deleter = np.empty((), dtype=object)
+        deleter[()] = IteratorDeleter(handle.iterator)  # type: ignore[arg-type]
+        return [handle_output(handle), deleter]
+
+
+@register_kernel("DeleteIterator")
+class DeleteIteratorKernel(_IteratorKernel):
+    """`(handle, deleter) -> ()`: the iterator is gone; later uses of its handle fail."""
+
+    async def run(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        handle = handle_input(self, inputs[0])
+        if isinstance(handle, OwningHandle):
+            _iterator(ctx, self, inputs[0]).delete()
+        else:
+            _iterator(ctx, self, inputs[0])  # an iterator, not another resource
+            ctx.resources.delete(handle.container, handle.name)
+        return []
 
 
 @register_kernel("IteratorToStringHandle")

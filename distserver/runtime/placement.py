@@ -46,6 +46,8 @@ RESOURCE_PRODUCERS = frozenset(
         # tf.data iterators: GetNext and MakeIterator run where the iterator is.
         "IteratorV2",
         "OneShotIterator",
+        "AnonymousIteratorV2",
+        "AnonymousIteratorV3",
     }
 )
 

@@ -1,13 +1,18 @@
 """tf.data kernels (kernels/datasets.py) driven directly: seeded shuffles, repeat of an
-empty dataset, bounds on buffers, iterator errors."""
+empty dataset, bounds on buffers, iterator errors, anonymous iterators (owned by their
+handles, deleted by DeleteIterator), GetNextAsOptional at the end."""
 
 from __future__ import annotations
+
+import weakref
 
 import numpy as np
 import pytest
 
 from distserver import errors
 from distserver.kernels.datasets import Batch, IteratorResource, Range, Repeat, Shuffle, TensorSlices
+from distserver.kernels.registry import create_kernel
+from distserver.tensors import to_tensor_proto
 
 
 async def drain(dataset):
@@ -50,3 +55,58 @@ async def test_an_iterator_says_uninitialized_then_end_of_sequence():
     assert (await resource.next(None))[0] == 0
     with pytest.raises(errors.OutOfRangeError, match="End of sequence"):
         await resource.next(None)
+
+
+async def run_async(make_node, op, *inputs, ctx, **attrs):
+    kernel = create_kernel(make_node(op, [f"input_{i}" for i in range(len(inputs))], **attrs))
+    return await kernel.compute_async(ctx, list(inputs))
+
+
+def range_dataset(stop):
+    value = np.empty((), dtype=object)
+    value[()] = Range(0, stop, 1, np.dtype(np.int64))
+    return value
+
+
+async def test_an_anonymous_iterator_is_new_each_run_and_owned_by_its_handle(make_node, ctx):
+    (first,) = await run_async(make_node, "AnonymousIteratorV3", ctx=ctx)
+    (second,) = await run_async(make_node, "AnonymousIteratorV3", ctx=ctx)
+    assert first[()].name != second[()].name
+    assert ctx.resources.containers() == []  # not in the task's resource manager
+    await run_async(make_node, "MakeIterator", range_dataset(2), first, ctx=ctx)
+    with pytest.raises(errors.FailedPreconditionError, match="not been initialized"):
+        await run_async(make_node, "IteratorGetNext", second, ctx=ctx, output_types=[np.int64])
+    (value,) = await run_async(make_node, "IteratorGetNext", first, ctx=ctx, output_types=[np.int64])
+    assert int(value) == 0
+    iterator = weakref.ref(first[()].iterator)
+    del first
+    assert iterator() is None  # the last copy of the handle took the iterator with it
+
+
+async def test_get_next_as_optional_is_empty_at_the_end(make_node, ctx):
+    (handle,) = await run_async(make_node, "AnonymousIteratorV3", ctx=ctx)
+    await run_async(make_node, "MakeIterator", range_dataset(1), handle, ctx=ctx)
+    got = []
+    for _ in range(2):
+        (optional,) = await run_async(
+            make_node, "IteratorGetNextAsOptional", handle, ctx=ctx, output_types=[np.int64]
+        )
+        got.append(optional[()].components)
+    assert [None if c is None else int(c[0]) for c in got] == [0, None]
+
+
+async def test_delete_iterator_ends_an_anonymous_and_a_named_iterator(make_node, ctx):
+    handle, deleter = await run_async(make_node, "AnonymousIteratorV2", ctx=ctx)
+    await run_async(make_node, "MakeIterator", range_dataset(3), handle, ctx=ctx)
+    await run_async(make_node, "DeleteIterator", handle, deleter, ctx=ctx)
+    with pytest.raises(errors.NotFoundError, match="does not exist"):
+        await run_async(make_node, "IteratorGetNext", handle, ctx=ctx, output_types=[np.int64])
+    (named,) = await run_async(make_node, "IteratorV2", ctx=ctx, shared_name="it")
+    assert ctx.resources.containers() == ["localhost"]
+    await run_async(make_node, "DeleteIterator", named, deleter, ctx=ctx)
+    assert ctx.resources.containers() == []
+
+
+def test_a_dataset_says_it_cannot_cross_tasks():
+    with pytest.raises(errors.UnimplementedError, match="cannot be sent to another task"):
+        to_tensor_proto(range_dataset(3))
