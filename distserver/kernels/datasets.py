@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -47,8 +48,10 @@ if TYPE_CHECKING:
     from distserver.protos.attr_value_pb2 import NameAttrList
     from distserver.protos.node_def_pb2 import NodeDef
 
-# Elements a shuffle buffer or a batch may hold (a hostile graph could ask for more).
+# Elements a shuffle buffer, a batch or a cache may hold (a hostile graph could ask for more).
 MAX_BUFFERED_ELEMENTS = 1 << 22
+# Scalars a padded batch may have (its padded shapes come from the graph).
+MAX_PADDED_ELEMENTS = 1 << 28
 
 Element = list[Any]
 _anonymous_ids = itertools.count()
@@ -189,6 +192,157 @@ class Batch(_Wrapping):
                     ) from None
 
         return Batching()
+
+
+class PaddedBatch(_Wrapping):
+    """Batches whose component k has each element padded with `padding_values[k]` to
+    `padded_shapes[k]` (a -1 dimension: the longest in the batch)."""
+
+    def __init__(
+        self,
+        source: Dataset,
+        size: int,
+        padded_shapes: list[tuple[int, ...]],
+        padding_values: list[np.ndarray],
+        drop_remainder: bool,
+    ) -> None:
+        super().__init__(source)
+        if not 0 < size <= MAX_BUFFERED_ELEMENTS:
+            raise errors.InvalidArgumentError(f"Batch size must be greater than zero, got {size}")
+        for k, shape in enumerate(padded_shapes):
+            if any(d < -1 for d in shape):
+                raise errors.InvalidArgumentError(
+                    f"padded_shapes[{k}] must hold sizes or -1 (pad to the longest), got {list(shape)}"
+                )
+        for k, value in enumerate(padding_values):
+            if value.shape != ():
+                raise errors.InvalidArgumentError(
+                    f"padding_values[{k}] must be a scalar, got shape {list(value.shape)}"
+                )
+        self.size, self.drop_remainder = size, drop_remainder
+        self.padded_shapes, self.padding_values = padded_shapes, padding_values
+
+    def iterate(self) -> ElementIterator:
+        dataset, source = self, self.source.iterate()
+
+        class PaddedBatching(ElementIterator):
+            async def next(self, ctx: KernelContext) -> Element | None:
+                rows: list[Element] = []
+                while len(rows) < dataset.size:
+                    element = await source.next(ctx)
+                    if element is None:
+                        break
+                    rows.append(element)
+                if not rows or (dataset.drop_remainder and len(rows) < dataset.size):
+                    return None
+                if len(rows[0]) != len(dataset.padded_shapes):
+                    raise errors.InvalidArgumentError(
+                        f"The elements have {len(rows[0])} components; padded_shapes lists "
+                        f"{len(dataset.padded_shapes)}"
+                    )
+                return [dataset.pad(k, [np.asarray(row[k]) for row in rows]) for k in range(len(rows[0]))]
+
+        return PaddedBatching()
+
+    def pad(self, k: int, values: list[np.ndarray]) -> np.ndarray:
+        """Component `k` of a batch: `values` padded to one shape and stacked."""
+        padded = self.padded_shapes[k]
+        for value in values:
+            if value.ndim != len(padded):
+                raise errors.InvalidArgumentError(
+                    "All elements in a batch must have the same rank as the padded shape for "
+                    f"component{k}: expected rank {len(padded)} but got element with rank {value.ndim}"
+                )
+        shape = tuple(
+            max(value.shape[d] for value in values) if size == -1 else size for d, size in enumerate(padded)
+        )
+        if any(value.shape[d] > shape[d] for value in values for d in range(len(shape))):
+            raise errors.DataLossError("Attempted to pad to a smaller size than the input element.")
+        total = len(values) * math.prod(shape)
+        if total > MAX_PADDED_ELEMENTS:
+            raise errors.InvalidArgumentError(
+                f"A padded batch of shape {[len(values), *shape]} has {total} elements, more than the "
+                f"{MAX_PADDED_ELEMENTS} distserver allows: pad to smaller shapes"
+            )
+        dtype = values[0].dtype
+        out = np.full((len(values), *shape), self.padding_values[k].astype(dtype), dtype=dtype)
+        for i, value in enumerate(values):
+            if value.dtype != dtype:
+                raise errors.InvalidArgumentError(
+                    f"Component {k} has elements of types {dtype} and {value.dtype} in one batch"
+                )
+            region: tuple[int | slice, ...] = (i, *(slice(0, d) for d in value.shape))
+            out[region] = value
+        return out
+
+
+class Unbatch(_Wrapping):
+    """The rows of each element: element k of the output is row k of every component."""
+
+    def iterate(self) -> ElementIterator:
+        source = self.source.iterate()
+
+        class Unbatching(ElementIterator):
+            def __init__(self) -> None:
+                self.batch: list[np.ndarray] = []
+                self.rows = self.position = 0
+
+            async def next(self, ctx: KernelContext) -> Element | None:
+                while self.position >= self.rows:
+                    element = await source.next(ctx)
+                    if element is None:
+                        return None
+                    self.batch = [np.asarray(c) for c in element]
+                    if any(c.ndim == 0 for c in self.batch):
+                        raise errors.InvalidArgumentError(
+                            "Input element must have a non-scalar value in each component."
+                        )
+                    sizes = {c.shape[0] for c in self.batch}
+                    if len(sizes) != 1:
+                        raise errors.InvalidArgumentError(
+                            "Input element must have the same batch size in each component. Component 0 "
+                            f"had size {self.batch[0].shape[0]} but another component had size "
+                            f"{sorted(sizes - {self.batch[0].shape[0]})[0]}."
+                        )
+                    self.rows, self.position = sizes.pop(), 0
+                self.position += 1
+                return [c[self.position - 1] for c in self.batch]
+
+        return Unbatching()
+
+
+class Cache(_Wrapping):
+    """An in-memory cache: the first pass that reaches the end records the elements, and
+    later passes replay them (a pass that stops early records nothing, as TensorFlow
+    drops a partial cache)."""
+
+    def __init__(self, source: Dataset) -> None:
+        super().__init__(source)
+        self.elements: list[Element] | None = None
+
+    def iterate(self) -> ElementIterator:
+        if self.elements is not None:
+            return _ListIterator(self.elements)
+        dataset, source = self, self.source.iterate()
+
+        class Caching(ElementIterator):
+            def __init__(self) -> None:
+                self.recorded: list[Element] = []
+
+            async def next(self, ctx: KernelContext) -> Element | None:
+                element = await source.next(ctx)
+                if element is None:
+                    if dataset.elements is None:
+                        dataset.elements = self.recorded
+                    return None
+                if len(self.recorded) >= MAX_BUFFERED_ELEMENTS:
+                    raise errors.ResourceExhaustedError(
+                        f"A cached dataset holds at most {MAX_BUFFERED_ELEMENTS} elements in memory"
+                    )
+                self.recorded.append(element)
+                return element
+
+        return Caching()
 
 
 class Repeat(_Wrapping):
@@ -451,6 +605,77 @@ class BatchDatasetV2Kernel(_DatasetKernel):
     def make(self, inputs: list[Any]) -> Dataset:
         source, size, drop = inputs
         return Batch(_dataset(source), _count(size, "batch_size"), bool(np.asarray(drop)))
+
+
+@register_kernel("PaddedBatchDatasetV2")
+class PaddedBatchDatasetV2Kernel(_DatasetKernel):
+    """`(dataset, batch_size, padded_shapes (N), padding_values (N), drop_remainder)`."""
+
+    has_drop_remainder = True
+
+    def make(self, inputs: list[Any]) -> Dataset:
+        count = self.attr_int("N")
+        expected = 2 + 2 * count + self.has_drop_remainder
+        if count < 1 or len(inputs) != expected:
+            raise errors.InvalidArgumentError(
+                f"{self.op} takes {expected} inputs for N={count}, got {len(inputs)}"
+            )
+        shapes = []
+        for value in inputs[2 : 2 + count]:
+            array = np.asarray(value)
+            if array.ndim != 1 or array.dtype.kind not in "iu":
+                raise errors.InvalidArgumentError("Each padded shape must be an integer vector")
+            shapes.append(tuple(int(d) for d in array))
+        drop = bool(np.asarray(inputs[-1])) if self.has_drop_remainder else False
+        return PaddedBatch(
+            _dataset(inputs[0]),
+            _count(inputs[1], "batch_size"),
+            shapes,
+            [np.asarray(v) for v in inputs[2 + count : 2 + 2 * count]],
+            drop,
+        )
+
+
+@register_kernel("PaddedBatchDataset")
+class PaddedBatchDatasetKernel(PaddedBatchDatasetV2Kernel):
+    """`(dataset, batch_size, padded_shapes (N), padding_values (N))`: never drops a remainder."""
+
+    has_drop_remainder = False
+
+
+@register_kernel("UnbatchDataset")
+class UnbatchDatasetKernel(_DatasetKernel):
+    def make(self, inputs: list[Any]) -> Dataset:
+        return Unbatch(_dataset(inputs[0]))
+
+
+@register_kernel("CacheDataset")
+class CacheDatasetKernel(_DatasetKernel):
+    """`(dataset, filename)`, and `CacheDatasetV2`'s `(dataset, filename, cache)`: in memory only."""
+
+    def make(self, inputs: list[Any]) -> Dataset:
+        filename = np.asarray(inputs[1], dtype=object)
+        if filename.shape != () or filename[()] not in (b"", ""):
+            raise errors.UnimplementedError(
+                "distserver caches datasets in memory only: Dataset.cache(filename) with a file is not "
+                "supported; call cache() without a filename"
+            )
+        return Cache(_dataset(inputs[0]))
+
+
+@register_kernel("CacheDatasetV2")
+class CacheDatasetV2Kernel(CacheDatasetKernel):
+    pass
+
+
+@register_kernel("DummyMemoryCache")
+class DummyMemoryCacheKernel(OpKernel):
+    """`-> handle`: what TF 2 passes to CacheDatasetV2; each cached dataset keeps its own elements."""
+
+    runs_on_loop = True
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        return [handle_output(ResourceHandle(ctx.device, DEFAULT_CONTAINER, "DummyMemoryCache"))]
 
 
 @register_kernel("RepeatDataset")

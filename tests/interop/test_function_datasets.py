@@ -20,6 +20,7 @@ SAME = [
     "optional_at_end",
     "made_inside",
     "made_inside_empty",
+    "cached_inside",
     "local_epoch",
     "train3",
 ]
@@ -59,6 +60,8 @@ def test_the_graphs_hold_the_ops_of_tf2_iteration(results, check):
         "ScanDataset",
         "TakeWhileDataset",
         "While",
+        "CacheDatasetV2",
+        "DummyMemoryCache",
     ):
         assert op in library_ops
 

@@ -1,6 +1,7 @@
 """tf.data kernels (kernels/datasets.py) driven directly: seeded shuffles, repeat of an
 empty dataset, bounds on buffers, iterator errors, anonymous iterators (owned by their
-handles, deleted by DeleteIterator), GetNextAsOptional at the end."""
+handles, deleted by DeleteIterator), GetNextAsOptional at the end, padded batches,
+unbatch and the in-memory cache."""
 
 from __future__ import annotations
 
@@ -10,7 +11,18 @@ import numpy as np
 import pytest
 
 from distserver import errors
-from distserver.kernels.datasets import Batch, IteratorResource, Range, Repeat, Shuffle, TensorSlices
+from distserver.kernels.datasets import (
+    Batch,
+    Cache,
+    IteratorResource,
+    PaddedBatch,
+    Range,
+    Repeat,
+    Shuffle,
+    Tensors,
+    TensorSlices,
+    Unbatch,
+)
 from distserver.kernels.registry import create_kernel
 from distserver.tensors import to_tensor_proto
 
@@ -110,3 +122,46 @@ async def test_delete_iterator_ends_an_anonymous_and_a_named_iterator(make_node,
 def test_a_dataset_says_it_cannot_cross_tasks():
     with pytest.raises(errors.UnimplementedError, match="cannot be sent to another task"):
         to_tensor_proto(range_dataset(3))
+
+
+async def test_padded_batches_pad_each_component_to_its_shape_or_the_longest():
+    rows = TensorSlices([np.array([[1, 2, 0], [3, 0, 0], [4, 5, 6]], np.int64)])
+    ragged = Unbatch(
+        PaddedBatch(rows, 1, [(3,)], [np.int64(0)], drop_remainder=False)
+    )  # one row per element, shape [3]
+    batches = await drain(PaddedBatch(ragged, 2, [(-1,)], [np.int64(-1)], drop_remainder=False))
+    assert batches == [[[[1, 2, 0], [3, 0, 0]]], [[[4, 5, 6]]]]
+    wide = await drain(PaddedBatch(ragged, 2, [(4,)], [np.int64(9)], drop_remainder=True))
+    assert wide == [[[[1, 2, 0, 9], [3, 0, 0, 9]]]]
+    with pytest.raises(errors.DataLossError, match="pad to a smaller size"):
+        await drain(PaddedBatch(ragged, 2, [(2,)], [np.int64(0)], drop_remainder=False))
+    with pytest.raises(errors.InvalidArgumentError, match="same rank as the padded shape for component0"):
+        await drain(PaddedBatch(ragged, 2, [(3, 1)], [np.int64(0)], drop_remainder=False))
+    with pytest.raises(errors.InvalidArgumentError, match="more than the"):
+        await drain(PaddedBatch(ragged, 2, [(1 << 30,)], [np.int64(0)], drop_remainder=False))
+    with pytest.raises(errors.InvalidArgumentError, match="must be a scalar"):
+        PaddedBatch(ragged, 2, [(3,)], [np.zeros(2, np.int64)], drop_remainder=False)
+
+
+async def test_unbatch_gives_rows_and_refuses_scalars_and_mismatched_sizes():
+    pairs = TensorSlices([np.arange(6).reshape(3, 2), np.arange(3)])
+    assert await drain(Unbatch(Batch(pairs, 2, drop_remainder=False))) == [
+        [[0, 1], 0],
+        [[2, 3], 1],
+        [[4, 5], 2],
+    ]
+    with pytest.raises(errors.InvalidArgumentError, match="non-scalar value in each component"):
+        await drain(Unbatch(Range(0, 2, 1, np.dtype(np.int64))))
+    mixed = Tensors([np.zeros((2, 1)), np.zeros(3)])
+    with pytest.raises(errors.InvalidArgumentError, match="same batch size in each component"):
+        await drain(Unbatch(mixed))
+
+
+async def test_a_cache_replays_the_first_complete_pass_only():
+    cache = Cache(Shuffle(Range(0, 6, 1, np.dtype(np.int64)), 6, seed=1, seed2=2, reshuffle=True))
+    partial = cache.iterate()
+    await partial.next(None)  # a pass that stops early records nothing
+    assert cache.elements is None
+    first = await drain(cache)
+    assert await drain(cache) == await drain(cache) == first  # replayed, not reshuffled
+    assert sorted(first) == [[i] for i in range(6)]

@@ -1,8 +1,9 @@
 """tf.data input pipelines in graph mode on a distserver cluster and on TensorFlow alone:
 from_tensor_slices -> map -> shuffle -> batch -> repeat through one-shot and
-initializable iterators, filter/take/skip/prefetch, zip of ranges, feeding a training
-loop on the worker until OutOfRangeError. Shuffled orders differ from TensorFlow's;
-the multisets of elements and the batch shapes must not.
+initializable iterators, filter/take/skip/prefetch, zip of ranges, padded_batch, cache
+(in memory), unbatch, feeding a training loop on the worker until OutOfRangeError.
+Shuffled orders differ from TensorFlow's; the multisets of elements and the batch
+shapes must not.
 
 Argument (JSON): {"cluster": {"ps": [a], "worker": [b]}}
 """
@@ -67,6 +68,24 @@ def run_all(prefix: str, target: str, remote: bool) -> None:
             plain = tf1.data.make_one_shot_iterator(
                 tf.data.Dataset.from_tensor_slices(FEATURES).batch(4)
             ).get_next()
+            # Variable-length rows padded into batches, cached in memory over 2 epochs,
+            # unbatched and batched again; a padded shape too small for an element.
+            ragged = tf.data.Dataset.range(1, 6).map(lambda n: (tf.range(n) * 10, tf.fill([n, 2], n)))
+            padded = tf1.data.make_one_shot_iterator(
+                ragged.padded_batch(
+                    2,
+                    padded_shapes=([-1], [-1, 3]),
+                    padding_values=(tf.constant(-1, tf.int64), tf.constant(7, tf.int64)),
+                )
+                .cache()
+                .repeat(2)
+            ).get_next()
+            rebatched = tf1.data.make_one_shot_iterator(
+                ragged.map(lambda a, b: a).padded_batch(2, padded_shapes=[5]).unbatch().batch(3)
+            ).get_next()
+            too_small = tf1.data.make_one_shot_iterator(
+                tf.data.Dataset.range(1, 6).map(lambda n: tf.range(n)).padded_batch(2, padded_shapes=[3])
+            ).get_next()
         init = tf1.global_variables_initializer()
     with tf1.Session(target, graph=graph) as sess:
         sess.run(init)
@@ -90,6 +109,9 @@ def run_all(prefix: str, target: str, remote: bool) -> None:
         _, end = drain(sess, train)
         checks.run(f"{prefix}/train", lambda: [end, sess.run(w)])
         checks.run(f"{prefix}/in_order", lambda: drain(sess, plain))
+        checks.run(f"{prefix}/padded_cached", lambda: drain(sess, padded))
+        checks.run(f"{prefix}/unbatched", lambda: drain(sess, rebatched))
+        checks.run(f"{prefix}/padded_too_small", lambda: drain(sess, too_small))
 
 
 run_all("distserver", worker, remote=True)

@@ -84,6 +84,14 @@ def run_all(prefix: str, target: str, remote: bool) -> None:
                 return s
 
             @tf.function
+            def cached_inside(n):
+                # CacheDatasetV2 with TF 2's DummyMemoryCache; the second epoch replays the first.
+                s = tf.constant(0, tf.int64)
+                for v in tf.data.Dataset.range(n).map(lambda v: v + 1).cache().repeat(2):
+                    s = s * 3 + v
+                return s
+
+            @tf.function
             def past_end():
                 it = iter(tf.data.Dataset.range(3))
                 return [next(it) for _ in range(4)]
@@ -126,6 +134,7 @@ def run_all(prefix: str, target: str, remote: bool) -> None:
                 "over_iterator": over_iterator(),
                 "optional_at_end": optional_at_end(),
                 "made_inside": made_inside(n),
+                "cached_inside": cached_inside(n),
             }
             ends = past_end()
             epoch = local_epoch()
