@@ -19,16 +19,20 @@ in the step.
 
 `ShuffleDataset` is seeded (numpy's generator from `seed`/`seed2`): the same seeds
 give the same order in every run, but not TensorFlow's order. `PrefetchDataset`
-passes elements through (nothing is computed ahead). Datasets do not cross tasks:
-an iterator's ops run where the iterator is.
+computes ahead: a task of the pass fills a bounded buffer (elements, errors and the
+end, in order), with the step of the latest GetNext as its context; it stops when the
+pass is dropped. Datasets do not cross tasks: an iterator's ops run where the iterator is.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import dataclasses
 import itertools
 import math
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -39,7 +43,7 @@ from distserver.kernels._common import handle_input, handle_output
 from distserver.kernels.functional import to_bool
 from distserver.kernels.optionals import OptionalValue, optional_tensor
 from distserver.kernels.registry import KernelContext, OpKernel, register_kernel
-from distserver.kernels.resources import DEFAULT_CONTAINER
+from distserver.kernels.resources import DEFAULT_CONTAINER, ResourceManager
 from distserver.protos.resource_handle_pb2 import ResourceHandleProto
 from distserver.protos.tensor_pb2 import VariantTensorDataProto
 from distserver.tensors import ResourceHandle, as_numpy_dtype
@@ -478,6 +482,104 @@ class Map(_Wrapping):
         return Mapping()
 
 
+# What `prefetch(tf.data.AUTOTUNE)` (buffer_size -1) buffers.
+AUTOTUNE_PREFETCH = 4
+_END = object()  # a prefetch buffer's end of sequence
+
+
+class _Prefetched:
+    """What a prefetching pass shares with its producer task: the buffer and two events.
+
+    The task holds this and the source pass, never the `Prefetching` iterator, so that
+    dropping the iterator (a new MakeIterator, DeleteIterator, the anonymous iterator's
+    last handle, the session's iterator kernel) frees it and its finalizer stops the task.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        # Elements, OpErrors and finally _END, in the order the source gave them.
+        self.buffer: collections.deque[Any] = collections.deque()
+        self.ready = asyncio.Event()  # the buffer is not empty
+        self.space = asyncio.Event()  # the buffer has room
+        self.space.set()
+        self.ctx: KernelContext | None = None  # the step of the latest GetNext
+
+    async def produce(self, source: ElementIterator) -> None:
+        while True:
+            await self.space.wait()
+            ctx = self.ctx
+            try:
+                element = await source.next(ctx)  # type: ignore[arg-type]
+            except errors.OpError as exc:
+                self.put(exc)  # the consumer gets it at its place; the pass goes on, as TensorFlow's
+                continue
+            except Exception as exc:  # a bug: end the pass with it rather than leave GetNext waiting
+                self.put(errors.InternalError(f"Prefetching failed: {type(exc).__name__}: {exc}"))
+                self.put(_END)
+                return
+            self.put(_END if element is None else element)
+            if element is None:
+                return
+
+    def put(self, item: Any) -> None:
+        self.buffer.append(item)
+        self.ready.set()
+        if len(self.buffer) >= self.capacity:
+            self.space.clear()
+
+    async def take(self) -> Any:
+        await self.ready.wait()
+        item = self.buffer[0]
+        if item is _END:
+            return None  # stays: every later call is at the end too
+        self.buffer.popleft()
+        if not self.buffer:
+            self.ready.clear()
+        self.space.set()
+        if isinstance(item, errors.OpError):
+            raise item
+        return item
+
+
+def _stop(loop: asyncio.AbstractEventLoop, task: asyncio.Task[None]) -> None:
+    # A finalizer: may run in any thread, at any allocation; the loop cancels the task.
+    with contextlib.suppress(RuntimeError):  # the loop is closed: so is the task
+        loop.call_soon_threadsafe(task.cancel)
+
+
+class Prefetch(_Wrapping):
+    """Elements computed ahead by a task of their own, at most `buffer_size` of them."""
+
+    def __init__(self, source: Dataset, buffer_size: int) -> None:
+        super().__init__(source)
+        if buffer_size < -1 or buffer_size > MAX_BUFFERED_ELEMENTS:
+            raise errors.InvalidArgumentError(
+                f"buffer_size must be -1 (AUTOTUNE) or between 0 and {MAX_BUFFERED_ELEMENTS}, "
+                f"got {buffer_size}"
+            )
+        self.buffer_size = AUTOTUNE_PREFETCH if buffer_size == -1 else buffer_size
+
+    def iterate(self) -> ElementIterator:
+        if self.buffer_size == 0:
+            return self.source.iterate()
+        return _Prefetching(self.source.iterate(), self.buffer_size)
+
+
+class _Prefetching(ElementIterator):
+    def __init__(self, source: ElementIterator, capacity: int) -> None:
+        self.source: ElementIterator | None = source  # until the producer starts
+        self.shared = _Prefetched(capacity)
+
+    async def next(self, ctx: KernelContext) -> Element | None:
+        self.shared.ctx = ctx
+        if self.source is not None:
+            task = asyncio.get_running_loop().create_task(self.shared.produce(self.source))
+            weakref.finalize(self, _stop, asyncio.get_running_loop(), task)
+            self.source = None
+        element: Element | None = await self.shared.take()
+        return element
+
+
 class Scan(_Wrapping):
     """`f(state..., element..., captured...) -> (new state..., output...)` over the elements."""
 
@@ -699,7 +801,7 @@ class SkipDatasetKernel(_DatasetKernel):
 @register_kernel("PrefetchDataset")
 class PrefetchDatasetKernel(_DatasetKernel):
     def make(self, inputs: list[Any]) -> Dataset:
-        return _dataset(inputs[0])
+        return Prefetch(_dataset(inputs[0]), _count(inputs[1], "buffer_size"))
 
 
 @register_kernel("ShuffleDataset")
@@ -719,6 +821,24 @@ class ShuffleDatasetKernel(_DatasetKernel):
 class MapDatasetKernel(_DatasetKernel):
     def make(self, inputs: list[Any]) -> Dataset:
         return Map(_dataset(inputs[0]), self.node.attr["f"].func, list(inputs[1:]), keep=False)
+
+
+@register_kernel("ParallelMapDatasetV2")
+class ParallelMapDatasetV2Kernel(_DatasetKernel):
+    """`map(f, num_parallel_calls=n)`: `(dataset, other_arguments..., num_parallel_calls)`.
+
+    Elements are made one at a time, in order (what `deterministic=True` promises, and
+    one of the orders `deterministic=False` allows).
+    """
+
+    def make(self, inputs: list[Any]) -> Dataset:
+        _count(inputs[-1], "num_parallel_calls")
+        return Map(_dataset(inputs[0]), self.node.attr["f"].func, list(inputs[1:-1]), keep=False)
+
+
+@register_kernel("ParallelMapDataset")
+class ParallelMapDatasetKernel(ParallelMapDatasetV2Kernel):
+    """The V1 op (an int32 `num_parallel_calls`), the same inputs."""
 
 
 @register_kernel("FilterDataset")
@@ -875,18 +995,34 @@ class IteratorV2Kernel(_IteratorKernel):
     def __init__(self, node: NodeDef) -> None:
         super().__init__(node)
         self.container = self.attr_str("container", "") or DEFAULT_CONTAINER
-        # Without a shared_name, each kernel (one per session) has an iterator of its own.
+        # Without a shared_name, each kernel (one per session) has an iterator of its own,
+        # which goes with the kernel (the session), as in TensorFlow.
+        self.owns_iterator = not self.attr_str("shared_name", "")
         self.iterator_name = self.attr_str("shared_name", "") or f"_{next(_anonymous_ids)}_{self.name}"
 
     async def run(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
-        resource = ctx.resources.lookup_or_create(
-            self.container, self.iterator_name, lambda: IteratorResource(self.iterator_name)
-        )
+        def create() -> IteratorResource:
+            if self.owns_iterator:
+                loop = asyncio.get_running_loop()
+                weakref.finalize(self, _forget, loop, ctx.resources, self.container, self.iterator_name)
+            return IteratorResource(self.iterator_name)
+
+        resource = ctx.resources.lookup_or_create(self.container, self.iterator_name, create)
         if not isinstance(resource, IteratorResource):
             raise errors.InvalidArgumentError(
                 f"Resource {self.container}/{self.iterator_name} is not an iterator"
             )
         return [handle_output(ResourceHandle(ctx.device, self.container, self.iterator_name))]
+
+
+def _forget(loop: asyncio.AbstractEventLoop, resources: ResourceManager, container: str, name: str) -> None:
+    # A finalizer (any thread, any allocation): the loop drops the iterator, stopping its prefetching.
+    def drop() -> None:
+        with contextlib.suppress(errors.NotFoundError):  # a Reset dropped it already
+            resources.delete(container, name)
+
+    with contextlib.suppress(RuntimeError):  # the loop is closed: nothing runs any more
+        loop.call_soon_threadsafe(drop)
 
 
 @register_kernel("OneShotIterator")

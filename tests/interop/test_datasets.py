@@ -24,6 +24,8 @@ SAME = [
     "in_order",
     "padded_cached",
     "unbatched",
+    "prefetched_0",
+    "prefetched_1",
 ]
 
 

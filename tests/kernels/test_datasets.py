@@ -1,10 +1,11 @@
 """tf.data kernels (kernels/datasets.py) driven directly: seeded shuffles, repeat of an
 empty dataset, bounds on buffers, iterator errors, anonymous iterators (owned by their
 handles, deleted by DeleteIterator), GetNextAsOptional at the end, padded batches,
-unbatch and the in-memory cache."""
+unbatch, the in-memory cache, prefetching ahead."""
 
 from __future__ import annotations
 
+import asyncio
 import weakref
 
 import numpy as np
@@ -14,8 +15,11 @@ from distserver import errors
 from distserver.kernels.datasets import (
     Batch,
     Cache,
+    Dataset,
+    ElementIterator,
     IteratorResource,
     PaddedBatch,
+    Prefetch,
     Range,
     Repeat,
     Shuffle,
@@ -165,3 +169,82 @@ async def test_a_cache_replays_the_first_complete_pass_only():
     first = await drain(cache)
     assert await drain(cache) == await drain(cache) == first  # replayed, not reshuffled
     assert sorted(first) == [[i] for i in range(6)]
+
+
+class Counted(Dataset):
+    """0, 1, ... up to `stop`, with `failing` raising instead; counts the elements made and
+    says when a pass was cancelled (a source that runs only when asked)."""
+
+    def __init__(self, stop, failing=(), block_at=None):
+        self.stop, self.failing, self.block_at = stop, set(failing), block_at
+        self.made = 0
+        self.enough = asyncio.Event()  # `made` reached `wanted`
+        self.wanted = 0
+        self.cancelled = asyncio.Event()
+
+    def iterate(self):
+        dataset = self
+
+        class Counting(ElementIterator):
+            position = 0
+
+            async def next(self, ctx):
+                if self.position == dataset.block_at:
+                    try:
+                        await asyncio.get_running_loop().create_future()  # never set
+                    finally:
+                        dataset.cancelled.set()
+                if self.position >= dataset.stop:
+                    return None
+                self.position += 1
+                dataset.made += 1
+                if dataset.made >= dataset.wanted:
+                    dataset.enough.set()
+                if self.position - 1 in dataset.failing:
+                    raise errors.InvalidArgumentError(f"element {self.position - 1} failed")
+                return [np.int64(self.position - 1)]
+
+        return Counting()
+
+
+async def test_prefetch_computes_ahead_into_a_bounded_buffer():
+    source = Counted(100)
+    source.wanted = 1 + 3  # the element taken and a full buffer
+    elements = Prefetch(source, 3).iterate()
+    assert int((await elements.next(None))[0]) == 0
+    await source.enough.wait()  # made ahead, without being asked
+    for _ in range(50):
+        await asyncio.sleep(0)
+    assert source.made == 4  # and no further: the buffer is full
+
+
+async def test_prefetch_gives_errors_and_the_end_in_order():
+    elements = Prefetch(Counted(3, failing={1}), -1).iterate()
+    assert int((await elements.next(None))[0]) == 0
+    with pytest.raises(errors.InvalidArgumentError, match="element 1 failed"):
+        await elements.next(None)
+    assert int((await elements.next(None))[0]) == 2
+    assert await elements.next(None) is None
+    assert await elements.next(None) is None
+    assert await drain(Prefetch(Range(0, 3, 1, np.dtype(np.int64)), 0)) == [[0], [1], [2]]
+
+
+async def test_dropping_a_prefetching_pass_cancels_its_producer():
+    source = Counted(10, block_at=2)
+    elements = Prefetch(source, 5).iterate()
+    assert int((await elements.next(None))[0]) == 0
+    del elements  # the iterator's pass is gone (a new MakeIterator, DeleteIterator, ...)
+    await source.cancelled.wait()
+
+
+async def test_an_iterator_without_shared_name_goes_with_its_kernel(make_node, ctx):
+    kernel = create_kernel(make_node("IteratorV2", output_types=[np.int64]))
+    (handle,) = await kernel.compute_async(ctx, [])
+    await create_kernel(make_node("MakeIterator", ["d", "h"])).compute_async(ctx, [range_dataset(3), handle])
+    assert ctx.resources.containers() == ["localhost"]
+    del kernel  # its session is gone
+    await asyncio.sleep(0)  # the loop drops the iterator
+    assert ctx.resources.containers() == []
+    await run_async(make_node, "IteratorV2", ctx=ctx, shared_name="kept")  # its kernel is gone at once
+    await asyncio.sleep(0)
+    assert ctx.resources.lookup("", "kept") is not None  # a shared iterator stays

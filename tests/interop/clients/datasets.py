@@ -35,6 +35,19 @@ def drain(sess, fetch, limit=100):
     return out, "no end"
 
 
+def drain_errors(sess, fetch, limit=20):
+    """Every element, or the class of the error a GetNext raised in its place, up to the end."""
+    out = []
+    for _ in range(limit):
+        try:
+            out.append(sess.run(fetch).tolist())
+        except tf.errors.OutOfRangeError:
+            return out
+        except tf.errors.OpError as exc:
+            out.append(type(exc).__name__)
+    return out
+
+
 def run_all(prefix: str, target: str, remote: bool) -> None:
     ps = "/job:ps/task:0" if remote else None
     wk = "/job:worker/task:0" if remote else None
@@ -86,6 +99,16 @@ def run_all(prefix: str, target: str, remote: bool) -> None:
             too_small = tf1.data.make_one_shot_iterator(
                 tf.data.Dataset.range(1, 6).map(lambda n: tf.range(n)).padded_batch(2, padded_shapes=[3])
             ).get_next()
+            # Prefetched elements of a parallel map that fails for some: errors in their places.
+            prefetched = tf1.data.make_initializable_iterator(
+                tf.data.Dataset.range(6)
+                .map(
+                    lambda v: tf.gather(tf.constant([10, 20, 30, 40], tf.int64), 3 - v) + v,
+                    num_parallel_calls=tf.data.AUTOTUNE,
+                )
+                .prefetch(2)
+            )
+            prefetched_next = prefetched.get_next()
         init = tf1.global_variables_initializer()
     with tf1.Session(target, graph=graph) as sess:
         sess.run(init)
@@ -112,6 +135,9 @@ def run_all(prefix: str, target: str, remote: bool) -> None:
         checks.run(f"{prefix}/padded_cached", lambda: drain(sess, padded))
         checks.run(f"{prefix}/unbatched", lambda: drain(sess, rebatched))
         checks.run(f"{prefix}/padded_too_small", lambda: drain(sess, too_small))
+        for attempt in range(2):  # a new pass stops the old one's prefetching
+            sess.run(prefetched.initializer)
+            checks.run(f"{prefix}/prefetched_{attempt}", lambda: drain_errors(sess, prefetched_next))
 
 
 run_all("distserver", worker, remote=True)
