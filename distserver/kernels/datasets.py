@@ -188,17 +188,21 @@ class Batch(_Wrapping):
                     rows.append(element)
                 if not rows or (dataset.drop_remainder and len(rows) < dataset.size):
                     return None
-                try:
-                    return [np.stack([np.asarray(row[i]) for row in rows]) for i in range(len(rows[0]))]
-                except ValueError as exc:
-                    raise errors.InvalidArgumentError(
-                        f"Cannot batch tensors with different shapes in a component: {exc}"
-                    ) from None
+                return dataset.combine(rows)
 
         return Batching()
 
+    def combine(self, rows: list[Element]) -> Element:
+        """One batch of `rows` (at least one)."""
+        try:
+            return [np.stack([np.asarray(row[i]) for row in rows]) for i in range(len(rows[0]))]
+        except ValueError as exc:
+            raise errors.InvalidArgumentError(
+                f"Cannot batch tensors with different shapes in a component: {exc}"
+            ) from None
 
-class PaddedBatch(_Wrapping):
+
+class PaddedBatch(Batch):
     """Batches whose component k has each element padded with `padding_values[k]` to
     `padded_shapes[k]` (a -1 dimension: the longest in the batch)."""
 
@@ -210,9 +214,7 @@ class PaddedBatch(_Wrapping):
         padding_values: list[np.ndarray],
         drop_remainder: bool,
     ) -> None:
-        super().__init__(source)
-        if not 0 < size <= MAX_BUFFERED_ELEMENTS:
-            raise errors.InvalidArgumentError(f"Batch size must be greater than zero, got {size}")
+        super().__init__(source, size, drop_remainder)
         for k, shape in enumerate(padded_shapes):
             if any(d < -1 for d in shape):
                 raise errors.InvalidArgumentError(
@@ -223,30 +225,14 @@ class PaddedBatch(_Wrapping):
                 raise errors.InvalidArgumentError(
                     f"padding_values[{k}] must be a scalar, got shape {list(value.shape)}"
                 )
-        self.size, self.drop_remainder = size, drop_remainder
         self.padded_shapes, self.padding_values = padded_shapes, padding_values
 
-    def iterate(self) -> ElementIterator:
-        dataset, source = self, self.source.iterate()
-
-        class PaddedBatching(ElementIterator):
-            async def next(self, ctx: KernelContext) -> Element | None:
-                rows: list[Element] = []
-                while len(rows) < dataset.size:
-                    element = await source.next(ctx)
-                    if element is None:
-                        break
-                    rows.append(element)
-                if not rows or (dataset.drop_remainder and len(rows) < dataset.size):
-                    return None
-                if len(rows[0]) != len(dataset.padded_shapes):
-                    raise errors.InvalidArgumentError(
-                        f"The elements have {len(rows[0])} components; padded_shapes lists "
-                        f"{len(dataset.padded_shapes)}"
-                    )
-                return [dataset.pad(k, [np.asarray(row[k]) for row in rows]) for k in range(len(rows[0]))]
-
-        return PaddedBatching()
+    def combine(self, rows: list[Element]) -> Element:
+        if len(rows[0]) != len(self.padded_shapes):
+            raise errors.InvalidArgumentError(
+                f"The elements have {len(rows[0])} components; padded_shapes lists {len(self.padded_shapes)}"
+            )
+        return [self.pad(k, [np.asarray(row[k]) for row in rows]) for k in range(len(rows[0]))]
 
     def pad(self, k: int, values: list[np.ndarray]) -> np.ndarray:
         """Component `k` of a batch: `values` padded to one shape and stacked."""
