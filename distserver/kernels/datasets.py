@@ -32,6 +32,7 @@ import contextlib
 import dataclasses
 import itertools
 import math
+import os
 import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -54,6 +55,8 @@ if TYPE_CHECKING:
 
 # Elements a shuffle buffer, a batch or a cache may hold (a hostile graph could ask for more).
 MAX_BUFFERED_ELEMENTS = 1 << 22
+# Datasets an interleave may iterate at once.
+MAX_INTERLEAVE_CYCLE = 1 << 16
 # Scalars a padded batch may have (its padded shapes come from the graph).
 MAX_PADDED_ELEMENTS = 1 << 28
 
@@ -468,7 +471,9 @@ class Map(_Wrapping):
         return Mapping()
 
 
-# What `prefetch(tf.data.AUTOTUNE)` (buffer_size -1) buffers.
+# tf.data.AUTOTUNE, as a buffer size or a cycle length.
+AUTOTUNE = -1
+# What `prefetch(tf.data.AUTOTUNE)` buffers.
 AUTOTUNE_PREFETCH = 4
 _END = object()  # a prefetch buffer's end of sequence
 
@@ -543,7 +548,7 @@ class Prefetch(_Wrapping):
                 f"buffer_size must be -1 (AUTOTUNE) or between 0 and {MAX_BUFFERED_ELEMENTS}, "
                 f"got {buffer_size}"
             )
-        self.buffer_size = AUTOTUNE_PREFETCH if buffer_size == -1 else buffer_size
+        self.buffer_size = AUTOTUNE_PREFETCH if buffer_size == AUTOTUNE else buffer_size
 
     def iterate(self) -> ElementIterator:
         if self.buffer_size == 0:
@@ -631,6 +636,71 @@ def _predicate_value(value: Any) -> bool:
     if array.shape != () or array.dtype != np.bool_:
         raise errors.InvalidArgumentError("The take_while predicate must return a scalar bool tensor")
     return bool(array)
+
+
+class Interleave(_Wrapping):
+    """`f(element..., captured...)` gives a dataset per input element; the output takes
+    `block_length` elements from each of `cycle_length` of them in turn (TensorFlow's
+    deterministic order: a slot whose dataset ends passes its turn on and is refilled
+    from the input when its turn comes again). `flat_map` is a cycle of one."""
+
+    def __init__(
+        self,
+        source: Dataset,
+        function: NameAttrList,
+        captured: list[Any],
+        cycle_length: int,
+        block_length: int,
+    ) -> None:
+        super().__init__(source)
+        if not 0 < cycle_length <= MAX_INTERLEAVE_CYCLE:
+            raise errors.InvalidArgumentError(
+                f"cycle_length must be greater than zero (and at most {MAX_INTERLEAVE_CYCLE}), "
+                f"got {cycle_length}"
+            )
+        if block_length <= 0:
+            raise errors.InvalidArgumentError(f"block_length must be greater than zero, got {block_length}")
+        self.function, self.captured = function, captured
+        self.cycle_length, self.block_length = cycle_length, block_length
+
+    def iterate(self) -> ElementIterator:
+        dataset, source = self, self.source.iterate()
+
+        class Interleaving(ElementIterator):
+            def __init__(self) -> None:
+                self.slots: list[ElementIterator | None] = [None] * dataset.cycle_length
+                self.slot = self.taken = 0  # whose turn, and how many of its block it gave
+                self.input_ended = False
+
+            def pass_turn(self) -> None:
+                self.slot = (self.slot + 1) % dataset.cycle_length
+                self.taken = 0
+
+            async def next(self, ctx: KernelContext) -> Element | None:
+                while True:
+                    current = self.slots[self.slot]
+                    if current is not None:
+                        element = await current.next(ctx)
+                        if element is None:
+                            self.slots[self.slot] = None
+                            self.pass_turn()
+                            continue
+                        self.taken += 1
+                        if self.taken == dataset.block_length:
+                            self.pass_turn()
+                        return element
+                    if not self.input_ended:
+                        element = await source.next(ctx)
+                        if element is not None:
+                            (made,) = await ctx.call_function(dataset.function, [*element, *dataset.captured])
+                            self.slots[self.slot] = _dataset(made).iterate()
+                            continue
+                        self.input_ended = True
+                    if all(slot is None for slot in self.slots):
+                        return None
+                    self.pass_turn()
+
+        return Interleaving()
 
 
 class Zip(Dataset):
@@ -831,6 +901,52 @@ class ParallelMapDatasetKernel(ParallelMapDatasetV2Kernel):
 class FilterDatasetKernel(_DatasetKernel):
     def make(self, inputs: list[Any]) -> Dataset:
         return Map(_dataset(inputs[0]), self.node.attr["predicate"].func, list(inputs[1:]), keep=True)
+
+
+@register_kernel("FlatMapDataset")
+class FlatMapDatasetKernel(_DatasetKernel):
+    """`(dataset, other_arguments...)`: the elements of `f`'s dataset for each element, in turn."""
+
+    def make(self, inputs: list[Any]) -> Dataset:
+        return Interleave(_dataset(inputs[0]), self.node.attr["f"].func, list(inputs[1:]), 1, 1)
+
+
+@register_kernel("InterleaveDataset")
+class InterleaveDatasetKernel(_DatasetKernel):
+    """`(dataset, other_arguments..., cycle_length, block_length)`."""
+
+    # Inputs after `other_arguments`: cycle_length, block_length, and (parallel versions)
+    # buffer_output_elements, prefetch_input_elements, num_parallel_calls.
+    trailing = 2
+
+    def make(self, inputs: list[Any]) -> Dataset:
+        end = len(inputs) - self.trailing
+        cycle_length = _count(inputs[end], "cycle_length")
+        if cycle_length == AUTOTUNE:
+            cycle_length = os.cpu_count() or 1  # TensorFlow's choice: the CPUs it may use
+        return Interleave(
+            _dataset(inputs[0]),
+            self.node.attr["f"].func,
+            list(inputs[1:end]),
+            cycle_length,
+            _count(inputs[end + 1], "block_length"),
+        )
+
+
+@register_kernel("ParallelInterleaveDatasetV4")
+class ParallelInterleaveDatasetV4Kernel(InterleaveDatasetKernel):
+    """`interleave(..., num_parallel_calls=n)`: one element at a time, in the deterministic order."""
+
+    trailing = 5
+
+
+@register_kernel("ParallelBatchDataset")
+class ParallelBatchDatasetKernel(_DatasetKernel):
+    """`batch(..., num_parallel_calls=n)`: `(dataset, batch_size, num_parallel_calls, drop_remainder)`."""
+
+    def make(self, inputs: list[Any]) -> Dataset:
+        source, size, _, drop = inputs
+        return Batch(_dataset(source), _count(size, "batch_size"), bool(np.asarray(drop)))
 
 
 @register_kernel("ZipDataset")

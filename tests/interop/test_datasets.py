@@ -1,7 +1,7 @@
 """tf.data in graph mode from a real TensorFlow client: one-shot and initializable
 iterators over from_tensor_slices -> map -> shuffle -> batch -> repeat, filter / skip /
-take / prefetch, zip, padded_batch / cache / unbatch, a training loop fed by a pipeline,
-each ending in OutOfRangeError where TensorFlow's does. Shuffled orders differ from
+take / prefetch, zip, padded_batch / cache / unbatch, flat_map / interleave, a training
+loop fed by a pipeline, each ending in OutOfRangeError where TensorFlow's does. Shuffled orders differ from
 TensorFlow's (documented), so the shuffled pipeline is compared as a multiset with the
 same batch shapes."""
 
@@ -26,6 +26,10 @@ SAME = [
     "unbatched",
     "prefetched_0",
     "prefetched_1",
+    "flat_map",
+    "interleave",
+    "parallel_interleave",
+    "parallel_batch",
 ]
 
 

@@ -17,6 +17,7 @@ from distserver.kernels.datasets import (
     Cache,
     Dataset,
     ElementIterator,
+    Interleave,
     IteratorResource,
     PaddedBatch,
     Prefetch,
@@ -248,3 +249,13 @@ async def test_an_iterator_without_shared_name_goes_with_its_kernel(make_node, c
     await run_async(make_node, "IteratorV2", ctx=ctx, shared_name="kept")  # its kernel is gone at once
     await asyncio.sleep(0)
     assert ctx.resources.lookup("", "kept") is not None  # a shared iterator stays
+
+
+def test_interleave_refuses_empty_cycles_and_blocks():
+    source = Range(0, 3, 1, np.dtype(np.int64))
+    with pytest.raises(errors.InvalidArgumentError, match="cycle_length must be greater than zero"):
+        Interleave(source, None, [], 0, 1)
+    with pytest.raises(errors.InvalidArgumentError, match="cycle_length must be greater than zero"):
+        Interleave(source, None, [], 1 << 40, 1)
+    with pytest.raises(errors.InvalidArgumentError, match="block_length must be greater than zero"):
+        Interleave(source, None, [], 2, 0)

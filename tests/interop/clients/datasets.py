@@ -1,7 +1,7 @@
 """tf.data input pipelines in graph mode on a distserver cluster and on TensorFlow alone:
 from_tensor_slices -> map -> shuffle -> batch -> repeat through one-shot and
 initializable iterators, filter/take/skip/prefetch, zip of ranges, padded_batch, cache
-(in memory), unbatch, feeding a training loop on the worker until OutOfRangeError.
+(in memory), unbatch, flat_map, interleave, feeding a training loop on the worker until OutOfRangeError.
 Shuffled orders differ from TensorFlow's; the multisets of elements and the batch
 shapes must not.
 
@@ -109,6 +109,22 @@ def run_all(prefix: str, target: str, remote: bool) -> None:
                 .prefetch(2)
             )
             prefetched_next = prefetched.get_next()
+            # Datasets of datasets: flat_map, interleave (TensorFlow's order), and the
+            # parallel interleave and batch.
+            counts = tf.data.Dataset.range(1, 6)
+
+            def spread(n):
+                return tf.data.Dataset.range(n).map(lambda v: v + 10 * n)
+
+            nested = {
+                "flat_map": counts.flat_map(spread),
+                "interleave": counts.interleave(spread, cycle_length=2, block_length=2),
+                "parallel_interleave": counts.interleave(
+                    lambda n: tf.data.Dataset.from_tensors(n).repeat(n), cycle_length=3, num_parallel_calls=2
+                ),
+                "parallel_batch": counts.batch(2, num_parallel_calls=2),
+            }
+            nested = {name: tf1.data.make_one_shot_iterator(d).get_next() for name, d in nested.items()}
         init = tf1.global_variables_initializer()
     with tf1.Session(target, graph=graph) as sess:
         sess.run(init)
@@ -135,6 +151,8 @@ def run_all(prefix: str, target: str, remote: bool) -> None:
         checks.run(f"{prefix}/padded_cached", lambda: drain(sess, padded))
         checks.run(f"{prefix}/unbatched", lambda: drain(sess, rebatched))
         checks.run(f"{prefix}/padded_too_small", lambda: drain(sess, too_small))
+        for name, fetch in nested.items():
+            checks.run(f"{prefix}/{name}", lambda fetch=fetch: drain(sess, fetch))
         for attempt in range(2):  # a new pass stops the old one's prefetching
             sess.run(prefetched.initializer)
             checks.run(f"{prefix}/prefetched_{attempt}", lambda: drain_errors(sess, prefetched_next))
