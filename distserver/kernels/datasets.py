@@ -923,7 +923,7 @@ class InterleaveDatasetKernel(_DatasetKernel):
         end = len(inputs) - self.trailing
         cycle_length = _count(inputs[end], "cycle_length")
         if cycle_length == AUTOTUNE:
-            cycle_length = os.cpu_count() or 1  # TensorFlow's choice: the CPUs it may use
+            cycle_length = _schedulable_cpus()  # TensorFlow's choice
         return Interleave(
             _dataset(inputs[0]),
             self.node.attr["f"].func,
@@ -931,6 +931,13 @@ class InterleaveDatasetKernel(_DatasetKernel):
             cycle_length,
             _count(inputs[end + 1], "block_length"),
         )
+
+
+def _schedulable_cpus() -> int:
+    """The CPUs this process may run on (TensorFlow's `MaxParallelism`)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 @register_kernel("ParallelInterleaveDatasetV4")
