@@ -1,11 +1,12 @@
-"""tf.data in graph mode, the core set: datasets as values, iterators as resources.
+"""tf.data in graph mode: datasets as values, iterators as resources.
 
 A dataset op outputs a 0-d object array holding a `Dataset` (a description: its
 inputs and parameters, nothing read yet). An iterator is a resource on the task that
 holds it (`IteratorV2`, `OneShotIterator`); `MakeIterator` starts a fresh pass over a
 dataset in it and `IteratorGetNext` takes the next element, or raises
 `OutOfRangeError("End of sequence")` at the end, as TensorFlow does. `MapDataset` and
-`FilterDataset` (and `ScanDataset`, `TakeWhileDataset`) call their functions through
+`FilterDataset` (and `ScanDataset`, `TakeWhileDataset`, `FlatMapDataset`,
+`InterleaveDataset`) call their functions through
 `KernelContext.call_function`, in the step of the `IteratorGetNext` that needs the
 element; `OneShotIterator` calls its `dataset_factory` once, on its first run.
 
@@ -1205,6 +1206,10 @@ class IteratorDeleter:
 
     def __init__(self, iterator: IteratorResource) -> None:
         self.iterator = iterator
+
+    def to_variant_proto(self) -> VariantTensorDataProto:
+        """A deleter has no wire form, as in TensorFlow: it stays with its iterator."""
+        raise errors.UnimplementedError("An iterator's deleter cannot be sent to another task or fetched")
 
 
 @register_kernel("AnonymousIteratorV2")
