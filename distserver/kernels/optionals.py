@@ -35,7 +35,8 @@ class OptionalValue:
         return proto
 
 
-def _wrap(value: OptionalValue) -> np.ndarray:
+def optional_tensor(value: OptionalValue) -> np.ndarray:
+    """The 0-d DT_VARIANT value holding `value`."""
     out = np.empty((), dtype=object)
     out[()] = value
     return out
@@ -61,7 +62,7 @@ class OptionalFromValueKernel(OpKernel):
     runs_on_loop = True  # keeps references: no work
 
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
-        return [_wrap(OptionalValue(tuple(inputs)))]
+        return [optional_tensor(OptionalValue(tuple(inputs)))]
 
 
 @register_kernel("OptionalNone")
@@ -71,7 +72,7 @@ class OptionalNoneKernel(OpKernel):
     runs_on_loop = True
 
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
-        return [_wrap(OptionalValue(None))]
+        return [optional_tensor(OptionalValue(None))]
 
 
 @register_kernel("OptionalHasValue")

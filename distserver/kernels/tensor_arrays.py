@@ -1,5 +1,6 @@
-"""TensorArrays of control flow v1: TensorArrayV3 and its Read/Write/Gather/Scatter/Size/
-Close/Grad ops (what `tf.TensorArray` builds under `disable_control_flow_v2`).
+"""TensorArrays of control flow v1: TensorArrayV3 and its Read/Write/Gather/Scatter/Concat/
+Split/Size/Close/Grad/GradWithShape ops (what `tf.TensorArray` builds under
+`disable_control_flow_v2`).
 
 Like a stack (kernels/stacks.py), an array is held by its handle's value and lives as
 long as the step's values that hold it. `TensorArrayGradV3` gives the gradient array
@@ -37,6 +38,7 @@ class TensorArray:
         dynamic_size: bool,
         clear_after_read: bool,
         element_shape: tuple[int | None, ...] | None,
+        identical_element_shapes: bool = True,
         aggregates_writes: bool = False,
     ) -> None:
         self.name = name
@@ -45,6 +47,9 @@ class TensorArray:
         self.dynamic_size = dynamic_size
         self.clear_after_read = clear_after_read
         self.element_shape = element_shape
+        # The first write fixes the element shape (TensorArrayV3's identical_element_shapes,
+        # what `infer_shape=True` asks for); else elements may differ within `element_shape`.
+        self.identical_element_shapes = identical_element_shapes
         self.aggregates_writes = aggregates_writes
         self.grads: dict[str, TensorArray] = {}
         self.closed = False
@@ -71,8 +76,8 @@ class TensorArray:
         if not self._compatible(value.shape):
             raise errors.InvalidArgumentError(
                 f"Could not write to TensorArray index {index} because the value shape is "
-                f"{list(value.shape)} which is incompatible with the TensorArray's element shape "
-                f"{shape_str(self.element_shape)}."
+                f"{shape_str(value.shape)} which is incompatible with the TensorArray's inferred element "
+                f"shape: {shape_str(self.element_shape)} (consider setting infer_shape=False)."
             )
         old = self.elements[index]
         if old is not None:
@@ -83,10 +88,10 @@ class TensorArray:
             if old.shape != value.shape:
                 raise errors.InvalidArgumentError(
                     f"Could not aggregate to TensorArray index {index} because the existing shape is "
-                    f"{list(old.shape)} but the new input shape is {list(value.shape)}."
+                    f"{shape_str(old.shape)} but the new input shape is {shape_str(value.shape)}."
                 )
             value = old + value
-        if self.element_shape is None or None in self.element_shape:
+        if self.identical_element_shapes and (self.element_shape is None or None in self.element_shape):
             self.element_shape = tuple(value.shape)
         self.elements[index] = value
 
@@ -155,6 +160,7 @@ class TensorArrayV3Kernel(_ArrayKernel):
         self.element_shape = attr_shape(self, "element_shape") if self.has_attr("element_shape") else None
         self.dynamic_size = self.attr_bool("dynamic_size", False)
         self.clear_after_read = self.attr_bool("clear_after_read", True)
+        self.identical_element_shapes = self.attr_bool("identical_element_shapes", False)
         self.array_name = self.attr_str("tensor_array_name", "") or self.name
 
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
@@ -168,6 +174,7 @@ class TensorArrayV3Kernel(_ArrayKernel):
             dynamic_size=self.dynamic_size,
             clear_after_read=self.clear_after_read,
             element_shape=self.element_shape,
+            identical_element_shapes=self.identical_element_shapes,
         )
         return [_handle(array), _FLOW]
 
@@ -183,6 +190,10 @@ class TensorArrayGradV3Kernel(_ArrayKernel):
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
         array = _array_of(self, inputs[0])
         array.check_open()
+        return [_handle(self.gradient_array(array, array.element_shape)), _FLOW]
+
+    def gradient_array(self, array: TensorArray, element_shape: tuple[int | None, ...] | None) -> TensorArray:
+        """The gradient array of `array` for `source`, made with `element_shape` on first use."""
         grad = array.grads.get(self.source)
         if grad is None:
             grad = TensorArray(
@@ -191,11 +202,28 @@ class TensorArrayGradV3Kernel(_ArrayKernel):
                 len(array.elements),
                 dynamic_size=array.dynamic_size,
                 clear_after_read=False,
-                element_shape=array.element_shape,
+                element_shape=element_shape,
+                identical_element_shapes=array.identical_element_shapes,
                 aggregates_writes=True,
             )
             array.grads[self.source] = grad
-        return [_handle(grad), _FLOW]
+        return grad
+
+
+@register_kernel("TensorArrayGradWithShape")
+class TensorArrayGradWithShapeKernel(TensorArrayGradV3Kernel):
+    """`(handle, flow_in, shape_to_prepend) -> (grad_handle, flow_out)`: as TensorArrayGradV3,
+    with elements of shape `shape_to_prepend + ` the array's element shape."""
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        array = _array_of(self, inputs[0])
+        array.check_open()
+        prepend = int_list(self, np.asarray(inputs[2]), "shape_to_prepend")
+        if any(d < 0 for d in prepend):
+            raise kernel_error(self, f"shape_to_prepend must not be negative, got {shape_str(prepend)}")
+        shape = array.element_shape
+        element_shape = None if shape is None else (*prepend, *shape)
+        return [_handle(self.gradient_array(array, element_shape)), _FLOW]
 
 
 @register_kernel("TensorArrayWriteV3")
@@ -241,10 +269,94 @@ class TensorArrayGatherV3Kernel(_ArrayKernel):
         for i, value in zip(indices, values, strict=True):
             if value.shape != first:
                 raise errors.InvalidArgumentError(
-                    f"TensorArray has inconsistent shapes. Index 0 has shape: {list(first)} but "
-                    f"index {i} has shape: {list(value.shape)}"
+                    f"TensorArray has inconsistent shapes. Index 0 has shape: {shape_str(first)} but "
+                    f"index {i} has shape: {shape_str(value.shape)}"
                 )
         return [np.stack(values)]
+
+
+@register_kernel("TensorArrayConcatV3")
+class TensorArrayConcatV3Kernel(_ArrayKernel):
+    """`(handle, flow_in) -> (value, lengths)`: every element joined along dimension 0, and
+    each element's length in it."""
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        self.except0 = (
+            attr_shape(self, "element_shape_except0") if self.has_attr("element_shape_except0") else None
+        )
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        array = _array_of(self, inputs[0])
+        array.check_open()
+        if not array.elements:
+            shape = self.except0
+            if shape is None or None in shape:
+                raise kernel_error(
+                    self,
+                    "TensorArray has size zero, but element_shape_except0 "
+                    f"{shape_str(shape)} is not fully defined. Currently only static shapes are "
+                    "supported when concatenating zero-size TensorArrays.",
+                )
+            return [np.zeros((0, *shape), array.dtype), np.zeros(0, np.int64)]  # type: ignore[arg-type]
+        values = [array.read(i) for i in range(len(array.elements))]
+        for i, value in enumerate(values):
+            if value.ndim == 0:
+                raise kernel_error(
+                    self,
+                    f"Concat saw a scalar shape at index {i} but requires at least vectors.  "
+                    "Did you mean to call pack?",
+                )
+            if value.shape[1:] != values[0].shape[1:]:
+                raise kernel_error(
+                    self,
+                    "TensorArray has inconsistent shapes.  Index 0 has (excepting dimension 0) shape: "
+                    f"{shape_str(values[0].shape[1:])} but index {i} has (excepting dimension 0) shape: "
+                    f"{shape_str(value.shape[1:])}",
+                )
+        lengths = np.array([value.shape[0] for value in values], np.int64)
+        return [np.concatenate(values), lengths]
+
+
+@register_kernel("TensorArraySplitV3")
+class TensorArraySplitV3Kernel(_ArrayKernel):
+    """`(handle, value, lengths, flow_in) -> flow_out`: element k is the k-th piece of `value`
+    cut along dimension 0 into pieces of `lengths`."""
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        array = _array_of(self, inputs[0])
+        array.check_open()
+        value, lengths_value = np.asarray(inputs[1]), np.asarray(inputs[2])
+        if lengths_value.ndim != 1:
+            raise kernel_error(
+                self, f"Expected lengths to be a vector, received shape: {shape_str(lengths_value.shape)}"
+            )
+        lengths = int_list(self, lengths_value, "lengths")
+        if value.ndim == 0:
+            raise kernel_error(
+                self, f"Expected value to be at least a vector, but received shape: {shape_str(value.shape)}"
+            )
+        if any(n < 0 for n in lengths) or sum(lengths) != value.shape[0]:
+            raise kernel_error(
+                self,
+                "Expected sum of lengths to be equal to values.shape[0], but sum of lengths is "
+                f"{sum(lengths)} and value's shape is: {shape_str(value.shape)}",
+            )
+        if len(lengths) > MAX_ELEMENTS:
+            raise kernel_error(
+                self, f"A TensorArray holds at most {MAX_ELEMENTS} elements, got {len(lengths)}"
+            )
+        if not array.dynamic_size and len(array.elements) != len(lengths):
+            raise kernel_error(
+                self,
+                f"TensorArray's size is not equal to the size of lengths ({len(array.elements)} vs. "
+                f"{len(lengths)}), and the TensorArray is not marked as dynamically resizeable",
+            )
+        start = 0
+        for index, length in enumerate(lengths):
+            array.write(index, value[start : start + length])
+            start += length
+        return [_FLOW]
 
 
 @register_kernel("TensorArrayScatterV3")

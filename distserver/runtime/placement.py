@@ -46,11 +46,14 @@ RESOURCE_PRODUCERS = frozenset(
         # tf.data iterators: GetNext and MakeIterator run where the iterator is.
         "IteratorV2",
         "OneShotIterator",
+        "AnonymousIteratorV2",
+        "AnonymousIteratorV3",
         # Stacks (v1 loop gradients) and TensorArrays: held by their handle's value,
         # they live on one task, where every op using them runs.
         "StackV2",
         "TensorArrayV3",
         "TensorArrayGradV3",
+        "TensorArrayGradWithShape",
     }
 )
 

@@ -1,8 +1,9 @@
 """tf.data in graph mode from a real TensorFlow client: one-shot and initializable
 iterators over from_tensor_slices -> map -> shuffle -> batch -> repeat, filter / skip /
-take / prefetch, zip, a training loop fed by a pipeline, each ending in OutOfRangeError
-where TensorFlow's does. Shuffled orders differ from TensorFlow's (documented), so the
-shuffled pipeline is compared as a multiset with the same batch shapes."""
+take / prefetch, zip, padded_batch / cache / unbatch, flat_map / interleave, a training
+loop fed by a pipeline, each ending in OutOfRangeError where TensorFlow's does. Shuffled orders differ from
+TensorFlow's (documented), so the shuffled pipeline is compared as a multiset with the
+same batch shapes."""
 
 from __future__ import annotations
 
@@ -21,6 +22,14 @@ SAME = [
     "zip",
     "train",
     "in_order",
+    "padded_cached",
+    "unbatched",
+    "prefetched_0",
+    "prefetched_1",
+    "flat_map",
+    "interleave",
+    "parallel_interleave",
+    "parallel_batch",
 ]
 
 
@@ -33,3 +42,10 @@ def results(tf_client):
 @pytest.mark.parametrize("name", SAME)
 def test_the_same_values_as_tensorflow(results, check, name):
     assert check(results, f"distserver/{name}") == check(results, f"tensorflow/{name}")
+
+
+def test_padding_to_a_smaller_shape_is_tensorflows_data_loss_error(results, check_error):
+    for side in ("distserver", "tensorflow"):
+        kind, message = check_error(results, f"{side}/padded_too_small")
+        assert kind == "DataLossError"
+        assert "Attempted to pad to a smaller size than the input element." in message

@@ -4,6 +4,8 @@ Through a TensorFlow client, in loops and gradients: tests/interop/test_v1_loops
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -72,3 +74,83 @@ def test_a_closed_array_refuses_use():
     ta.closed = True
     with pytest.raises(errors.InvalidArgumentError, match="already been closed"):
         ta.write(0, np.float32(1))
+
+
+def new_array(run_op, ctx, size, **attrs):
+    handle, _ = run_op("TensorArrayV3", np.int32(size), ctx=ctx, dtype=np.float32, **attrs)
+    return handle
+
+
+def test_split_then_concat_gives_the_value_and_the_lengths(run_op, ctx):
+    handle = new_array(run_op, ctx, 3)  # elements of different lengths: shapes not identical
+    value = np.arange(12, dtype=np.float32).reshape(6, 2)
+    run_op("TensorArraySplitV3", handle, value, np.int64([1, 3, 2]), np.float32(0), ctx=ctx)
+    np.testing.assert_array_equal(handle[()].elements[1], value[1:4])
+    joined, lengths = run_op("TensorArrayConcatV3", handle, np.float32(0), ctx=ctx, dtype=np.float32)
+    np.testing.assert_array_equal(joined, value)
+    assert lengths.dtype == np.int64
+    assert lengths.tolist() == [1, 3, 2]
+
+
+def test_split_checks_lengths_value_and_size_with_tensorflows_texts(run_op, ctx):
+    value = np.zeros((4, 2), np.float32)
+    cases = [
+        (3, value, np.int64([[4]]), "Expected lengths to be a vector, received shape: [1,1]"),
+        (3, np.float32(1), np.int64([1]), "Expected value to be at least a vector, but received shape: []"),
+        (3, value, np.int64([1, 1, 1]), "sum of lengths is 3 and value's shape is: [4,2]"),
+        (2, value, np.int64([1, 1, 2]), "TensorArray's size is not equal to the size of lengths (2 vs. 3)"),
+    ]
+    for size, split, lengths, message in cases:
+        handle = new_array(run_op, ctx, size)
+        with pytest.raises(errors.InvalidArgumentError, match=re.escape(message)):
+            run_op("TensorArraySplitV3", handle, split, lengths, np.float32(0), ctx=ctx)
+    growing = new_array(run_op, ctx, 0, dynamic_size=True)
+    run_op("TensorArraySplitV3", growing, value, np.int64([2, 2]), np.float32(0), ctx=ctx)
+    assert len(growing[()].elements) == 2
+
+
+def test_concat_refuses_scalars_and_mixed_shapes_and_an_empty_array_of_unknown_shape(run_op, ctx):
+    scalars = new_array(run_op, ctx, 1)
+    run_op("TensorArrayWriteV3", scalars, np.int32(0), np.float32(1), np.float32(0), ctx=ctx)
+    with pytest.raises(errors.InvalidArgumentError, match="Concat saw a scalar shape at index 0"):
+        run_op("TensorArrayConcatV3", scalars, np.float32(0), ctx=ctx, dtype=np.float32)
+    mixed = new_array(run_op, ctx, 2)
+    run_op("TensorArrayWriteV3", mixed, np.int32(0), np.zeros((1, 2), np.float32), np.float32(0), ctx=ctx)
+    run_op("TensorArrayWriteV3", mixed, np.int32(1), np.zeros((1, 3), np.float32), np.float32(0), ctx=ctx)
+    inconsistent = (
+        "Index 0 has (excepting dimension 0) shape: [2] but index 1 has (excepting dimension 0) shape: [3]"
+    )
+    with pytest.raises(errors.InvalidArgumentError, match=re.escape(inconsistent)):
+        run_op("TensorArrayConcatV3", mixed, np.float32(0), ctx=ctx, dtype=np.float32)
+    empty = new_array(run_op, ctx, 0)
+    with pytest.raises(errors.InvalidArgumentError, match="size zero, but element_shape_except0"):
+        run_op("TensorArrayConcatV3", empty, np.float32(0), ctx=ctx, dtype=np.float32)
+    joined, lengths = run_op(
+        "TensorArrayConcatV3", empty, np.float32(0), ctx=ctx, dtype=np.float32, element_shape_except0=(3,)
+    )
+    assert joined.shape == (0, 3)
+    assert lengths.shape == (0,)
+
+
+def test_a_gradient_array_with_shape_prepends_to_the_element_shape(run_op, ctx):
+    handle = new_array(run_op, ctx, 2, element_shape=(3,), identical_element_shapes=True)
+    grad, _ = run_op(
+        "TensorArrayGradWithShape", handle, np.float32(0), np.int32([4]), ctx=ctx, source="gradients"
+    )
+    assert grad[()].element_shape == (4, 3)
+    assert len(grad[()].elements) == 2
+    np.testing.assert_array_equal(grad[()].read(1), np.zeros((4, 3)))  # unwritten: zeros of that shape
+    (again, _) = run_op("TensorArrayGradV3", handle, np.float32(0), ctx=ctx, source="gradients")
+    assert again[()] is grad[()]  # one gradient array per source
+    with pytest.raises(errors.InvalidArgumentError, match="must be a vector"):
+        run_op("TensorArrayGradWithShape", handle, np.float32(0), np.int32(4), ctx=ctx, source="other")
+
+
+def test_identical_element_shapes_fix_the_shape_at_the_first_write(run_op, ctx):
+    fixed = new_array(run_op, ctx, 2, identical_element_shapes=True)
+    run_op("TensorArrayWriteV3", fixed, np.int32(0), np.zeros(2, np.float32), np.float32(0), ctx=ctx)
+    with pytest.raises(errors.InvalidArgumentError, match="consider setting infer_shape=False"):
+        run_op("TensorArrayWriteV3", fixed, np.int32(1), np.zeros(3, np.float32), np.float32(0), ctx=ctx)
+    free = new_array(run_op, ctx, 2)
+    run_op("TensorArrayWriteV3", free, np.int32(0), np.zeros(2, np.float32), np.float32(0), ctx=ctx)
+    run_op("TensorArrayWriteV3", free, np.int32(1), np.zeros(3, np.float32), np.float32(0), ctx=ctx)

@@ -1,8 +1,9 @@
 """tf.data input pipelines in graph mode on a distserver cluster and on TensorFlow alone:
 from_tensor_slices -> map -> shuffle -> batch -> repeat through one-shot and
-initializable iterators, filter/take/skip/prefetch, zip of ranges, feeding a training
-loop on the worker until OutOfRangeError. Shuffled orders differ from TensorFlow's;
-the multisets of elements and the batch shapes must not.
+initializable iterators, filter/take/skip/prefetch, zip of ranges, padded_batch, cache
+(in memory), unbatch, flat_map, interleave, feeding a training loop on the worker until OutOfRangeError.
+Shuffled orders differ from TensorFlow's; the multisets of elements and the batch
+shapes must not.
 
 Argument (JSON): {"cluster": {"ps": [a], "worker": [b]}}
 """
@@ -32,6 +33,19 @@ def drain(sess, fetch, limit=100):
         except tf.errors.OutOfRangeError:
             return out, "OutOfRangeError"
     return out, "no end"
+
+
+def drain_errors(sess, fetch, limit=20):
+    """Every element, or the class of the error a GetNext raised in its place, up to the end."""
+    out = []
+    for _ in range(limit):
+        try:
+            out.append(sess.run(fetch).tolist())
+        except tf.errors.OutOfRangeError:
+            return out
+        except tf.errors.OpError as exc:
+            out.append(type(exc).__name__)
+    return out
 
 
 def run_all(prefix: str, target: str, remote: bool) -> None:
@@ -67,6 +81,50 @@ def run_all(prefix: str, target: str, remote: bool) -> None:
             plain = tf1.data.make_one_shot_iterator(
                 tf.data.Dataset.from_tensor_slices(FEATURES).batch(4)
             ).get_next()
+            # Variable-length rows padded into batches, cached in memory over 2 epochs,
+            # unbatched and batched again; a padded shape too small for an element.
+            ragged = tf.data.Dataset.range(1, 6).map(lambda n: (tf.range(n) * 10, tf.fill([n, 2], n)))
+            padded = tf1.data.make_one_shot_iterator(
+                ragged.padded_batch(
+                    2,
+                    padded_shapes=([-1], [-1, 3]),
+                    padding_values=(tf.constant(-1, tf.int64), tf.constant(7, tf.int64)),
+                )
+                .cache()
+                .repeat(2)
+            ).get_next()
+            rebatched = tf1.data.make_one_shot_iterator(
+                ragged.map(lambda a, b: a).padded_batch(2, padded_shapes=[5]).unbatch().batch(3)
+            ).get_next()
+            too_small = tf1.data.make_one_shot_iterator(
+                tf.data.Dataset.range(1, 6).map(lambda n: tf.range(n)).padded_batch(2, padded_shapes=[3])
+            ).get_next()
+            # Prefetched elements of a parallel map that fails for some: errors in their places.
+            prefetched = tf1.data.make_initializable_iterator(
+                tf.data.Dataset.range(6)
+                .map(
+                    lambda v: tf.gather(tf.constant([10, 20, 30, 40], tf.int64), 3 - v) + v,
+                    num_parallel_calls=tf.data.AUTOTUNE,
+                )
+                .prefetch(2)
+            )
+            prefetched_next = prefetched.get_next()
+            # Datasets of datasets: flat_map, interleave (TensorFlow's order), and the
+            # parallel interleave and batch.
+            counts = tf.data.Dataset.range(1, 6)
+
+            def spread(n):
+                return tf.data.Dataset.range(n).map(lambda v: v + 10 * n)
+
+            nested = {
+                "flat_map": counts.flat_map(spread),
+                "interleave": counts.interleave(spread, cycle_length=2, block_length=2),
+                "parallel_interleave": counts.interleave(
+                    lambda n: tf.data.Dataset.from_tensors(n).repeat(n), cycle_length=3, num_parallel_calls=2
+                ),
+                "parallel_batch": counts.batch(2, num_parallel_calls=2),
+            }
+            nested = {name: tf1.data.make_one_shot_iterator(d).get_next() for name, d in nested.items()}
         init = tf1.global_variables_initializer()
     with tf1.Session(target, graph=graph) as sess:
         sess.run(init)
@@ -90,6 +148,14 @@ def run_all(prefix: str, target: str, remote: bool) -> None:
         _, end = drain(sess, train)
         checks.run(f"{prefix}/train", lambda: [end, sess.run(w)])
         checks.run(f"{prefix}/in_order", lambda: drain(sess, plain))
+        checks.run(f"{prefix}/padded_cached", lambda: drain(sess, padded))
+        checks.run(f"{prefix}/unbatched", lambda: drain(sess, rebatched))
+        checks.run(f"{prefix}/padded_too_small", lambda: drain(sess, too_small))
+        for name, fetch in nested.items():
+            checks.run(f"{prefix}/{name}", lambda fetch=fetch: drain(sess, fetch))
+        for attempt in range(2):  # a new pass stops the old one's prefetching
+            sess.run(prefetched.initializer)
+            checks.run(f"{prefix}/prefetched_{attempt}", lambda: drain_errors(sess, prefetched_next))
 
 
 run_all("distserver", worker, remote=True)
