@@ -5,8 +5,9 @@
 Workloads (``--workload``):
 
 * ``transfer`` (default): `distserver.bench.transfer`.
-* ``training``: training steps with a real TensorFlow client against distserver
-  (grpc, grpc+verbs) and TensorFlow, run by the first importable module of
+* ``training``: training steps with a real TensorFlow client and distserver's own
+  client against distserver (grpc, grpc+verbs), and the TF client against
+  TensorFlow, run by the first importable module of
   `TRAINING_MODULES` (`distserver.bench.training`), which provides
   ``run_cli(args) -> int`` (args: this command's parsed options).
 """
@@ -39,7 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=WORKLOADS,
         default="transfer",
         help="transfer: tensor throughput and latency by protocol (default); training: training steps "
-        "(MLP, embedding, 60 small variables) against TensorFlow",
+        "(MLP, embedding, 60 small variables) against TensorFlow, with a TensorFlow client and "
+        "distserver's own client",
     )
     parser.add_argument(
         "--protocols",

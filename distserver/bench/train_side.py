@@ -5,14 +5,17 @@
 Builds the training workloads with `tf.compat.v1` (the TF 1.x parameter-server recipe)
 and runs them through `tf.compat.v1.Session(target)` against any cluster the
 orchestrator names: a distserver cluster or a TensorFlow one, so every runtime is
-driven by the same real TensorFlow client and the same timing code. Answers one JSON
-command per stdin line with one ``@@result {...}`` line on stdout:
+driven by the same real TensorFlow client and the same timing code. `ds_side.py`,
+distserver's own client, builds the same workloads with distserver's graph API and
+speaks the same protocol (`serve`, `Trainer`). It announces itself with
+``@@result {"ok": true, "result": {"version": ...}}`` and answers one JSON command per
+stdin line with one ``@@result {...}`` line on stdout:
 
 * ``{"op": "prepare", "id", "target", "workload", "layout", "warmup"}``: build the
   graph, open a session, initialise, run the warm-up steps; the result has the first
   loss and the initialisation time.
 * ``{"op": "block", "id", "repeat"}``: time that many steps; the result has the step
-  times (seconds) and the last loss.
+  times (seconds), the loss of every step and the last loss.
 * ``{"op": "close", "id"}``, ``{"op": "quit"}``.
 
 Workloads (`layout` "cluster": variables on ``/job:ps/task:0`` through
@@ -34,6 +37,7 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -56,11 +60,33 @@ def _emit(payload: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
+def feed_values(workload: str) -> list[np.ndarray]:
+    """The values fed every step, in the order of the workload's placeholders (the same
+    for every client: `ds_side.py` builds the workloads with distserver's graph API)."""
+    rng = np.random.default_rng(0)
+    if workload == "mlp":
+        return [
+            rng.normal(size=(256, 784)).astype(np.float32),
+            rng.integers(0, 10, 256).astype(np.int32),
+        ]
+    if workload == "embedding":
+        return [
+            rng.integers(0, 50_000, (256, 8)).astype(np.int64),
+            rng.integers(0, 2, 256).astype(np.float32),
+        ]
+    if workload == "small":
+        return [
+            rng.normal(size=(64, 32)).astype(np.float32),
+            rng.normal(size=(64, 32)).astype(np.float32),
+        ]
+    raise ValueError(f"unknown workload {workload!r}; choose from {list(WORKLOADS)}")
+
+
 def build(tf: Any, workload: str, layout: str) -> tuple[Any, Any, list[Any], list[Any], list[Any]]:
     """(graph, initializer, [train_op, loss], feed placeholders, feed values)."""
     tf1 = tf.compat.v1
     graph = tf.Graph()
-    rng = np.random.default_rng(0)
+    values = feed_values(workload)
     if layout == "cluster":
         device: Any = tf1.train.replica_device_setter(ps_tasks=1, worker_device="/job:worker/task:0")
     elif layout == "one":
@@ -69,6 +95,7 @@ def build(tf: Any, workload: str, layout: str) -> tuple[Any, Any, list[Any], lis
         raise ValueError(f"unknown layout {layout!r}")
 
     def variable(name: str, shape: list[int], **kwargs: Any) -> Any:
+        # Op seed len(name): the same seeds in every client (see ds_side.py).
         init = tf1.random_uniform_initializer(-0.05, 0.05, seed=len(name))
         return tf1.get_variable(name, shape, initializer=init, use_resource=True, **kwargs)
 
@@ -82,10 +109,6 @@ def build(tf: Any, workload: str, layout: str) -> tuple[Any, Any, list[Any], lis
             loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
             optimizer = tf1.train.AdamOptimizer(1e-3)
             feeds = [x, y]
-            values = [
-                rng.normal(size=(256, 784)).astype(np.float32),
-                rng.integers(0, 10, 256).astype(np.int32),
-            ]
         elif workload == "embedding":
             ids = tf1.placeholder(tf.int64, [256, 8], name="ids")
             labels = tf1.placeholder(tf.float32, [256], name="labels")
@@ -96,10 +119,6 @@ def build(tf: Any, workload: str, layout: str) -> tuple[Any, Any, list[Any], lis
             loss = tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(labels=labels, logits=logit))
             optimizer = tf1.train.AdagradOptimizer(0.05)
             feeds = [ids, labels]
-            values = [
-                rng.integers(0, 50_000, (256, 8)).astype(np.int64),
-                rng.integers(0, 2, 256).astype(np.float32),
-            ]
         elif workload == "small":
             x = tf1.placeholder(tf.float32, [64, 32], name="x")
             target = tf1.placeholder(tf.float32, [64, 32], name="target")
@@ -109,10 +128,6 @@ def build(tf: Any, workload: str, layout: str) -> tuple[Any, Any, list[Any], lis
             loss = tf.reduce_mean(tf.square(h - target))
             optimizer = tf1.train.MomentumOptimizer(0.01, 0.9)
             feeds = [x, target]
-            values = [
-                rng.normal(size=(64, 32)).astype(np.float32),
-                rng.normal(size=(64, 32)).astype(np.float32),
-            ]
         else:
             raise ValueError(f"unknown workload {workload!r}")
         train = optimizer.minimize(loss, global_step=global_step)
@@ -120,38 +135,44 @@ def build(tf: Any, workload: str, layout: str) -> tuple[Any, Any, list[Any], lis
     return graph, init, [train, loss], feeds, values
 
 
-class Prepared:
-    def __init__(self, tf: Any, target: str, workload: str, layout: str, warmup: int) -> None:
-        graph, init, fetches, feeds, self.values = build(tf, workload, layout)
-        config = tf.compat.v1.ConfigProto(operation_timeout_in_ms=OPERATION_TIMEOUT_MS)
-        self.session = tf.compat.v1.Session(target, graph=graph, config=config)
+class Trainer:
+    """A workload ready to time: an initialised session (TensorFlow's or distserver's:
+    both have `run`, `make_callable` and `close`), warmed up."""
+
+    def __init__(
+        self, session: Any, init: Any, fetches: list[Any], feeds: list[Any], values: list[Any], warmup: int
+    ) -> None:
+        self.session, self.values = session, values
         started = time.perf_counter()
-        self.session.run(init)
+        session.run(init)
         self.init_s = time.perf_counter() - started
-        self.step = self.session.make_callable(fetches, feed_list=feeds)
-        self.first_loss = float(self.step(*self.values)[1])
+        self.step = session.make_callable(fetches, feed_list=feeds)
+        self.first_loss = float(self.step(*values)[1])
         if not np.isfinite(self.first_loss):
-            raise AssertionError(f"{workload}: first loss is {self.first_loss}")
+            raise AssertionError(f"the first loss is {self.first_loss}")
         for _ in range(warmup):
-            self.step(*self.values)
+            self.step(*values)
 
     def block(self, repeat: int) -> dict[str, Any]:
         times = []
-        loss = 0.0
+        losses = []
         for _ in range(repeat):
             started = time.perf_counter()
             loss = self.step(*self.values)[1]
             times.append(time.perf_counter() - started)
-        return {"times": times, "loss": float(loss)}
+            losses.append(float(loss))
+        return {"times": times, "loss": losses[-1] if losses else 0.0, "losses": losses}
+
+    def close(self) -> None:
+        self.session.close()
 
 
-def main() -> None:
+def serve(version: str, prepare: Callable[[str, str, str, int], Trainer]) -> None:
+    """Answer the orchestrator's commands on stdin (see the module docstring);
+    `prepare(target, workload, layout, warmup)` builds, initialises and warms up."""
     _die_with_parent()
-    import tensorflow as tf
-
-    tf.compat.v1.disable_eager_execution()
-    sessions: dict[str, Prepared] = {}
-    _emit({"ok": True, "result": {"tensorflow": tf.__version__}})
+    trainers: dict[str, Trainer] = {}
+    _emit({"ok": True, "result": {"version": version}})
     for _ in range(MAX_COMMANDS):
         line = sys.stdin.readline()
         if not line:
@@ -163,17 +184,17 @@ def main() -> None:
                 _emit({"ok": True})
                 break
             if op == "prepare":
-                prepared = Prepared(
-                    tf, command["target"], command["workload"], command["layout"], command["warmup"]
+                trainer = prepare(
+                    command["target"], command["workload"], command["layout"], command["warmup"]
                 )
-                sessions[command["id"]] = prepared
-                result: Any = {"init_s": prepared.init_s, "first_loss": prepared.first_loss}
+                trainers[command["id"]] = trainer
+                result: Any = {"init_s": trainer.init_s, "first_loss": trainer.first_loss}
             elif op == "block":
-                result = sessions[command["id"]].block(command["repeat"])
+                result = trainers[command["id"]].block(command["repeat"])
             elif op == "close":
-                closing = sessions.pop(command["id"], None)
+                closing = trainers.pop(command["id"], None)
                 if closing is not None:
-                    closing.session.close()
+                    closing.close()
                 result = {}
             else:
                 raise ValueError(f"unknown op {op!r}")
@@ -181,8 +202,22 @@ def main() -> None:
         except Exception as exc:
             _emit({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
             traceback.print_exc()
-    for prepared in sessions.values():
-        prepared.session.close()
+    for trainer in trainers.values():
+        trainer.close()
+
+
+def main() -> None:
+    import tensorflow as tf
+
+    tf.compat.v1.disable_eager_execution()
+
+    def prepare(target: str, workload: str, layout: str, warmup: int) -> Trainer:
+        graph, init, fetches, feeds, values = build(tf, workload, layout)
+        config = tf.compat.v1.ConfigProto(operation_timeout_in_ms=OPERATION_TIMEOUT_MS)
+        session = tf.compat.v1.Session(target, graph=graph, config=config)
+        return Trainer(session, init, fetches, feeds, values, warmup)
+
+    serve(tf.__version__, prepare)
 
 
 if __name__ == "__main__":

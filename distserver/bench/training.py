@@ -4,7 +4,11 @@ A real TensorFlow client (`train_side.py`, TensorFlow's Python, `tf.compat.v1.Se
 trains the same workloads against a distserver cluster over ``grpc``, one over
 ``grpc+verbs`` and a TensorFlow cluster, all started by this run, in blocks of steps
 that alternate between the runtimes (the order rotates every block, so a change in
-the machine's load hits all of them). Workloads (`train_side.py` builds them):
+the machine's load hits all of them). distserver's own client (`ds_side.py`,
+distserver's graph API and `ds.Session`) trains the same workloads against the same
+distserver clusters, taking turns in the same blocks: series ``grpc/ds-client`` and
+``grpc+verbs/ds-client`` (its sessions isolate their state, so its variables are not
+the TF client's). Workloads (`train_side.py` and `ds_side.py` build them):
 
 * ``mlp``: 784-512-10 classifier, batch 256, Adam and a global step (~175 nodes);
 * ``embedding``: a 50,000 x 32 table in two shards, ``embedding_lookup`` of 256 x 8
@@ -15,7 +19,7 @@ Layouts: ``cluster`` (ps + 2 workers; variables on ps through
 `replica_device_setter`, compute and the session's target on worker 0) and ``one``
 (a one-task cluster, everything local).
 
-For every (layout, workload, runtime): the median step time and the spread (10th and
+For every (layout, workload, series): the median step time and the spread (10th and
 90th percentiles) over all timed steps; per step, the CPU seconds of each task
 process and of the client (``/proc/<pid>/stat``); the bytes and packets that crossed
 loopback (the whole run is in a network namespace of its own, so ``lo`` carries only
@@ -27,12 +31,13 @@ its tasks made to each other, by method (counted in the task processes).
 --workload training` runs it (`run_cli`), and so does `benchmarks/bench_training.py`:
 
     .venv/bin/python benchmarks/bench_training.py [--workloads mlp,embedding,small]
-        [--layouts cluster,one] [--blocks 4] [--steps 15] [--warmup 10]
-        [--tree NAME=PATH ...] [--json out.json]
+        [--layouts cluster,one] [--runtimes grpc,grpc+verbs,tf,grpc/ds-client,grpc+verbs/ds-client]
+        [--blocks 4] [--steps 15] [--warmup 10] [--tree NAME=PATH ...] [--json out.json]
 
 ``--tree base=/path/to/other/checkout`` adds that source tree's distserver (its
 task processes import it) as more runtimes, ``grpc[base]`` and
-``grpc+verbs[base]``: a before/after comparison in the same run.
+``grpc+verbs[base]`` (and ``grpc[base]/ds-client``, ...: this tree's client against
+that tree's servers): a before/after comparison in the same run.
 """
 
 from __future__ import annotations
@@ -65,6 +70,10 @@ WORKLOADS = ("mlp", "embedding", "small")
 LAYOUTS = ("cluster", "one")
 PROTOCOLS = ("grpc", "grpc+verbs")
 TF = "tf"
+DS_CLIENT = "ds-client"
+"""The suffix of a series trained by distserver's own client (`ds_side.py`): ``grpc/ds-client``."""
+DS_SERIES = tuple(f"{protocol}/{DS_CLIENT}" for protocol in PROTOCOLS)
+RUNTIMES = (*PROTOCOLS, TF, *DS_SERIES)
 RESULT = "@@result "
 READY = "@@ready "
 COMMAND_TIMEOUT_S = 300.0
@@ -304,26 +313,32 @@ def _read_tagged(proc: subprocess.Popen[str], tag: str, deadline: float, who: st
             raise RuntimeError(f"{who} exited ({proc.returncode})")
 
 
-class TFClient:
-    """`train_side.py` under TensorFlow's Python: the client of every runtime."""
+class Client:
+    """A client process speaking `train_side.py`'s protocol: TensorFlow's client
+    (`TFClient`) or distserver's own (`DSClient`, `ds_side.py`)."""
 
-    def __init__(self, python: str) -> None:
+    def __init__(self, who: str, command: list[str], env: dict[str, str] | None) -> None:
+        self.who = who
         self._stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            [python, str(HERE / "train_side.py")],
+            command,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._stderr,
             text=True,
-            env=_tfenv.quiet_tf_env(),
+            env=env,
         )
         self.pid = self.proc.pid
-        self.tensorflow = self._answer(START_TIMEOUT_S)["tensorflow"]
+        try:
+            self.version: str = self._answer(START_TIMEOUT_S)["version"]
+        except BaseException:
+            self.stop()
+            raise
 
     def _answer(self, timeout: float) -> Any:
-        reply = _read_tagged(self.proc, RESULT, time.monotonic() + timeout, "the TF client")
+        reply = _read_tagged(self.proc, RESULT, time.monotonic() + timeout, self.who)
         if not reply["ok"]:
-            raise RuntimeError(f"TF client: {reply['error']}\n{self.stderr_tail()}")
+            raise RuntimeError(f"{self.who}: {reply['error']}\n{self.stderr_tail()}")
         return reply.get("result")
 
     def request(self, op: str, **fields: Any) -> Any:
@@ -344,7 +359,35 @@ class TFClient:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(timeout=10)
-        self._stderr.close()
+        for stream in (self.proc.stdin, self.proc.stdout, self._stderr):
+            if stream is not None:
+                stream.close()
+
+
+class TFClient(Client):
+    """`train_side.py` under TensorFlow's Python."""
+
+    def __init__(self, python: str) -> None:
+        super().__init__("the TF client", [python, str(HERE / "train_side.py")], _tfenv.quiet_tf_env())
+
+
+class DSClient(Client):
+    """`ds_side.py`: distserver's own client, under this Python and this process's
+    distserver (its source tree first on the client's PYTHONPATH)."""
+
+    def __init__(self) -> None:
+        tree = str(Path(__file__).resolve().parents[2])
+        paths = [tree, *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+        super().__init__("distserver's client", [sys.executable, "-m", "distserver.bench.ds_side"], env)
+
+
+class Series:
+    """One timed column: a client training against a runtime (``grpc``: the TF client on
+    distserver over grpc; ``grpc/ds-client``: distserver's client on the same cluster)."""
+
+    def __init__(self, name: str, runtime: Runtime, client: Client) -> None:
+        self.name, self.runtime, self.client = name, runtime, client
 
 
 # --------------------------------------------------------------------------- measurement
@@ -359,18 +402,22 @@ def _measure(options: dict[str, Any], log: Callable[[str], None]) -> dict[str, A
     if tf_python is None:
         raise RuntimeError("the training benchmark needs TensorFlow's Python for its client (see _tfenv.py)")
     here = os.getcwd()
+    clients: dict[str, Client] = {}
     with tempfile.TemporaryDirectory(prefix="distserver-bench-training-") as tmp:
         # `python -m distserver` puts its working directory first on sys.path.
         os.chdir(tmp)
-        client = TFClient(tf_python)
-        report["tensorflow"] = client.tensorflow
         try:
+            clients[TF] = TFClient(tf_python)
+            report["tensorflow"] = clients[TF].version
+            if any(name in runtimes_wanted for name in DS_SERIES):
+                clients[DS_CLIENT] = DSClient()
             for layout in options["layouts"]:
                 report["results"][layout] = _measure_layout(
-                    options, layout, Path(tmp), client, trees, runtimes_wanted, log
+                    options, layout, Path(tmp), clients, trees, runtimes_wanted, log
                 )
         finally:
-            client.stop()
+            for client in clients.values():
+                client.stop()
             os.chdir(here)
     return report
 
@@ -379,18 +426,19 @@ def _measure_layout(
     options: dict[str, Any],
     layout: str,
     tmp: Path,
-    client: TFClient,
+    clients: dict[str, Client],
     trees: dict[str, str],
     runtimes_wanted: list[str],
     log: Callable[[str], None],
 ) -> dict[str, Any]:
     jobs = JOBS[layout]
     runtimes: list[Runtime] = []
+    series: list[Series] = []
     results: dict[str, Any] = {}
     try:
         specs: list[tuple[str, str, Path | None]] = []
         for protocol in PROTOCOLS:
-            if protocol in runtimes_wanted:
+            if protocol in runtimes_wanted or f"{protocol}/{DS_CLIENT}" in runtimes_wanted:
                 specs.append((protocol, protocol, None))
                 for tree_name, tree_path in trees.items():
                     specs.append((f"{protocol}[{tree_name}]", protocol, Path(tree_path)))
@@ -400,12 +448,18 @@ def _measure_layout(
             (counts_dir / "site" / "sitecustomize.py").write_text(_COUNTER)
             log(f"[{layout}] starting {name}")
             profile_dir = Path(options["profile"]) if options.get("profile") else None
-            runtimes.append(OursRuntime(name, protocol, jobs, tree, counts_dir, profile_dir))
+            ours = OursRuntime(name, protocol, jobs, tree, counts_dir, profile_dir)
+            runtimes.append(ours)
+            if protocol in runtimes_wanted:
+                series.append(Series(name, ours, clients[TF]))
+            if f"{protocol}/{DS_CLIENT}" in runtimes_wanted:
+                series.append(Series(f"{name}/{DS_CLIENT}", ours, clients[DS_CLIENT]))
         if TF in runtimes_wanted:
             log(f"[{layout}] starting {TF}")
             runtimes.append(TFRuntime(options["tf_python"], jobs))
+            series.append(Series(TF, runtimes[-1], clients[TF]))
         for workload in options["workloads"]:
-            results[workload] = _measure_workload(options, layout, workload, client, runtimes, log)
+            results[workload] = _measure_workload(options, layout, workload, runtimes, series, log)
     finally:
         for runtime in runtimes:
             runtime.stop()
@@ -416,22 +470,22 @@ def _measure_workload(
     options: dict[str, Any],
     layout: str,
     workload: str,
-    client: TFClient,
     runtimes: list[Runtime],
+    series: list[Series],
     log: Callable[[str], None],
 ) -> dict[str, Any]:
     log(f"[{layout}] {workload}: preparing")
     per: dict[str, dict[str, Any]] = {}
-    for runtime in runtimes:
-        prepared = client.request(
+    for one in series:
+        prepared = one.client.request(
             "prepare",
-            id=runtime.name,
-            target=runtime.target,
+            id=one.name,
+            target=one.runtime.target,
             workload=workload,
             layout=layout,
             warmup=options["warmup"],
         )
-        per[runtime.name] = {
+        per[one.name] = {
             "first_loss": prepared["first_loss"],
             "init_s": prepared["init_s"],
             "times": [],
@@ -444,30 +498,31 @@ def _measure_workload(
         runtime.toggle_profile()
     try:
         for block in range(options["blocks"]):
-            shift = block % len(runtimes)
-            for runtime in runtimes[shift:] + runtimes[:shift]:
-                lost = runtime.lost()
+            shift = block % len(series)
+            for one in series[shift:] + series[:shift]:
+                lost = one.runtime.lost()
                 if lost:
                     raise RuntimeError(lost)
-                _time_block(options, client, runtime, per[runtime.name])
+                _time_block(options, one, per[one.name])
             log(f"[{layout}] {workload}: block {block + 1}/{options['blocks']}")
         for runtime in ours:
             runtime.toggle_profile(save_as=f"{layout}-{workload}-{runtime.name}")
     finally:
-        for runtime in runtimes:
+        for one in series:
             with contextlib.suppress(Exception):
-                client.request("close", id=runtime.name)
+                one.client.request("close", id=one.name)
     return {name: _summary(data) for name, data in per.items()}
 
 
-def _time_block(options: dict[str, Any], client: TFClient, runtime: Runtime, into: dict[str, Any]) -> None:
+def _time_block(options: dict[str, Any], series: Series, into: dict[str, Any]) -> None:
+    runtime, client = series.runtime, series.client
     pids = {**runtime.pids, "client": client.pid}
     if options["settle"]:
-        client.request("block", id=runtime.name, repeat=options["settle"])
+        client.request("block", id=series.name, repeat=options["settle"])
     calls_before = runtime.call_counts()
     cpu_before = {role: _shared.proc_counters(pid)["cpu_s"] for role, pid in pids.items()}
     lo_before = loopback_counters()
-    answer = client.request("block", id=runtime.name, repeat=options["steps"])
+    answer = client.request("block", id=series.name, repeat=options["steps"])
     lo_after = loopback_counters()
     cpu_after = {role: _shared.proc_counters(pid)["cpu_s"] for role, pid in pids.items()}
     calls_after = runtime.call_counts()
@@ -507,7 +562,7 @@ def run_training_benchmark(
     *,
     workloads: Sequence[str] = WORKLOADS,
     layouts: Sequence[str] = LAYOUTS,
-    runtimes: Sequence[str] = (*PROTOCOLS, TF),
+    runtimes: Sequence[str] = RUNTIMES,
     blocks: int = 4,
     steps: int = 15,
     warmup: int = 10,
@@ -523,7 +578,10 @@ def run_training_benchmark(
     Args:
         workloads: any of "mlp", "embedding", "small".
         layouts: "cluster" (ps + 2 workers) and/or "one" (one task).
-        runtimes: any of "grpc", "grpc+verbs" (distserver) and "tf".
+        runtimes: the series: any of "grpc", "grpc+verbs" (the TF client on distserver),
+            "tf" (the TF client on TensorFlow), "grpc/ds-client" and
+            "grpc+verbs/ds-client" (distserver's own client on the same distserver
+            clusters as the TF client).
         blocks: timed blocks per runtime (the order rotates every block).
         steps: timed steps per block.
         warmup: untimed steps after initialisation.
@@ -544,7 +602,7 @@ def run_training_benchmark(
     loopback_packets_per_step, calls_per_step (distserver: the calls its tasks made to
     each other, by method), first_loss and last_loss.
     """
-    for name, allowed in (("workloads", WORKLOADS), ("layouts", LAYOUTS), ("runtimes", (*PROTOCOLS, TF))):
+    for name, allowed in (("workloads", WORKLOADS), ("layouts", LAYOUTS), ("runtimes", RUNTIMES)):
         values = {"workloads": workloads, "layouts": layouts, "runtimes": runtimes}[name]
         unknown = [v for v in values if v not in allowed]
         if unknown:
@@ -638,11 +696,17 @@ def _in_namespace(options_path: str, out_path: str) -> None:
 
 
 def format_table(report: dict[str, Any]) -> str:
-    """The report as a markdown table (ratios against TensorFlow when it ran)."""
+    """The report as a markdown table (ratios against TensorFlow when it ran).
+
+    ``last loss``: the loss of the last timed step. Every series of one distserver
+    cluster ran the same number of steps from the same initial values, so the TF
+    client's and distserver's client's agree (``tf``, on TensorFlow's servers, starts
+    from other numbers: its ``RandomUniform`` draws differently from the same seeds).
+    """
     lines = [
-        "| layout | workload | runtime | median ms (p10-p90) | vs TF | CPU ms/step per task | "
-        "loopback KiB/step | packets/step | task-to-task calls/step |",
-        "|---|---|---|---:|---:|---|---:|---:|---|",
+        "| layout | workload | series | median ms (p10-p90) | vs TF | CPU ms/step per task | "
+        "loopback KiB/step | packets/step | task-to-task calls/step | last loss |",
+        "|---|---|---|---:|---:|---|---:|---:|---|---:|",
     ]
     for layout, workloads in report["results"].items():
         for workload, runtimes in workloads.items():
@@ -657,7 +721,7 @@ def format_table(report: dict[str, Any]) -> str:
                     f"| {layout} | {workload} | {name} "
                     f"| {s['median_ms']:.2f} ({s['p10_ms']:.2f}-{s['p90_ms']:.2f}) "
                     f"| {ratio} | {cpu} | {s['loopback_bytes_per_step'] / 1024:.1f} "
-                    f"| {s['loopback_packets_per_step']:.1f} | {calls} |"
+                    f"| {s['loopback_packets_per_step']:.1f} | {calls} | {s['last_loss']:.6g} |"
                 )
     return "\n".join(lines)
 
@@ -666,7 +730,9 @@ def run_cli(args: argparse.Namespace) -> int:
     """`distserver bench --workload training`: its options mapped onto this benchmark.
 
     ``--protocols``: grpc, grpc+verbs and tensorflow are the runtimes (the transfer
-    baselines memcpy and grpcio have no training step and are left out); ``--rounds``:
+    baselines memcpy and grpcio have no training step and are left out); each of
+    grpc and grpc+verbs is measured with both clients (``grpc``: the TF client,
+    ``grpc/ds-client``: distserver's own); ``--rounds``:
     blocks per runtime; ``--repeats``: timed steps per block (default 15);
     ``--warmup`` (at least 5 here: a training step's first steps are slow);
     ``--tf-python``, ``--max-seconds``, ``--json``.
@@ -680,7 +746,12 @@ def run_cli(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    runtimes = [TF if p == "tensorflow" else p for p in wanted if p in (*PROTOCOLS, "tensorflow")]
+    runtimes: list[str] = []
+    for p in wanted:
+        if p in PROTOCOLS:
+            runtimes += [p, f"{p}/{DS_CLIENT}"]
+        elif p == "tensorflow":
+            runtimes.append(TF)
     if not runtimes:
         print(
             "distserver bench: --workload training measures grpc, grpc+verbs and tensorflow; "
@@ -721,7 +792,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
-    parser.add_argument("--runtimes", default=",".join((*PROTOCOLS, TF)))
+    parser.add_argument(
+        "--runtimes",
+        default=",".join(RUNTIMES),
+        help="series: grpc, grpc+verbs, tf (the TF client), grpc/ds-client, grpc+verbs/ds-client "
+        "(distserver's own client) (default: %(default)s)",
+    )
     parser.add_argument("--blocks", type=int, default=4, help="timed blocks per runtime (4)")
     parser.add_argument("--steps", type=int, default=15, help="timed steps per block (15)")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps after initialisation (10)")

@@ -65,6 +65,9 @@ __all__ = [
     "constant",
     "convert_to_tensor",
     "divide",
+    "dynamic_partition",
+    "dynamic_stitch",
+    "embedding_lookup",
     "equal",
     "exp",
     "expand_dims",
@@ -79,6 +82,7 @@ __all__ = [
     "less",
     "less_equal",
     "log",
+    "log1p",
     "log_softmax",
     "logical_and",
     "logical_not",
@@ -96,6 +100,7 @@ __all__ = [
     "placeholder",
     "placeholder_with_default",
     "pow",
+    "random_uniform",
     "range",
     "rank",
     "reduce_all",
@@ -110,6 +115,7 @@ __all__ = [
     "select",
     "shape",
     "sigmoid",
+    "sigmoid_cross_entropy_with_logits",
     "size",
     "slice_helper",
     "softmax",
@@ -666,6 +672,11 @@ def log(x: Any, name: str | None = None) -> Tensor:
     return _unary("Log", x, name, allowed=_INEXACT)
 
 
+def log1p(x: Any, name: str | None = None) -> Tensor:
+    """``Log1p``: elementwise ``log(1 + x)``, accurate for small `x` (float and complex types)."""
+    return _unary("Log1p", x, name, allowed=_INEXACT)
+
+
 def tanh(x: Any, name: str | None = None) -> Tensor:
     """``Tanh``: elementwise hyperbolic tangent (float and complex types)."""
     return _unary("Tanh", x, name, allowed=_INEXACT)
@@ -967,6 +978,24 @@ def sparse_softmax_cross_entropy_with_logits(labels: Any, logits: Any, name: str
             shapes=[rows, x.shape],
         )
         return op.outputs[0]
+
+
+def sigmoid_cross_entropy_with_logits(labels: Any, logits: Any, name: str | None = None) -> Tensor:
+    """Elementwise logistic loss of `logits` against `labels` (probabilities of the same
+    shape), computed as TensorFlow's `tf.nn.sigmoid_cross_entropy_with_logits` does
+    without overflow: ``max(x, 0) - x * z + log1p(exp(-abs(x)))``.
+
+    Raises:
+        ValueError: When the shapes of `labels` and `logits` differ.
+    """
+    with name_scope(name, "logistic_loss", [logits, labels]) as scope:
+        x, z = _convert_inputs("logistic_loss", [("logits", logits), ("labels", labels)], allowed=_FLOATS)
+        _merge_all(scope, "logistic_loss", [x.shape, z.shape])
+        zeros = zeros_like(x)
+        positive = greater_equal(x, zeros)
+        relu_logits = where(positive, x, zeros)
+        minus_abs = where(positive, negative(x), x)
+        return add(subtract(relu_logits, multiply(x, z)), log1p(exp(minus_abs)), name=scope)
 
 
 def stop_gradient(input: Any, name: str | None = None) -> Tensor:
@@ -1758,6 +1787,191 @@ def slice_helper(tensor: Tensor, slice_spec: Any) -> Tensor:
             shrink_axis_mask=masks["shrink_axis_mask"],
             name=scope,
         )
+
+
+# --------------------------------------------------------------------------- random numbers
+
+DEFAULT_GRAPH_SEED: Final = 87654321
+"""The graph-level seed TensorFlow gives random ops that have an op seed in a graph without one."""
+_MAX_INT32: Final = 2**31 - 1
+
+
+def random_uniform(
+    shape: Any,
+    minval: Any = 0,
+    maxval: Any = None,
+    dtype: Any = np.float32,
+    seed: int | None = None,
+    name: str | None = None,
+) -> Tensor:
+    """Floats drawn uniformly from ``[minval, maxval)`` (``maxval`` defaults to 1):
+    ``RandomUniform`` scaled and shifted, as `tf.compat.v1.random_uniform` builds it.
+
+    With a `seed`, the op's seeds are the ones TensorFlow gives an op seed in a graph
+    without a graph-level seed (``seed`` 87654321, ``seed2`` the op seed), so every run
+    of the graph on a fresh kernel draws the same numbers; without one, fresh numbers.
+
+    Raises:
+        TypeError: For a dtype that is not a float type.
+    """
+    target = as_datatype(dtype)
+    if target not in _FLOATS:
+        raise TypeError(f"random_uniform draws floats; got dtype {dtype_name(target)}")
+    with name_scope(name, "random_uniform", [shape, minval, maxval]) as scope:
+        (dims,) = _convert_inputs(
+            "RandomUniform",
+            [("shape", shape)],
+            default_dtype=np.int32,
+            allowed=frozenset({_DT.DT_INT32, _DT.DT_INT64}),
+        )
+        low = convert_to_tensor(minval, dtype=target, name="min")
+        high = convert_to_tensor(1 if maxval is None else maxval, dtype=target, name="max")
+        seed1, seed2 = (0, 0) if seed is None else (DEFAULT_GRAPH_SEED, seed % _MAX_INT32)
+        attrs = {
+            "T": _type_attr(dims.datatype),
+            "dtype": _type_attr(target),
+            "seed": AttrValue(i=seed1),
+            "seed2": AttrValue(i=seed2),
+        }
+        out_shape = _shape_of_dims(_static_ints(dims))
+        drawn = get_default_graph().create_op(
+            "RandomUniform", [dims], [target], name="RandomUniform", attrs=attrs, shapes=[out_shape]
+        )
+        scaled = multiply(drawn.outputs[0], subtract(high, low, name="sub"), name="mul")
+        return add(scaled, low, name=scope)
+
+
+# --------------------------------------------------------------------------- partitions and embeddings
+
+
+def dynamic_partition(
+    data: Any, partitions: Any, num_partitions: int, name: str | None = None
+) -> list[Tensor]:
+    """``DynamicPartition``: `data` split by the int32 `partitions` (shaped like a prefix
+    of `data`'s shape) into `num_partitions` tensors; output ``i`` holds, in order, the
+    slices of `data` whose partition is ``i``.
+
+    Raises:
+        ValueError: When `num_partitions` is less than 1.
+    """
+    if num_partitions < 1:
+        raise ValueError(f"num_partitions must be at least 1, got {num_partitions}")
+    with name_scope(name, "DynamicPartition", [data, partitions]) as scope:
+        source = convert_to_tensor(data, name="data")
+        (parts,) = _convert_inputs(
+            "DynamicPartition",
+            [("partitions", partitions)],
+            default_dtype=np.int32,
+            allowed=frozenset({_DT.DT_INT32}),
+        )
+        out_shape: Shape = None
+        if source.shape is not None and parts.shape is not None:
+            out_shape = (None, *source.shape[len(parts.shape) :])
+        op = get_default_graph().create_op(
+            "DynamicPartition",
+            [source, parts],
+            [source.datatype] * num_partitions,
+            name=scope,
+            attrs={"T": _type_attr(source.datatype), "num_partitions": AttrValue(i=num_partitions)},
+            shapes=[out_shape] * num_partitions,
+        )
+        return list(op.outputs)
+
+
+def dynamic_stitch(indices: Sequence[Any], data: Sequence[Any], name: str | None = None) -> Tensor:
+    """``DynamicStitch``: one tensor whose slice ``indices[i][j]`` is ``data[i][j]`` (a
+    later position wins when indices repeat): the inverse of `dynamic_partition`.
+
+    Raises:
+        ValueError: When `indices` and `data` are empty or of different lengths.
+    """
+    return _stitch("DynamicStitch", indices, data, name)
+
+
+def _stitch(op_type: str, indices: Sequence[Any], data: Sequence[Any], name: str | None) -> Tensor:
+    if not indices or len(indices) != len(data):
+        raise ValueError(
+            f"{op_type} needs as many data tensors as index tensors (at least one); "
+            f"got {len(indices)} and {len(data)}"
+        )
+    with name_scope(name, op_type, [*indices, *data]) as scope:
+        positions = _convert_list(op_type, "indices", indices, allowed=frozenset({_DT.DT_INT32}))
+        values = _convert_list(op_type, "data", data)
+        out_shape: Shape = None
+        if positions[0].shape is not None and values[0].shape is not None:
+            out_shape = (None, *values[0].shape[len(positions[0].shape) :])
+        attrs = {"N": AttrValue(i=len(positions)), "T": _type_attr(values[0].datatype)}
+        return _make(scope, op_type, [*positions, *values], attrs, values[0].datatype, out_shape)
+
+
+def embedding_lookup(params: Any, ids: Any, name: str | None = None) -> Tensor:
+    """The rows `ids` of a table: TensorFlow 2's `tf.nn.embedding_lookup`.
+
+    `params` is a tensor or `Variable`, or a list of them: the shards of one table
+    split by rows ("div": shard ``i`` holds the next block of rows; when the rows do
+    not divide evenly, the first shards hold one row more). Each shard is read where
+    it lives (a ``ResourceGather`` colocated with a variable shard, so only the rows
+    asked for leave a parameter server), the rows are put back in the order of `ids`
+    (``DynamicPartition`` of the ids, ``ParallelDynamicStitch`` of the rows), and the
+    gradient of a variable shard is sparse (`IndexedSlices`), so optimizers update
+    only the rows looked up.
+
+    Returns: a tensor of shape ``ids.shape + params[0].shape[1:]``.
+
+    Raises:
+        ValueError: For no shards, shards whose shapes are not static or whose rows
+            differ in shape or dtype, or fewer rows than shards.
+    """
+    given = list(params) if isinstance(params, list | tuple) else [params]
+    if not given:
+        raise ValueError("embedding_lookup needs at least one shard in params")
+    with name_scope(name, "embedding_lookup", [*given, ids]) as scope:
+        shards: list[Any] = [
+            s if isinstance(s, _TensorLike) else convert_to_tensor(s, name="params") for s in given
+        ]
+        if len(shards) == 1:
+            with get_default_graph().colocate_with(shards[0]):
+                return gather(shards[0], ids, name=scope)
+        shapes = [s.shape for s in shards]
+        if builtins.any(not _fully_defined(dims) or not dims for dims in shapes):
+            raise ValueError(
+                f"embedding_lookup needs shards of static shapes; got {[shape_text(s) for s in shapes]}"
+            )
+        known = [_known_dims(shape) for shape in shapes]
+        row_shapes = {dims[1:] for dims in known}
+        datatypes = {s.datatype for s in shards}
+        if len(row_shapes) > 1 or len(datatypes) > 1:
+            raise ValueError(
+                "embedding_lookup: the shards' rows differ in shape or dtype: "
+                f"{[shape_text(s) for s in shapes]}, {sorted(dtype_name(d) for d in datatypes)}"
+            )
+        total = builtins.sum(dims[0] for dims in known)
+        if total < len(shards):
+            raise ValueError(f"embedding_lookup: {len(shards)} shards but only {total} rows")
+        (index,) = _convert_inputs("embedding_lookup", [("ids", ids)], default_dtype=np.int64, allowed=_INDEX)
+        flat = reshape(index, [-1])
+        positions = range(size(flat))
+        per_shard, extras = divmod(total, len(shards))
+        # Rows [0, extras * (per_shard + 1)) are in the first `extras` shards (one row more each).
+        shard_of = maximum(floordiv(flat, per_shard + 1), floordiv(flat - extras, per_shard))
+        row = where(less(shard_of, extras), floormod(flat, per_shard + 1), floormod(flat - extras, per_shard))
+        shard_of = cast(shard_of, np.int32)
+        rows_by_shard = dynamic_partition(row, shard_of, len(shards))
+        positions_by_shard = dynamic_partition(positions, shard_of, len(shards))
+        found = []
+        for shard, shard_rows in zip(shards, rows_by_shard, strict=True):
+            with get_default_graph().colocate_with(shard):
+                found.append(gather(shard, shard_rows))
+        stitched = _stitch("ParallelDynamicStitch", positions_by_shard, found, None)
+        row_dims = list(known[0][1:])
+        if _fully_defined(index.shape):
+            return reshape(stitched, [*_known_dims(index.shape), *row_dims], name=scope)
+        looked_up = reshape(
+            stitched, concat([shape(index), constant(np.array(row_dims, np.int32))], 0), name=scope
+        )
+        if index.shape is not None:
+            looked_up.set_shape((*index.shape, *row_dims))
+        return looked_up
 
 
 # --------------------------------------------------------------------------- operators
