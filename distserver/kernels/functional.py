@@ -1,18 +1,11 @@
-"""Functional ops: the arguments and results of a graph function, and `While` loops.
+"""Functional ops: the arguments and results of a graph function, and `ToBool`.
 
-`tf.while_loop` under control flow v2 builds a `While` node whose `cond` and `body`
-attrs name functions of the graph's library. The kernel calls them through
-`KernelContext.call_function` (the runtime runs each call's body with a nested
-executor in the same step), feeding the loop variables to `cond`, then to `body`,
-until `cond` says stop. There is no iteration limit: a loop runs as long as
-TensorFlow's would, and stops with the step (cancellation, timeout, a closed
-session). `parallel_iterations` is accepted and not used: iterations run one after
-another. `If` never reaches a kernel: the master lowers it (runtime/functions.py).
+`If`, `Case` and `While` never reach a kernel: the master lowers them to
+`Switch`/`Merge` and to control flow v1 loops (runtime/functions.py).
 """
 
 from __future__ import annotations
 
-import asyncio
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -80,41 +73,10 @@ def to_bool(value: Any) -> bool:
     return array.size > 0
 
 
-@register_kernel("StatelessWhile")
-class WhileKernel(OpKernel):
-    """`(loop variables...) -> (loop variables...)`: `body` while `cond` holds."""
+@register_kernel("ToBool")
+class ToBoolKernel(OpKernel):
+    """`(input) -> bool scalar`: `to_bool`; a lowered `While` puts it after a `cond`
+    that does not return a bool."""
 
-    is_async = True
-
-    def __init__(self, node: NodeDef) -> None:
-        super().__init__(node)
-        for attr in ("cond", "body"):
-            if not self.has_attr(attr) or not node.attr[attr].func.name:
-                raise errors.InvalidArgumentError(
-                    f"Node '{node.name}' ({node.op}) has no '{attr}' function", node_name=node.name
-                )
-        self.cond = node.attr["cond"].func
-        self.body = node.attr["body"].func
-
-    async def compute_async(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
-        values = list(inputs)
-        while True:
-            (keep_going,) = await ctx.call_function(self.cond, values)
-            if not to_bool(keep_going):
-                return values
-            results = await ctx.call_function(self.body, values)
-            if len(results) != len(values):
-                raise errors.InvalidArgumentError(
-                    f"While body '{self.body.name}' returned {len(results)} values "
-                    f"for {len(values)} loop variables"
-                )
-            values = results
-            # A body of synchronous kernels never waits: let the loop breathe (and cancel).
-            await asyncio.sleep(0)
-
-
-@register_kernel("While")
-class StatefulWhileKernel(WhileKernel):
-    """`While`: a loop whose body may have side effects."""
-
-    is_stateful = True
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        return [np.bool_(to_bool(inputs[0]))]

@@ -12,9 +12,11 @@ Pure (no I/O, no asyncio). Two entry points:
   body that are placeholders (`"$T"`) take the call's values.
 * `inline_functions(nodes, library)` replaces every call in a graph (`PartitionedCall`,
   `StatefulPartitionedCall`, a node whose op is a library function) by the callee's
-  body, and lowers `If`/`StatelessIf` and `Case`/`StatelessCase` to `Switch`/`Merge`
-  with every branch inlined,
-  as TensorFlow does before placement, so a function's body may span tasks.
+  body, lowers `If`/`StatelessIf` and `Case`/`StatelessCase` to `Switch`/`Merge`
+  with every branch inlined, and `While`/`StatelessWhile` to a control flow v1 loop
+  (`Enter`, `Merge`, `LoopCond`, `Switch`, `NextIteration`, `Exit`) around the
+  inlined `cond` and `body`, as TensorFlow does before placement, so a function's
+  body, and a loop's, may span tasks.
 
 A library comes from a client and is not trusted: nesting depth, recursion and the
 number of nodes inlining makes are bounded, and every fault names the function and
@@ -41,10 +43,9 @@ from distserver.protos.types_pb2 import DT_BOOL, DT_INT32, DataType
 CALL_OPS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
 IF_OPS = frozenset({"If", "StatelessIf"})
 CASE_OPS = frozenset({"Case", "StatelessCase"})
-INLINED_OPS = CALL_OPS | IF_OPS | CASE_OPS
-"""Ops that `inline_functions` rewrites away; they have no kernel of their own."""
 WHILE_OPS = frozenset({"While", "StatelessWhile"})
-"""Ops that stay in the graph and call functions at run time (kernels/functional.py)."""
+INLINED_OPS = CALL_OPS | IF_OPS | CASE_OPS | WHILE_OPS
+"""Ops that `inline_functions` rewrites away; they have no kernel of their own."""
 
 MAX_NESTING = 32
 """Deepest chain of calls inside calls that is inlined."""
@@ -372,8 +373,19 @@ class _Inliner:
                 self.lower_if(node, out, depth, stack)
             elif node.op in CASE_OPS:
                 self.lower_case(node, out, depth, stack)
+            elif node.op in WHILE_OPS:
+                self.lower_while(node, out, depth, stack)
             else:
                 self.emit(out, node)
+
+    def instantiate_for(self, call: NodeDef, name: str, attrs: Mapping[str, AttrValue]) -> FunctionBody:
+        """`instantiate`, its errors naming the node that calls the function."""
+        try:
+            return instantiate(self.library, name, attrs)
+        except errors.OpError as error:
+            raise type(error)(
+                f"{error.message} (called by node '{call.name}')", node_name=call.name
+            ) from None
 
     def inline_call(
         self,
@@ -397,12 +409,7 @@ class _Inliner:
                 f"Function calls nest deeper than {MAX_NESTING} ({' -> '.join(stack[:5])} -> ...)",
                 node_name=call.name,
             )
-        try:
-            body = instantiate(self.library, name, attrs)
-        except errors.OpError as error:
-            raise type(error)(
-                f"{error.message} (called by node '{call.name}')", node_name=call.name
-            ) from None
+        body = self.instantiate_for(call, name, attrs)
         data_inputs = [text for text in call.input if not text.startswith("^")]
         controls = [text for text in call.input if text.startswith("^")]
         if len(data_inputs) != len(body.args):
@@ -596,6 +603,93 @@ class _Inliner:
         made.append(result)
         self.expand(made, out, depth, stack)
 
+    def lower_while(self, node: NodeDef, out: list[NodeDef], depth: int, stack: tuple[str, ...]) -> None:
+        """`While(loop variables)`: a v1 loop named after the node (its frame), with
+        `parallel_iterations` iterations alive at most. Per loop variable k: `Enter` ->
+        `Merge` (with `NextIteration`), `Switch` on the inlined `cond`'s result (through
+        `ToBool` unless it is a bool), `Exit` on the false port, the `Identity` of the
+        true port into the inlined `body`, whose result k feeds `NextIteration`. The
+        body's control outputs (its side effects) come before the next iteration; the
+        node's outputs and control edges are its `Exit`s'."""
+        data_inputs = [text for text in node.input if not text.startswith("^")]
+        controls = [text for text in node.input if text.startswith("^")]
+        types = list(node.attr["T"].list.type)
+        functions = {}
+        for attr in ("cond", "body"):
+            functions[attr] = node.attr[attr].func
+            if not functions[attr].name:
+                raise errors.InvalidArgumentError(
+                    f"Node '{node.name}' ({node.op}) has no '{attr}' function", node_name=node.name
+                )
+        if not data_inputs or len(types) != len(data_inputs):
+            raise errors.InvalidArgumentError(
+                f"Node '{node.name}' ({node.op}) has {len(data_inputs)} loop variables; "
+                f"its attr T lists {len(types)}",
+                node_name=node.name,
+            )
+        parallel = node.attr["parallel_iterations"].i if "parallel_iterations" in node.attr else 10
+        prefix = f"{node.name}/"
+        device = node.device
+        made: list[NodeDef] = []
+
+        def add(name: str, op: str, inputs: Sequence[str], dtype: DataType | None = None) -> NodeDef:
+            new = NodeDef(name=prefix + name, op=op, device=device)
+            new.input.extend(inputs)
+            if dtype is not None:
+                new.attr["T"].type = dtype
+            made.append(new)
+            return new
+
+        def call(name: str, function: NameAttrList, inputs: Sequence[str]) -> str:
+            new = add(name, "StatefulPartitionedCall", inputs)
+            new.attr["f"].func.CopyFrom(function)
+            return new.name
+
+        merges = []
+        for k, (value, dtype) in enumerate(zip(data_inputs, types, strict=True)):
+            enter = add(f"enter_{k}", "Enter", [value, *controls], dtype)
+            enter.attr["frame_name"].s = node.name.encode()
+            enter.attr["is_constant"].b = False
+            enter.attr["parallel_iterations"].i = parallel
+            merge = add(f"merge_{k}", "Merge", [enter.name, f"{prefix}next_{k}"], dtype)
+            merge.attr["N"].i = 2
+            merges.append(merge.name)
+        # The calls' nodes without inputs wait on their first argument: they run in
+        # the loop's frame, once per iteration.
+        predicate = f"{call('cond', functions['cond'], [*merges, f'^{merges[0]}'])}:0"
+        cond_types, body_types = (
+            list(self.instantiate_for(node, functions[attr].name, functions[attr].attr).ret_types)
+            for attr in ("cond", "body")
+        )
+        if len(cond_types) != 1:
+            raise errors.InvalidArgumentError(
+                f"While cond '{functions['cond'].name}' returns {len(cond_types)} values; it must return one",
+                node_name=node.name,
+            )
+        if body_types != types:
+            raise errors.InvalidArgumentError(
+                f"While body '{functions['body'].name}' does not return the loop variables' types "
+                f"({len(types)} values)",
+                node_name=node.name,
+            )
+        if cond_types[0] != DT_BOOL:
+            predicate = add("to_bool", "ToBool", [predicate], cond_types[0]).name
+        loop_cond = add("loop_cond", "LoopCond", [predicate])
+        pivots = []
+        exits = []
+        for k, (merged, dtype) in enumerate(zip(merges, types, strict=True)):
+            switch = add(f"switch_{k}", "Switch", [merged, loop_cond.name], dtype)
+            exits.append(add(f"exit_{k}", "Exit", [f"{switch.name}:0"], dtype).name)
+            pivots.append(add(f"body_in_{k}", "Identity", [f"{switch.name}:1"], dtype).name)
+        body = call("body", functions["body"], [*pivots, f"^{pivots[0]}"])
+        for k, dtype in enumerate(types):
+            add(f"next_{k}", "NextIteration", [f"{body}:{k}"], dtype)
+        result = NodeDef(name=node.name, op="IdentityN", device=device)
+        result.input.extend(exits)
+        result.attr["T"].list.type.extend(types)
+        made.append(result)
+        self.expand(made, out, depth, stack)
+
 
 def _prefixed(text: str, prefix: str) -> str:
     return f"^{prefix}{text[1:]}" if text.startswith("^") else prefix + text
@@ -623,9 +717,9 @@ def function_attrs(node: NodeDef) -> list[NameAttrList]:
 def runtime_functions(
     nodes: Iterable[NodeDef], library: Mapping[str, FunctionDef]
 ) -> dict[str, list[NodeDef]]:
-    """The functions that nodes left after inlining call at run time (`While`'s cond and
-    body, `MapDataset`'s function, `OneShotIterator`'s dataset factory, and those they
-    call in turn), each instantiated and inlined: function name -> its nodes.
+    """The functions that nodes left after inlining call at run time (`MapDataset`'s
+    function, `OneShotIterator`'s dataset factory, and those they call in turn), each
+    instantiated and inlined: function name -> its nodes.
 
     The master runs it when a graph arrives, so that a body that is malformed or uses
     an op without a kernel is refused before any step.

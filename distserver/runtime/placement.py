@@ -104,15 +104,13 @@ def _colocation_targets(node: NodeDef, by_name: dict[str, NodeDef]) -> tuple[lis
 # Ops that pass a value through unchanged (output k is input k, or input 0): a resource
 # handle keeps its device through them. Inlined functions put an `Identity` per argument
 # and an `IdentityN` per call between a variable and its readers; lowered `If`s a `Switch`;
-# a `While` passes a loop-invariant handle from its input k to its output k; a v1 loop's
-# `Enter` (and `Merge`, `NextIteration`, `Exit`) passes its input 0 into or out of the loop.
+# a loop's `Enter` (and `Merge`, `NextIteration`, `Exit`) passes its input 0 into or out
+# of the loop (lowered `While`s too).
 _PASS_THROUGH = frozenset(
     {
         "Identity",
         "IdentityN",
         "Switch",
-        "While",
-        "StatelessWhile",
         "Enter",
         "RefEnter",
         "Merge",
@@ -120,7 +118,7 @@ _PASS_THROUGH = frozenset(
         "Exit",
     }
 )
-_PORT_FOR_PORT = frozenset({"IdentityN", "While", "StatelessWhile"})
+_PORT_FOR_PORT = frozenset({"IdentityN"})
 
 
 def _resource_producer(src: str, port: int, by_name: dict[str, NodeDef]) -> str | None:
