@@ -91,7 +91,10 @@ def _colocation_targets(node: NodeDef, by_name: dict[str, NodeDef]) -> tuple[lis
             if text.startswith("loc:@") and text[5:] in by_name:
                 classes.append(text[5:])
     resources = []
-    if node.op not in _SEND_RECV:
+    # A node that only passes a handle on (an `IdentityN` of a function's results, a
+    # loop's `Enter`) does not use the resource: it stays where it was asked to be, so
+    # one of them may pass handles of resources on different tasks.
+    if node.op not in _SEND_RECV and node.op not in _PASS_THROUGH:
         for text in node.input:
             src, port, is_control = parse_input(text)
             if not is_control:

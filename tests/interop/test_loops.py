@@ -1,6 +1,7 @@
 """Control flow v2 loops from a real TensorFlow client (graph mode, tf.compat.v1.Session):
 tf.while_loop and its gradient, nested loops with a cond inside, TensorArrays, map_fn,
-a loop updating a variable on the ps, and an RNN unrolled by a loop with its weights on
+a loop updating a variable on the ps, one updating variables on the ps and the worker
+(a lowered While spanning tasks), and an RNN unrolled by a loop with its weights on
 the ps trained for some steps; compared with TensorFlow alone."""
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ SAME = [
     "map_fn",
     "map_fn_ints",
     "loop_on_ps",
+    "loop_on_two_tasks",
     "rnn_training",
     "rnn_weights",
 ]

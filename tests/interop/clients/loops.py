@@ -61,6 +61,16 @@ def build(remote: bool) -> tuple[tf.Graph, dict]:
 
             bumped = tf.while_loop(lambda i: i < n, bump, [0])
         with tf1.device(wk):
+            # A loop updating a variable on the ps and one on the worker each iteration:
+            # its body spans both tasks.
+            local_counter = tf1.get_variable("local_counter", initializer=tf.constant(0.0))
+
+            def bump_both(i):
+                with tf.control_dependencies([counter.assign_add(1.0), local_counter.assign_add(3.0)]):
+                    return i + 1
+
+            bumped_both = tf.while_loop(lambda i: i < n, bump_both, [0], parallel_iterations=1)
+        with tf1.device(wk):
             # A small RNN unrolled by a loop with its weights on the ps, trained.
             def cell(i, h):
                 return i + 1, tf.tanh(tf.linalg.matvec(w, h) + sequence[i])
@@ -73,6 +83,7 @@ def build(remote: bool) -> tuple[tf.Graph, dict]:
     nodes = dict(
         x=x, n=n, powered=powered, grad=grad, alternating=alternating, mapped=mapped,
         squares=squares, stacked=stacked, bumped=bumped, counter=counter, init=init,
+        bumped_both=bumped_both, local_counter=local_counter,
         w=w, sequence=sequence, rnn_loss=rnn_loss, rnn_train=rnn_train,
     )  # fmt: skip
     return graph, nodes
@@ -100,6 +111,13 @@ def run_all(prefix: str, target: str, remote: bool) -> None:
         checks.run(
             f"{prefix}/loop_on_ps",
             lambda: [float(sess.run(g["bumped"], {g["n"]: 4})[0]), sess.run(g["counter"])],
+        )
+        checks.run(
+            f"{prefix}/loop_on_two_tasks",
+            lambda: [
+                float(sess.run(g["bumped_both"], {g["n"]: 5})[0]),
+                *sess.run([g["counter"], g["local_counter"]]),
+            ],
         )
 
 
