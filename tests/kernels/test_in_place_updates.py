@@ -13,7 +13,7 @@ import weakref
 import numpy as np
 import pytest
 
-from distserver.kernels import create_kernel
+from distserver.kernels import create_kernel, state
 from distserver.kernels.resources import VariableResource
 
 from .conftest import Context
@@ -70,12 +70,12 @@ CASES = [
 ]
 
 
-def _train(make_node, op, attrs, dtype, *, hold_reads):
+def _train(make_node, op, attrs, dtype, *, hold_reads, shape=SHAPE):
     """Three updates of fresh variables; returns (final values, kept reads, in place each step)."""
     ctx = Context()
     rng = np.random.default_rng(7)
     slots = [
-        _variable(make_node, ctx, f"v{i}", np.abs(rng.normal(size=SHAPE)).astype(dtype))
+        _variable(make_node, ctx, f"v{i}", np.abs(rng.normal(size=shape)).astype(dtype))
         for i in range(SLOTS[op])
     ]
     handles = [h for h, _ in slots]
@@ -84,7 +84,7 @@ def _train(make_node, op, attrs, dtype, *, hold_reads):
     rows = np.array([4, 1, 4, 0], np.int32)  # a repeated row: the update walks them in order
     kept, in_place = [], []
     for _ in range(3):
-        grad = rng.normal(size=SHAPE).astype(dtype)
+        grad = rng.normal(size=shape).astype(dtype)
         if hold_reads:  # a reader (a fetch, a send waiting for its RecvTensor) holds the value
             kept.append([(resource.read(), resource.read().copy()) for _, resource in slots])
         # Weak references: the test must not be a reader itself.
@@ -109,6 +109,36 @@ def test_in_place_updates_give_the_same_bits_and_never_touch_a_held_value(make_n
         for held, snapshot in step:
             np.testing.assert_array_equal(held, snapshot)  # what a reader got never changed
             assert not held.flags.writeable
+
+
+DENSE_CASES = [case for case in CASES if "Sparse" not in case[0]]
+
+
+@pytest.mark.parametrize(("op", "attrs"), DENSE_CASES, ids=[f"{op}-{attrs}" for op, attrs in DENSE_CASES])
+def test_a_large_variable_updated_in_pieces_gets_the_bits_of_one_whole_update(make_node, op, attrs):
+    # 300 x 1001 float32 (1.2 MB) is written piece by piece (`state._PIECE_BYTES`, and
+    # a last piece of another size); the copying path computes it whole.
+    shape = (300, 1001)
+    assert np.prod(shape) * 4 > 4 * state._PIECE_BYTES and np.prod(shape) * 4 % state._PIECE_BYTES
+    in_place_result, _, in_place = _train(make_node, op, attrs, np.float32, hold_reads=False, shape=shape)
+    copied_result, _, copied_in_place = _train(make_node, op, attrs, np.float32, hold_reads=True, shape=shape)
+    assert in_place == [True, True, True]
+    assert copied_in_place == [False, False, False]
+    for got, expected in zip(in_place_result, copied_result, strict=True):
+        np.testing.assert_array_equal(got.view(np.uint8), expected.view(np.uint8))
+
+
+def test_pieces_are_views_of_contiguous_arrays_and_whole_otherwise():
+    var = np.zeros(3 * state._PIECE_BYTES // 4 + 5, np.float32)
+    grad = np.ones_like(var)
+    signature = (("var", "var"), ("alpha", "scalar"), ("delta", "tensor"))
+    alpha = np.float32(0.5).reshape(())
+    pieces = state._pieces({"var": var, "alpha": alpha, "delta": grad}, signature)
+    assert [p["var"].size for p in pieces] == [65536, 65536, 65536, 5]
+    assert all(np.shares_memory(p["var"], var) and p["alpha"] is alpha for p in pieces)
+    strided = np.ones(2 * var.size, np.float32)[::2]  # not contiguous: no pieces
+    whole = state._pieces({"var": var, "alpha": alpha, "delta": strided}, signature)
+    assert len(whole) == 1 and whole[0]["delta"] is strided
 
 
 @pytest.mark.parametrize("op", sorted(set(SLOTS) - {"ResourceSparseApplyAdagrad"}))
