@@ -203,7 +203,7 @@ class UnsortedSegmentReductionKernel(OpKernel):
         keep = ids >= 0  # negative ids are dropped, as in TF
         output = np.full((num_segments, *inner), _identity(self.op, self.dtype), dtype=self.dtype)
         with np.errstate(all="ignore"):
-            self.ufunc.at(output, ids[keep], rows[keep])
+            reduce_rows_at(self.ufunc, output, ids[keep], rows[keep])
         return [output]
 
 
@@ -302,16 +302,47 @@ def sparse_rows_passes(rows: np.ndarray) -> list[np.ndarray]:
     what TensorFlow's sparse kernels do with duplicate indices. As many passes as the
     most repeated row has occurrences.
     """
-    n = rows.size
-    if n == 0:
+    order, occurrence = _occurrences(rows)
+    if occurrence.size == 0:
         return []
+    return [order[occurrence == k] for k in range(int(occurrence.max()) + 1)]
+
+
+def _occurrences(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(positions of `rows` sorted by row, stably; how many times that position's row
+    was named before it)."""
+    n = rows.size
     order = np.argsort(rows, kind="stable")
+    if n == 0:
+        return order, np.zeros(0, np.int64)
     ordered = rows[order]
     starts = np.ones(n, dtype=bool)
     starts[1:] = ordered[1:] != ordered[:-1]
     group_start = np.maximum.accumulate(np.where(starts, np.arange(n), 0))
-    occurrence = np.arange(n) - group_start
-    return [order[occurrence == k] for k in range(int(occurrence.max()) + 1)]
+    return order, np.arange(n) - group_start
+
+
+# Most passes `reduce_rows_at` makes before it leaves the work to `ufunc.at`.
+_MAX_PASSES = 16
+
+
+def reduce_rows_at(ufunc: np.ufunc, output: np.ndarray, ids: np.ndarray, rows: np.ndarray) -> None:
+    """output[ids[i]] = ufunc(output[ids[i]], rows[i]) for every i, in order: `ufunc.at`'s
+    result bit for bit (each output row sees its rows in the same order).
+
+    `ufunc.at` walks the rows one by one in C (~0.25 us a row); when no id repeats
+    more than `_MAX_PASSES` times, a few vectorised passes over the distinct ids
+    (the k-th occurrences of each, as `sparse_rows_passes`) do the same 3x faster.
+    """
+    order, occurrence = _occurrences(ids)
+    passes = int(occurrence.max()) + 1 if occurrence.size else 0
+    if passes > _MAX_PASSES:
+        ufunc.at(output, ids, rows)
+        return
+    for k in range(passes):
+        positions = order[occurrence == k] if passes > 1 else order
+        picked = ids[positions]
+        output[picked] = ufunc(output[picked], rows[positions])
 
 
 class _SparseApplyKernel(_ApplyKernel):

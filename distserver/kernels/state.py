@@ -366,7 +366,7 @@ class ResourceScatterKernel(_VariableKernel):
 # --------------------------------------------------------------------------- optimizers
 
 
-class _locked:  # noqa: N801 (used as a context manager, like a function)
+class _locked:  # a context manager, named like one written as a function
     """Hold the locks of `variables` (a context manager): one fixed order (by identity)
     for every kernel, so two updates never deadlock; a variable passed twice is locked
     once. A class, not a generator: it is entered by every optimizer update."""
@@ -411,7 +411,9 @@ _IN_PLACE_TYPES = frozenset({np.dtype(np.float32), np.dtype(np.float64)})
 _PIECE_BYTES = 256 * 1024
 
 
-def _pieces(values: dict[str, np.ndarray], signature: tuple[tuple[str, str], ...]) -> list[dict[str, np.ndarray]]:
+def _pieces(
+    values: dict[str, np.ndarray], signature: tuple[tuple[str, str], ...]
+) -> list[dict[str, np.ndarray]]:
     """`values` (an `_ApplyKernel`'s inputs, by name) cut into pieces of `_PIECE_BYTES`
     of the variable: flat views of every array input, the scalars as they are. One
     piece, `values` itself, when the variable is small or an array is not contiguous."""

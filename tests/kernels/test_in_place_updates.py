@@ -119,7 +119,8 @@ def test_a_large_variable_updated_in_pieces_gets_the_bits_of_one_whole_update(ma
     # 300 x 1001 float32 (1.2 MB) is written piece by piece (`state._PIECE_BYTES`, and
     # a last piece of another size); the copying path computes it whole.
     shape = (300, 1001)
-    assert np.prod(shape) * 4 > 4 * state._PIECE_BYTES and np.prod(shape) * 4 % state._PIECE_BYTES
+    assert np.prod(shape) * 4 > 4 * state._PIECE_BYTES
+    assert np.prod(shape) * 4 % state._PIECE_BYTES
     in_place_result, _, in_place = _train(make_node, op, attrs, np.float32, hold_reads=False, shape=shape)
     copied_result, _, copied_in_place = _train(make_node, op, attrs, np.float32, hold_reads=True, shape=shape)
     assert in_place == [True, True, True]
@@ -138,7 +139,8 @@ def test_pieces_are_views_of_contiguous_arrays_and_whole_otherwise():
     assert all(np.shares_memory(p["var"], var) and p["alpha"] is alpha for p in pieces)
     strided = np.ones(2 * var.size, np.float32)[::2]  # not contiguous: no pieces
     whole = state._pieces({"var": var, "alpha": alpha, "delta": strided}, signature)
-    assert len(whole) == 1 and whole[0]["delta"] is strided
+    assert len(whole) == 1
+    assert whole[0]["delta"] is strided
 
 
 @pytest.mark.parametrize("op", sorted(set(SLOTS) - {"ResourceSparseApplyAdagrad"}))
