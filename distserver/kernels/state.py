@@ -376,6 +376,9 @@ class _locked:  # a context manager, named like one written as a function
     def __init__(self, variables: list[VariableResource]) -> None:
         if len(variables) == 1:
             self._locks = [variables[0].lock]
+        elif len(variables) == 2:
+            a, b = variables
+            self._locks = [a.lock] if a is b else [a.lock, b.lock] if id(a) < id(b) else [b.lock, a.lock]
         else:
             self._locks = [v.lock for v in sorted({id(v): v for v in variables}.values(), key=id)]
         self._taken = 0
@@ -469,6 +472,11 @@ class _ApplyKernel(_VariableKernel):
         self.may_update_in_place = (
             type(self).update_in_place is not _ApplyKernel.update_in_place and self.dtype in _IN_PLACE_TYPES
         )
+        # (input index, name) of the "var" inputs; (input index, name, is a scalar) of the rest.
+        self._var_slots = [(i, name) for i, (name, kind) in enumerate(self.signature) if kind == "var"]
+        self._other_slots = [
+            (i, name, kind == "scalar") for i, (name, kind) in enumerate(self.signature) if kind != "var"
+        ]
 
     def _variable(
         self, ctx: KernelContext, index: int, value: Any
@@ -490,24 +498,27 @@ class _ApplyKernel(_VariableKernel):
             )
         return kernel_error(self, _missing_text(self._handle(ctx, value)), errors.NotFoundError)
 
+    def _resource(self, ctx: KernelContext, index: int, value: Any) -> VariableResource:
+        """The variable input `index` (`value`) names."""
+        if self.on_refs:
+            return ref_input(self, value, index).variable
+        return self._lookup(ctx, self._handle(ctx, value))
+
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
         signature = self.signature
         if len(inputs) != len(signature):
             raise kernel_error(self, f"expects {len(signature)} inputs, got {len(inputs)}")
-        variables: list[tuple[int, VariableResource]] = []  # (input index, variable)
+        targets = [self._resource(ctx, i, inputs[i]) for i, _ in self._var_slots]
         values: dict[str, np.ndarray] = {}
-        for i, (name, kind) in enumerate(signature):
+        dtype = self.dtype
+        for i, name, scalar in self._other_slots:
             value = inputs[i]
-            if kind == "var":
-                variables.append((i, self._variable(ctx, i, value)[0]))
-                continue
-            check_input_dtype(self, i, value, self.dtype)
-            if kind == "scalar":
+            check_input_dtype(self, i, value, dtype)
+            if scalar and value.ndim:
                 if value.size != 1 or value.ndim > 1:
                     raise kernel_error(self, f"{name} is not a scalar: {shape_str(value.shape)}")
                 value = value.reshape(())
             values[name] = value
-        targets = [variable for _, variable in variables]
         with _locked(targets):
             # Decided before this kernel takes references to the arrays itself. Scalars
             # are not worth it (numpy's temporaries of 0-d arrays are not arrays).
@@ -516,12 +527,12 @@ class _ApplyKernel(_VariableKernel):
             )
             for variable in targets:
                 in_place = in_place and variable.unshared() and variable.value.ndim > 0  # type: ignore[union-attr]
-            for i, variable in variables:
+            for (i, name), variable in zip(self._var_slots, targets, strict=True):
                 current = variable.value
                 if current is None:
                     raise self._no_value(ctx, i, inputs[i])
-                check_input_dtype(self, 0, current, self.dtype)
-                values[signature[i][0]] = current
+                check_input_dtype(self, 0, current, dtype)
+                values[name] = current
             shape = values["var"].shape
             for name, kind in signature[1:]:
                 if kind != "scalar" and values[name].shape != shape:
@@ -530,7 +541,7 @@ class _ApplyKernel(_VariableKernel):
                         f"var and {name} do not have the same shape"
                         f"{shape_str(shape)} {shape_str(values[name].shape)}",
                     )
-            names = [signature[i][0] for i, _ in variables]
+            names = [name for _, name in self._var_slots]
             if in_place:
                 self._update_in_place(values, names)
             else:
