@@ -322,6 +322,22 @@ def _occurrences(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return order, np.arange(n) - group_start
 
 
+def _update_passes(rows: np.ndarray, num_rows: int) -> list[np.ndarray | None]:
+    """`sparse_rows_passes(rows)` for a sparse update of a variable of `num_rows` rows
+    (every row in range), with `[None]` (one pass over all positions, in order) when
+    no row repeats: the usual case, as TF's optimizers sum duplicate rows before
+    the update. A flag per row of the variable tells, unless that is many times the
+    rows named (then the passes find it, sorting)."""
+    if rows.size <= 1:
+        return [None] if rows.size else []
+    if num_rows <= 64 * rows.size:
+        named = np.zeros(num_rows, np.bool_)
+        named[rows] = True
+        if np.count_nonzero(named) == rows.size:
+            return [None]
+    return list(sparse_rows_passes(rows))
+
+
 # Most passes `reduce_rows_at` makes before it leaves the work to `ufunc.at`.
 _MAX_PASSES = 16
 
@@ -400,11 +416,11 @@ class _SparseApplyKernel(_ApplyKernel):
                 updated = {name: np.array(value, copy=True) for name, value in current.items()}
             try:
                 with np.errstate(all="ignore"):
-                    for positions in sparse_rows_passes(rows):
-                        picked = rows[positions]
+                    for positions in _update_passes(rows, current["var"].shape[0]):
+                        picked = rows if positions is None else rows[positions]
                         x = {name: updated[name][picked] for name in updated}
                         x.update(values)
-                        x["grad"] = grad[positions]
+                        x["grad"] = grad if positions is None else grad[positions]
                         for name, new_rows in self.update(**x).items():
                             updated[name][picked] = new_rows
             finally:

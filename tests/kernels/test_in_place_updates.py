@@ -209,3 +209,29 @@ def test_concurrent_readers_never_see_a_torn_value(make_node):
     before = weakref.ref(resource.value)
     apply.compute(ctx, [handle, np.float64(1.0), delta])  # no reader left: in place
     assert resource.value is before()
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [[5, 0, 17, 3, 9], [5, 0, 5, 3, 0, 5], list(range(40))],
+    ids=["distinct-shuffled", "repeated", "every-row"],
+)
+def test_a_sparse_update_equals_walking_its_rows_one_by_one(make_node, rows):
+    # Distinct rows take one pass over all positions (`sparse._update_passes`), repeated
+    # ones a pass per occurrence; either way the bits of TF's walk over the rows in order.
+    rng = np.random.default_rng(11)
+    start = [np.abs(rng.normal(size=(40, 3))).astype(np.float32) + 0.1 for _ in range(2)]
+    rows = np.array(rows, np.int64)
+    grad = rng.normal(size=(rows.size, 3)).astype(np.float32)
+    lr = np.array(0.1, np.float32)
+    results = []
+    for one_by_one in (False, True):
+        ctx = Context()
+        handles = [_variable(make_node, ctx, f"v{i}", value.copy())[0] for i, value in enumerate(start)]
+        kernel = create_kernel(make_node("ResourceSparseApplyAdagrad", T=np.float32, Tindices=np.int64))
+        batches = [slice(k, k + 1) for k in range(rows.size)] if one_by_one else [slice(None)]
+        for batch in batches:
+            kernel.compute(ctx, [*handles, lr, grad[batch], rows[batch]])
+        results.append([ctx.resources.lookup(h[()].container, h[()].name).value.copy() for h in handles])
+    for batched, walked in zip(*results, strict=True):
+        np.testing.assert_array_equal(batched.view(np.uint32), walked.view(np.uint32))
