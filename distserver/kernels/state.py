@@ -40,6 +40,7 @@ from distserver.kernels._common import (
     handle_input,
     handle_output,
     kernel_error,
+    quiet,
     scatter,
     shape_str,
     type_name,
@@ -477,6 +478,7 @@ class _ApplyKernel(_VariableKernel):
         self._other_slots = [
             (i, name, kind == "scalar") for i, (name, kind) in enumerate(self.signature) if kind != "var"
         ]
+        self._quiet_update_in_place = quiet(self.update_in_place)
 
     def _variable(
         self, ctx: KernelContext, index: int, value: Any
@@ -555,9 +557,8 @@ class _ApplyKernel(_VariableKernel):
         for name in names:
             values[name].flags.writeable = True
         try:
-            with np.errstate(all="ignore"):
-                for piece in _pieces(values, self.signature):
-                    self.update_in_place(**piece)
+            for piece in _pieces(values, self.signature):
+                self._quiet_update_in_place(**piece)
         finally:
             for name in names:
                 values[name].flags.writeable = False
