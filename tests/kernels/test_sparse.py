@@ -592,3 +592,20 @@ def test_dense_proximal_adagrad_and_centered_rmsprop(variables):
     np.testing.assert_allclose(
         variables.value("var"), var - 0.01 * grad / np.sqrt(ms - mg * mg + 1e-3), rtol=1e-5
     )
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.uint8])
+@pytest.mark.parametrize("distinct", [1, 3, 200, 100_000])
+def test_unique_of_integers_matches_the_first_appearance_definition(run_op, dtype, distinct):
+    # Integer vectors take their own path (`_first_occurrence_unique_ints`); check it
+    # against the definition, walked in Python.
+    rng = np.random.default_rng(distinct)
+    x = rng.integers(0, min(distinct, np.iinfo(dtype).max + 1), 500).astype(dtype)
+    y, idx, count = run_op("UniqueWithCounts", x, T=dtype, out_idx=np.int64)
+    first: dict[int, int] = {}
+    for value in x.tolist():
+        first.setdefault(value, len(first))
+    np.testing.assert_array_equal(y, np.array(list(first), dtype))
+    np.testing.assert_array_equal(idx, [first[v] for v in x.tolist()])
+    np.testing.assert_array_equal(count, [x.tolist().count(v) for v in first])
+    assert y.dtype == dtype
