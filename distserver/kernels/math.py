@@ -348,6 +348,7 @@ class MatMulKernel(OpKernel):
         self.dtype = attr_type_in(self, "T", FLOATS | COMPLEX | {np.dtype(np.int32), np.dtype(np.int64)})
         self.transpose_a = self.attr_bool("transpose_a", False)
         self.transpose_b = self.attr_bool("transpose_b", False)
+        self.work = _ACCUMULATE.get(self.dtype, self.dtype)  # float16/bfloat16 in float32
 
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
         a, b = inputs
@@ -364,8 +365,9 @@ class MatMulKernel(OpKernel):
                 self,
                 f"Matrix size-incompatible: In[0]: {shape_str(a.shape)}, In[1]: {shape_str(b.shape)}",
             )
-        work = _ACCUMULATE.get(self.dtype, self.dtype)
-        product = _quiet_matmul(lhs.astype(work, copy=False), rhs.astype(work, copy=False))
+        if self.work is self.dtype:  # a product of matrices: an array of their dtype
+            return [_quiet_matmul(lhs, rhs)]
+        product = _quiet_matmul(lhs.astype(self.work), rhs.astype(self.work))
         return [array(product, self.dtype)]
 
 
