@@ -49,6 +49,7 @@ from distserver.kernels._common import (
     int_scalar,
     kernel_error,
     normalize_axis,
+    quiet,
     shape_str,
     type_name,
 )
@@ -161,6 +162,7 @@ class _ElementwiseKernel(OpKernel):
     def __init__(self, node: NodeDef) -> None:
         super().__init__(node)
         allowed, self.fn, returns_bool = self._OPS[self.op]
+        self._quiet_fn = quiet(self.fn)
         self.dtype = BOOL if allowed is None else attr_type_in(self, "T", allowed)
         self.out_dtype = BOOL if returns_bool else self.dtype
         # numpy lacks some bfloat16 loops: compute in float32 and round back.
@@ -169,8 +171,7 @@ class _ElementwiseKernel(OpKernel):
     def _apply(self, *args: np.ndarray) -> np.ndarray:
         args = tuple(a.astype(self.work_dtype, copy=False) for a in args)
         try:
-            with np.errstate(all="ignore"):
-                return array(self.fn(*args), self.out_dtype)
+            return array(self._quiet_fn(*args), self.out_dtype)
         except _ArithmeticError as exc:
             raise kernel_error(self, str(exc)) from None
 
@@ -335,6 +336,9 @@ class CastKernel(OpKernel):
 # --------------------------------------------------------------------------- MatMul, BiasAdd, AddN
 
 
+_quiet_matmul = quiet(np.matmul)
+
+
 @register_kernel("MatMul")
 class MatMulKernel(OpKernel):
     """2-D matrix product with optional transposes of either operand."""
@@ -344,6 +348,7 @@ class MatMulKernel(OpKernel):
         self.dtype = attr_type_in(self, "T", FLOATS | COMPLEX | {np.dtype(np.int32), np.dtype(np.int64)})
         self.transpose_a = self.attr_bool("transpose_a", False)
         self.transpose_b = self.attr_bool("transpose_b", False)
+        self.work = _ACCUMULATE.get(self.dtype, self.dtype)  # float16/bfloat16 in float32
 
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
         a, b = inputs
@@ -360,9 +365,9 @@ class MatMulKernel(OpKernel):
                 self,
                 f"Matrix size-incompatible: In[0]: {shape_str(a.shape)}, In[1]: {shape_str(b.shape)}",
             )
-        work = _ACCUMULATE.get(self.dtype, self.dtype)
-        with np.errstate(all="ignore"):
-            product = np.matmul(lhs.astype(work, copy=False), rhs.astype(work, copy=False))
+        if self.work is self.dtype:  # a product of matrices: an array of their dtype
+            return [_quiet_matmul(lhs, rhs)]
+        product = _quiet_matmul(lhs.astype(self.work), rhs.astype(self.work))
         return [array(product, self.dtype)]
 
 
@@ -441,14 +446,14 @@ class _ReductionKernel(OpKernel):
         super().__init__(node)
         self.dtype = attr_type_in(self, "T", self.types)
         self.keep_dims = self.attr_bool("keep_dims", False)
+        self._quiet_reduce = quiet(self.reduce)
 
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
         x, indices = inputs
         check_input_dtype(self, 0, x, self.dtype)
         axes = self._axes(x.ndim, int_list(self, indices, "reduction_indices", allow_scalar=True))
         work = _ACCUMULATE.get(self.dtype, self.dtype)
-        with np.errstate(all="ignore"):
-            result = self.reduce(x.astype(work, copy=False), axes)
+        result = self._quiet_reduce(x.astype(work, copy=False), axes)
         return [array(result, self.dtype)]
 
     def _axes(self, rank: int, indices: list[int]) -> tuple[int, ...]:
@@ -489,6 +494,7 @@ class _LogicalReductionKernel(_ReductionKernel):
         OpKernel.__init__(self, node)
         self.dtype = BOOL
         self.keep_dims = self.attr_bool("keep_dims", False)
+        self._quiet_reduce = quiet(self.reduce)
 
 
 @register_kernel("All")

@@ -25,6 +25,7 @@ from distserver.kernels._common import (
     check_input_dtype,
     compute_dtype,
     kernel_error,
+    quiet,
     shape_str,
 )
 from distserver.kernels.registry import KernelContext, OpKernel, register_kernel
@@ -129,6 +130,7 @@ class ActivationGradKernel(OpKernel):
     def __init__(self, node: NodeDef) -> None:
         super().__init__(node)
         allowed, self.fn = _GRADIENTS.get(self.op) or _OUTPUT_GRADIENTS[self.op]
+        self._quiet_fn = quiet(self.fn)
         self.dtype = attr_type_in(self, "T", allowed)
         self.alpha = self.attr_float("alpha", 0.2)
 
@@ -142,8 +144,7 @@ class ActivationGradKernel(OpKernel):
                 f"{self.op} inputs must have the same shape: {shape_str(a.shape)} vs {shape_str(b.shape)}",
             )
         work = _work_dtype(self.dtype)
-        with np.errstate(all="ignore"):
-            result = self.fn(a.astype(work, copy=False), b.astype(work, copy=False), self.alpha)
+        result = self._quiet_fn(a.astype(work, copy=False), b.astype(work, copy=False), self.alpha)
         return [array(result, self.dtype)]
 
 

@@ -83,6 +83,7 @@ class VariableV2Kernel(OpKernel):
     """
 
     is_stateful = True
+    makes_refs = True
 
     def __init__(self, node: NodeDef) -> None:
         super().__init__(node)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
+import types
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
@@ -173,6 +174,9 @@ class OpKernel:
     # VarHandleOp): the executor computes such a node without inputs once per device
     # and hands its outputs to every later step, instead of running it every step.
     outputs_fixed: ClassVar[bool] = False
+    # Kernels that output a `VariableRef` (VariableV2): only graphs holding one need the
+    # dereferencing check on every kernel's inputs (`compute_without_dereference`).
+    makes_refs: ClassVar[bool] = False
     ref_inputs: frozenset[int] = frozenset()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -292,7 +296,18 @@ def _dereferencing(method: _Compute) -> _Compute:
                 break
         return method(self, ctx, inputs)
 
+    compute.without_dereference = method  # type: ignore[attr-defined]
     return compute
+
+
+def compute_without_dereference(kernel: OpKernel) -> Callable[[KernelContext, list[Any]], list[Any]]:
+    """`kernel.compute` without the check for `VariableRef` inputs, for a caller that
+    knows none can reach it (a graph without `VariableV2`, the only kernel making
+    them: the executor)."""
+    method = getattr(type(kernel).compute, "without_dereference", None)
+    if method is None:
+        return kernel.compute
+    return types.MethodType(method, kernel)
 
 
 def _dereferencing_async(method: _ComputeAsync) -> _ComputeAsync:

@@ -21,8 +21,7 @@ The optimizer kernels (`ResourceApplyGradientDescent`, `...Momentum`, `...Adam`,
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -41,6 +40,7 @@ from distserver.kernels._common import (
     handle_input,
     handle_output,
     kernel_error,
+    quiet,
     scatter,
     shape_str,
     type_name,
@@ -367,25 +367,75 @@ class ResourceScatterKernel(_VariableKernel):
 # --------------------------------------------------------------------------- optimizers
 
 
-@contextlib.contextmanager
-def _locked(variables: list[VariableResource]) -> Iterator[None]:
-    # One fixed order (by identity) for every kernel, so two updates never deadlock;
-    # a variable passed twice is locked once.
-    locks = [v.lock for v in sorted({id(v): v for v in variables}.values(), key=id)]
-    taken = 0
-    try:
-        for lock in locks:
-            lock.acquire()
-            taken += 1
-        yield
-    finally:
-        for lock in reversed(locks[:taken]):
+class _locked:  # a context manager, named like one written as a function
+    """Hold the locks of `variables` (a context manager): one fixed order (by identity)
+    for every kernel, so two updates never deadlock; a variable passed twice is locked
+    once. A class, not a generator: it is entered by every optimizer update."""
+
+    __slots__ = ("_locks", "_taken")
+
+    def __init__(self, variables: list[VariableResource]) -> None:
+        if len(variables) == 1:
+            self._locks = [variables[0].lock]
+        elif len(variables) == 2:
+            a, b = variables
+            self._locks = [a.lock] if a is b else [a.lock, b.lock] if id(a) < id(b) else [b.lock, a.lock]
+        else:
+            self._locks = [v.lock for v in sorted({id(v): v for v in variables}.values(), key=id)]
+        self._taken = 0
+
+    def __enter__(self) -> None:
+        try:
+            for lock in self._locks:
+                lock.acquire()
+                self._taken += 1
+        except BaseException:
+            self._release()
+            raise
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._release()
+
+    def _release(self) -> None:
+        for lock in reversed(self._locks[: self._taken]):
             lock.release()
+        self._taken = 0
 
 
 # The dtypes whose updates may be written into the variables' arrays (`update_in_place`):
 # numpy computes them natively, so in place and out of place give the same bits.
 _IN_PLACE_TYPES = frozenset({np.dtype(np.float32), np.dtype(np.float64)})
+
+
+# A dense update of a larger variable is written piece by piece, each piece this many
+# bytes of the variable: every pass of the update (Adam makes a dozen) then runs over
+# data in the CPU's cache instead of streaming the whole arrays through memory each
+# time (784x512 float32 Adam: 1.4 -> 0.7 ms here). The updates are element-wise, so
+# the pieces give the same bits as one whole update.
+_PIECE_BYTES = 256 * 1024
+
+
+def _pieces(
+    values: dict[str, np.ndarray], signature: tuple[tuple[str, str], ...]
+) -> list[dict[str, np.ndarray]]:
+    """`values` (an `_ApplyKernel`'s inputs, by name) cut into pieces of `_PIECE_BYTES`
+    of the variable: flat views of every array input, the scalars as they are. One
+    piece, `values` itself, when the variable is small or an array is not contiguous."""
+    var = values["var"]
+    if var.nbytes < 2 * _PIECE_BYTES:
+        return [values]
+    arrays = [name for name, kind in signature if kind != "scalar"]
+    if not all(values[name].flags.c_contiguous for name in arrays):
+        return [values]
+    flat = {name: values[name].reshape(-1) for name in arrays}
+    step = max(1, _PIECE_BYTES // var.itemsize)
+    pieces = []
+    for start in range(0, var.size, step):
+        piece = dict(values)
+        for name, whole in flat.items():
+            piece[name] = whole[start : start + step]
+        pieces.append(piece)
+    return pieces
 
 
 class _ApplyKernel(_VariableKernel):
@@ -423,6 +473,12 @@ class _ApplyKernel(_VariableKernel):
         self.may_update_in_place = (
             type(self).update_in_place is not _ApplyKernel.update_in_place and self.dtype in _IN_PLACE_TYPES
         )
+        # (input index, name) of the "var" inputs; (input index, name, is a scalar) of the rest.
+        self._var_slots = [(i, name) for i, (name, kind) in enumerate(self.signature) if kind == "var"]
+        self._other_slots = [
+            (i, name, kind == "scalar") for i, (name, kind) in enumerate(self.signature) if kind != "var"
+        ]
+        self._quiet_update_in_place = quiet(self.update_in_place)
 
     def _variable(
         self, ctx: KernelContext, index: int, value: Any
@@ -434,61 +490,75 @@ class _ApplyKernel(_VariableKernel):
         handle = self._handle(ctx, value)
         return self._lookup(ctx, handle), lambda: _missing_text(handle)
 
+    def _no_value(self, ctx: KernelContext, index: int, value: Any) -> errors.OpError:
+        """The error for variable input `index` (`value`), found without a value."""
+        if self.on_refs:
+            return kernel_error(
+                self,
+                f"Attempting to use uninitialized variables: {requested_input(self, index)}",
+                errors.FailedPreconditionError,
+            )
+        return kernel_error(self, _missing_text(self._handle(ctx, value)), errors.NotFoundError)
+
+    def _resource(self, ctx: KernelContext, index: int, value: Any) -> VariableResource:
+        """The variable input `index` (`value`) names."""
+        if self.on_refs:
+            return ref_input(self, value, index).variable
+        return self._lookup(ctx, self._handle(ctx, value))
+
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
-        variables: dict[str, tuple[VariableResource, Callable[[], str]]] = {}
+        signature = self.signature
+        if len(inputs) != len(signature):
+            raise kernel_error(self, f"expects {len(signature)} inputs, got {len(inputs)}")
+        targets = [self._resource(ctx, i, inputs[i]) for i, _ in self._var_slots]
         values: dict[str, np.ndarray] = {}
-        for i, ((name, kind), value) in enumerate(zip(self.signature, inputs, strict=True)):
-            if kind == "var":
-                variables[name] = self._variable(ctx, i, value)
-                continue
-            check_input_dtype(self, i, value, self.dtype)
-            if kind == "scalar" and (value.size != 1 or value.ndim > 1):
-                raise kernel_error(self, f"{name} is not a scalar: {shape_str(value.shape)}")
-            values[name] = value.reshape(()) if kind == "scalar" else value
-        targets = [variable for variable, _ in variables.values()]
+        dtype = self.dtype
+        for i, name, scalar in self._other_slots:
+            value = inputs[i]
+            check_input_dtype(self, i, value, dtype)
+            if scalar and value.ndim:
+                if value.size != 1 or value.ndim > 1:
+                    raise kernel_error(self, f"{name} is not a scalar: {shape_str(value.shape)}")
+                value = value.reshape(())
+            values[name] = value
         with _locked(targets):
             # Decided before this kernel takes references to the arrays itself. Scalars
             # are not worth it (numpy's temporaries of 0-d arrays are not arrays).
-            in_place = (
-                self.may_update_in_place
-                and len({id(v) for v in targets}) == len(targets)
-                and all(v.unshared() and v.value is not None and v.value.ndim for v in targets)
+            in_place = self.may_update_in_place and (
+                len(targets) == 1 or len({id(v) for v in targets}) == len(targets)
             )
-            for name, (variable, missing) in variables.items():
+            for variable in targets:
+                in_place = in_place and variable.unshared() and variable.value.ndim > 0  # type: ignore[union-attr]
+            for (i, name), variable in zip(self._var_slots, targets, strict=True):
                 current = variable.value
                 if current is None:
-                    if self.on_refs:
-                        raise kernel_error(
-                            self,
-                            f"Attempting to use uninitialized variables: {missing()}",
-                            errors.FailedPreconditionError,
-                        )
-                    raise kernel_error(self, missing(), errors.NotFoundError)
-                check_input_dtype(self, 0, current, self.dtype)
+                    raise self._no_value(ctx, i, inputs[i])
+                check_input_dtype(self, 0, current, dtype)
                 values[name] = current
             shape = values["var"].shape
-            for name, kind in self.signature[1:]:
+            for name, kind in signature[1:]:
                 if kind != "scalar" and values[name].shape != shape:
                     raise kernel_error(
                         self,
                         f"var and {name} do not have the same shape"
                         f"{shape_str(shape)} {shape_str(values[name].shape)}",
                     )
+            names = [name for _, name in self._var_slots]
             if in_place:
-                self._update_in_place(values, list(variables))
+                self._update_in_place(values, names)
             else:
                 with np.errstate(all="ignore"):
                     updated = self.update(**values)
                 for name, new_value in updated.items():
-                    variables[name][0].replace(array(new_value, self.dtype))
+                    targets[names.index(name)].replace(array(new_value, self.dtype))
         return [inputs[0]] if self.on_refs else []
 
     def _update_in_place(self, values: dict[str, np.ndarray], names: list[str]) -> None:
         for name in names:
             values[name].flags.writeable = True
         try:
-            with np.errstate(all="ignore"):
-                self.update_in_place(**values)
+            for piece in _pieces(values, self.signature):
+                self._quiet_update_in_place(**piece)
         finally:
             for name in names:
                 values[name].flags.writeable = False

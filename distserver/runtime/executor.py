@@ -42,7 +42,7 @@ import hashlib
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +56,7 @@ from distserver.kernels.registry import (
     FunctionFrame,
     KernelContext,
     OpKernel,
+    compute_without_dereference,
     create_kernel,
 )
 from distserver.kernels.resources import ResourceManager
@@ -169,6 +170,10 @@ class _Node:
     mode: int = _INLINE
     # The producers of `inputs`, one entry per data edge (`unread` bookkeeping).
     sources: tuple[int, ...] = ()
+    # What the ready loop calls for an inline node: `kernel.compute`, without its
+    # `VariableRef` check in a graph that cannot hold one (`compute_without_dereference`).
+    compute: Callable[[KernelContext, list[Any]], list[Any]] | None = None
+    may_output_dead: bool = False  # `kernel.may_output_dead`
 
 
 class Executor:
@@ -211,9 +216,12 @@ class Executor:
                     self._nodes[src].num_reads += 1
                 self._nodes[src].consumers.append(i)
                 node.num_waits += 1
+        has_refs = any(n.kernel.makes_refs for n in self._nodes)
         for node in self._nodes:
             node.mode = _mode_of(node)
             node.sources = tuple(src for src, _ in node.inputs)
+            node.compute = node.kernel.compute if has_refs else compute_without_dereference(node.kernel)
+            node.may_output_dead = node.kernel.may_output_dead
         self._roots = [n.index for n in self._nodes if n.num_waits == 0]
         has_loops = any(n.kernel.op in ("Enter", "RefEnter") for n in self._nodes)
         self._loop_plan = _LoopPlan(self._nodes) if has_loops else None
@@ -311,18 +319,21 @@ class Executor:
         # conditional), no node pays for looking for them.
         saw_dead = False
 
-        def finish(i: int, values: list[Any]) -> None:
+        def finish_deadness(node: _Node, values: list[Any]) -> None:
             nonlocal saw_dead
+            if values is _DEAD_OUTPUTS or any(v is DEAD for v in values):
+                saw_dead = True
+            dead = values is _DEAD_OUTPUTS or (values and all(v is DEAD for v in values))
+            if dead:
+                for c in node.control_consumers:
+                    dead_control[c] = True
+
+        def finish(i: int, values: list[Any]) -> None:
             if unread[i]:
                 outputs[i] = values
             node = nodes[i]
-            if saw_dead or node.kernel.may_output_dead:
-                if values is _DEAD_OUTPUTS or any(v is DEAD for v in values):
-                    saw_dead = True
-                dead = values is _DEAD_OUTPUTS or (values and all(v is DEAD for v in values))
-                if dead:
-                    for c in node.control_consumers:
-                        dead_control[c] = True
+            if saw_dead or node.may_output_dead:
+                finish_deadness(node, values)
             for c in node.consumers:
                 waits[c] -= 1
                 if waits[c] == 0:
@@ -384,7 +395,25 @@ class Executor:
                             _record(stats, node.kernel, started, time.time_ns())
                             finish(node.index, values)
                         else:
-                            finish(node.index, _compute(node.kernel, ctx, inputs))
+                            try:
+                                values = node.compute(ctx, inputs)  # type: ignore[misc]
+                            except Exception as exc:
+                                error = _node_error(node.kernel, exc)
+                                if error is exc:
+                                    raise
+                                raise error from exc
+                            # `finish`, written out: this is the path of most nodes.
+                            i = node.index
+                            if unread[i]:
+                                outputs[i] = values
+                            if saw_dead or node.may_output_dead:
+                                finish_deadness(node, values)
+                            for c in node.consumers:
+                                left = waits[c] - 1
+                                waits[c] = left
+                                if not left:
+                                    ready.append(c)
+                            del values
                         del inputs  # the kernel holds its inputs only while it runs
                     if in_flight == 0:
                         break
@@ -485,16 +514,25 @@ def _large(node: _Node, inputs: list[Any]) -> bool:
 def _compute(kernel: OpKernel, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
     try:
         return kernel.compute(ctx, inputs)
-    except errors.OpError as exc:
-        raise errors.with_node(exc, kernel.name) from exc
-    except MemoryError as exc:
-        raise errors.with_node(
+    except Exception as exc:
+        error = _node_error(kernel, exc)
+        if error is exc:
+            raise
+        raise error from exc
+
+
+def _node_error(kernel: OpKernel, exc: Exception) -> Exception:
+    """What the step raises for `exc` from `kernel`: an OpError naming the node, or
+    `exc` itself when it is not an error of the node's data (a bug, a cancellation)."""
+    if isinstance(exc, errors.OpError):
+        return errors.with_node(exc, kernel.name)
+    if isinstance(exc, MemoryError):
+        return errors.with_node(
             errors.ResourceExhaustedError(f"{kernel.op} ran out of memory: {exc}"), kernel.name
-        ) from exc
-    except (ValueError, TypeError, ArithmeticError, IndexError) as exc:
-        raise errors.with_node(
-            errors.InvalidArgumentError(f"{kernel.op} failed: {exc}"), kernel.name
-        ) from exc
+        )
+    if isinstance(exc, (ValueError, TypeError, ArithmeticError, IndexError)):
+        return errors.with_node(errors.InvalidArgumentError(f"{kernel.op} failed: {exc}"), kernel.name)
+    return exc
 
 
 async def _guard(kernel: OpKernel, coro: Any) -> list[Any]:

@@ -13,7 +13,7 @@ import weakref
 import numpy as np
 import pytest
 
-from distserver.kernels import create_kernel
+from distserver.kernels import create_kernel, state
 from distserver.kernels.resources import VariableResource
 
 from .conftest import Context
@@ -70,12 +70,12 @@ CASES = [
 ]
 
 
-def _train(make_node, op, attrs, dtype, *, hold_reads):
+def _train(make_node, op, attrs, dtype, *, hold_reads, shape=SHAPE):
     """Three updates of fresh variables; returns (final values, kept reads, in place each step)."""
     ctx = Context()
     rng = np.random.default_rng(7)
     slots = [
-        _variable(make_node, ctx, f"v{i}", np.abs(rng.normal(size=SHAPE)).astype(dtype))
+        _variable(make_node, ctx, f"v{i}", np.abs(rng.normal(size=shape)).astype(dtype))
         for i in range(SLOTS[op])
     ]
     handles = [h for h, _ in slots]
@@ -84,7 +84,7 @@ def _train(make_node, op, attrs, dtype, *, hold_reads):
     rows = np.array([4, 1, 4, 0], np.int32)  # a repeated row: the update walks them in order
     kept, in_place = [], []
     for _ in range(3):
-        grad = rng.normal(size=SHAPE).astype(dtype)
+        grad = rng.normal(size=shape).astype(dtype)
         if hold_reads:  # a reader (a fetch, a send waiting for its RecvTensor) holds the value
             kept.append([(resource.read(), resource.read().copy()) for _, resource in slots])
         # Weak references: the test must not be a reader itself.
@@ -109,6 +109,38 @@ def test_in_place_updates_give_the_same_bits_and_never_touch_a_held_value(make_n
         for held, snapshot in step:
             np.testing.assert_array_equal(held, snapshot)  # what a reader got never changed
             assert not held.flags.writeable
+
+
+DENSE_CASES = [case for case in CASES if "Sparse" not in case[0]]
+
+
+@pytest.mark.parametrize(("op", "attrs"), DENSE_CASES, ids=[f"{op}-{attrs}" for op, attrs in DENSE_CASES])
+def test_a_large_variable_updated_in_pieces_gets_the_bits_of_one_whole_update(make_node, op, attrs):
+    # 300 x 1001 float32 (1.2 MB) is written piece by piece (`state._PIECE_BYTES`, and
+    # a last piece of another size); the copying path computes it whole.
+    shape = (300, 1001)
+    assert np.prod(shape) * 4 > 4 * state._PIECE_BYTES
+    assert np.prod(shape) * 4 % state._PIECE_BYTES
+    in_place_result, _, in_place = _train(make_node, op, attrs, np.float32, hold_reads=False, shape=shape)
+    copied_result, _, copied_in_place = _train(make_node, op, attrs, np.float32, hold_reads=True, shape=shape)
+    assert in_place == [True, True, True]
+    assert copied_in_place == [False, False, False]
+    for got, expected in zip(in_place_result, copied_result, strict=True):
+        np.testing.assert_array_equal(got.view(np.uint8), expected.view(np.uint8))
+
+
+def test_pieces_are_views_of_contiguous_arrays_and_whole_otherwise():
+    var = np.zeros(3 * state._PIECE_BYTES // 4 + 5, np.float32)
+    grad = np.ones_like(var)
+    signature = (("var", "var"), ("alpha", "scalar"), ("delta", "tensor"))
+    alpha = np.float32(0.5).reshape(())
+    pieces = state._pieces({"var": var, "alpha": alpha, "delta": grad}, signature)
+    assert [p["var"].size for p in pieces] == [65536, 65536, 65536, 5]
+    assert all(np.shares_memory(p["var"], var) and p["alpha"] is alpha for p in pieces)
+    strided = np.ones(2 * var.size, np.float32)[::2]  # not contiguous: no pieces
+    whole = state._pieces({"var": var, "alpha": alpha, "delta": strided}, signature)
+    assert len(whole) == 1
+    assert whole[0]["delta"] is strided
 
 
 @pytest.mark.parametrize("op", sorted(set(SLOTS) - {"ResourceSparseApplyAdagrad"}))
@@ -177,3 +209,29 @@ def test_concurrent_readers_never_see_a_torn_value(make_node):
     before = weakref.ref(resource.value)
     apply.compute(ctx, [handle, np.float64(1.0), delta])  # no reader left: in place
     assert resource.value is before()
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [[5, 0, 17, 3, 9], [5, 0, 5, 3, 0, 5], list(range(40))],
+    ids=["distinct-shuffled", "repeated", "every-row"],
+)
+def test_a_sparse_update_equals_walking_its_rows_one_by_one(make_node, rows):
+    # Distinct rows take one pass over all positions (`sparse._update_passes`), repeated
+    # ones a pass per occurrence; either way the bits of TF's walk over the rows in order.
+    rng = np.random.default_rng(11)
+    start = [np.abs(rng.normal(size=(40, 3))).astype(np.float32) + 0.1 for _ in range(2)]
+    rows = np.array(rows, np.int64)
+    grad = rng.normal(size=(rows.size, 3)).astype(np.float32)
+    lr = np.array(0.1, np.float32)
+    results = []
+    for one_by_one in (False, True):
+        ctx = Context()
+        handles = [_variable(make_node, ctx, f"v{i}", value.copy())[0] for i, value in enumerate(start)]
+        kernel = create_kernel(make_node("ResourceSparseApplyAdagrad", T=np.float32, Tindices=np.int64))
+        batches = [slice(k, k + 1) for k in range(rows.size)] if one_by_one else [slice(None)]
+        for batch in batches:
+            kernel.compute(ctx, [*handles, lr, grad[batch], rows[batch]])
+        results.append([ctx.resources.lookup(h[()].container, h[()].name).value.copy() for h in handles])
+    for batched, walked in zip(*results, strict=True):
+        np.testing.assert_array_equal(batched.view(np.uint32), walked.view(np.uint32))

@@ -510,3 +510,20 @@ def test_round_is_half_to_even(run_op):
     np.testing.assert_array_equal(y, [0.0, 2.0, 2.0, -0.0, -2.0])
     (ints,) = run_op("Round", np.array([3, -4], np.int32), T=np.int32)
     np.testing.assert_array_equal(ints, [3, -4])
+
+
+@pytest.mark.parametrize(
+    ("op", "inputs", "attrs"),
+    [
+        ("MatMul", [np.full((2, 2), 3e38, np.float32), np.full((2, 2), 3e38, np.float32)], {}),
+        ("Sum", [np.full(4, 3e38, np.float32), np.int32(0)], {"Tidx": np.int32}),
+        ("Exp", [np.float32([1000.0])], {}),
+        ("RealDiv", [np.float32([0.0]), np.float32([0.0])], {}),
+        ("TanhGrad", [np.float32([np.inf]), np.float32([np.inf])], {}),
+    ],
+)
+def test_hot_kernels_compute_inf_and_nan_without_a_warning(run_op, op, inputs, attrs):
+    # Their numeric part runs under `_common.quiet` (numpy's warnings off, as TF is
+    # silent); pytest turns any warning into an error here.
+    result = run_op(op, *inputs, T=np.float32, **attrs)[0]
+    assert not np.isfinite(result).all()

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from distserver import errors
-from distserver.kernels import create_kernel
+from distserver.kernels import create_kernel, sparse
 from distserver.kernels.sparse import sparse_rows_passes
 
 F32 = np.float32
@@ -107,6 +107,30 @@ def test_unsorted_segment_sum_with_matrix_ids_and_int64(run_op):
     ids = np.array([[1, 0], [1, 1]], np.int64)
     out = _segment(run_op, "UnsortedSegmentSum", data=data, ids=ids, num=2)
     np.testing.assert_array_equal(out, [[2, 3], [0 + 4 + 6, 1 + 5 + 7]])
+
+
+@pytest.mark.parametrize("op", ["UnsortedSegmentSum", "UnsortedSegmentProd", "UnsortedSegmentMax"])
+@pytest.mark.parametrize("distinct", [2, 150, 5000], ids=["ufunc-at", "few-passes", "one-pass"])
+def test_unsorted_segment_reductions_give_the_bits_of_walking_the_rows_in_order(run_op, op, distinct):
+    # Float sums depend on the order: every segment must see its rows in input order,
+    # as TF's kernel (and ufunc.at) walk them, by passes or by ufunc.at (`_MAX_PASSES`).
+    rng = np.random.default_rng(3)
+    ids = rng.integers(-1, distinct, 600).astype(np.int32)  # -1: dropped
+    data = (rng.normal(size=(600, 7)) * 10.0 ** rng.integers(-4, 5, size=(600, 1))).astype(F32)
+    repeats = np.bincount(ids[ids >= 0]).max()
+    assert (repeats > sparse._MAX_PASSES) == (distinct == 2)
+    out = _segment(run_op, op, data=data, ids=ids, num=distinct + 1)
+    expected = np.full(
+        (distinct + 1, 7), {"UnsortedSegmentSum": 0, "UnsortedSegmentProd": 1}.get(op, np.finfo(F32).min), F32
+    )
+    ufunc = {
+        "UnsortedSegmentSum": np.add,
+        "UnsortedSegmentProd": np.multiply,
+        "UnsortedSegmentMax": np.maximum,
+    }[op]
+    with np.errstate(all="ignore"):
+        ufunc.at(expected, ids[ids >= 0], data[ids >= 0])
+    np.testing.assert_array_equal(out.view(np.uint32), expected.view(np.uint32))
 
 
 def test_unsorted_segment_sum_errors(run_op):
@@ -568,3 +592,20 @@ def test_dense_proximal_adagrad_and_centered_rmsprop(variables):
     np.testing.assert_allclose(
         variables.value("var"), var - 0.01 * grad / np.sqrt(ms - mg * mg + 1e-3), rtol=1e-5
     )
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.uint8])
+@pytest.mark.parametrize("distinct", [1, 3, 200, 100_000])
+def test_unique_of_integers_matches_the_first_appearance_definition(run_op, dtype, distinct):
+    # Integer vectors take their own path (`_first_occurrence_unique_ints`); check it
+    # against the definition, walked in Python.
+    rng = np.random.default_rng(distinct)
+    x = rng.integers(0, min(distinct, np.iinfo(dtype).max + 1), 500).astype(dtype)
+    y, idx, count = run_op("UniqueWithCounts", x, T=dtype, out_idx=np.int64)
+    first: dict[int, int] = {}
+    for value in x.tolist():
+        first.setdefault(value, len(first))
+    np.testing.assert_array_equal(y, np.array(list(first), dtype))
+    np.testing.assert_array_equal(idx, [first[v] for v in x.tolist()])
+    np.testing.assert_array_equal(count, [x.tolist().count(v) for v in first])
+    assert y.dtype == dtype

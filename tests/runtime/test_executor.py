@@ -151,3 +151,47 @@ async def test_nodes_with_fixed_outputs_run_once_per_device_unless_the_step_is_t
     await executor.run(_step_context(None), stats)
     assert sorted(runs) == ["a", "a", "b", "b"]  # a traced step shows every node
     assert {s.node_name for s in stats.node_stats} == {"a", "b", "total"}
+
+
+async def test_only_a_graph_that_can_hold_a_reference_variable_checks_inputs_for_one():
+    # VariableV2 is the one kernel that outputs a VariableRef; in a graph without it no
+    # input can be one, and the executor calls the kernels without the check.
+    from distserver.kernels.resources import VariableRef
+    from distserver.protos.graph_pb2 import GraphDef
+    from distserver.protos.node_def_pb2 import NodeDef
+    from distserver.tensors import to_tensor_proto
+
+    def graph(with_variable: bool) -> GraphDef:
+        value = NodeDef(name="value", op="Const")
+        value.attr["dtype"].type = types_pb2.DT_FLOAT
+        value.attr["value"].tensor.CopyFrom(to_tensor_proto(np.float32([1.0, 2.0])))
+        nodes = [value]
+        if with_variable:
+            variable = NodeDef(name="v", op="VariableV2")
+            variable.attr["dtype"].type = types_pb2.DT_FLOAT
+            assign = NodeDef(name="assign", op="Assign", input=["v", "value"])
+            nodes += [variable, assign]
+        read = NodeDef(name="read", op="Neg", input=["assign" if with_variable else "value"])
+        for node in [*nodes[1:], read]:
+            node.attr["T"].type = types_pb2.DT_FLOAT
+        result = GraphDef()
+        result.node.extend([*nodes, read])
+        return result
+
+    for with_variable in (False, True):
+        executor = Executor(graph(with_variable))
+        neg = executor._nodes[-1]
+        checks = neg.compute.__func__ is type(neg.kernel).compute  # the wrapped compute
+        assert checks == with_variable
+        seen: list = []
+        original = neg.compute
+        neg.compute = lambda ctx, inputs, seen=seen, original=original: (
+            seen.append(inputs[0]) or original(ctx, inputs)
+        )
+        await executor.run(_step_context(None))
+        # Assign outputs the reference, which the wrapped compute dereferences (Neg on a
+        # VariableRef would have failed the step).
+        if with_variable:
+            assert type(seen[0]) is VariableRef
+        else:
+            assert isinstance(seen[0], np.ndarray)
