@@ -91,10 +91,11 @@ def _colocation_targets(node: NodeDef, by_name: dict[str, NodeDef]) -> tuple[lis
             if text.startswith("loc:@") and text[5:] in by_name:
                 classes.append(text[5:])
     resources = []
-    # A node that only passes a handle on (an `IdentityN` of a function's results, a
-    # loop's `Enter`) does not use the resource: it stays where it was asked to be, so
-    # one of them may pass handles of resources on different tasks.
-    if node.op not in _SEND_RECV and node.op not in _PASS_THROUGH:
+    # An `IdentityN` (the results of an inlined function, a lowered loop's body) only
+    # passes handles on, maybe of resources on different tasks: it stays where it was
+    # asked to be. Other pass-throughs go with their handle's resource, so that the
+    # handle does not cross tasks on its way to its readers.
+    if node.op not in _SEND_RECV and node.op not in _PORT_FOR_PORT:
         for text in node.input:
             src, port, is_control = parse_input(text)
             if not is_control:
