@@ -62,6 +62,10 @@ class Builder:
     def retval(self, name: str, value: str, index: int) -> str:
         return self.node(name, "_Retval", [value], T=AttrValue(type=INT), index=index)
 
+    def less_than(self, name: str) -> Any:
+        """A loop's `cond`: its first loop variable < its first invariant."""
+        return lambda vars_, invs, pivot: self.node(name, "Less", [vars_[0], invs[0]], T=AttrValue(type=INT))
+
     def op(self, name: str, op: str, inputs: list[str], **attrs: Any) -> str:
         return self.node(name, op, inputs, T=AttrValue(type=INT), **attrs)
 
@@ -136,8 +140,7 @@ def counting_loop(parallel: int = 10) -> GraphDef:
     step = b.arg("step", 1)
     zero = b.const("zero", 0)
 
-    def cond(vars_: list[str], invs: list[str], pivot: str) -> str:
-        return b.node("loop/less", "Less", [vars_[0], invs[0]], T=AttrValue(type=INT))
+    cond = b.less_than("loop/less")
 
     def body(vars_: list[str], invs: list[str], pivot: str) -> list[str]:
         one = b.const("loop/one", 1, control=pivot)
@@ -183,14 +186,12 @@ def test_nested_loops_run_the_inner_loop_once_per_outer_iteration():
     m = b.arg("m", 1)
     zero = b.const("zero", 0)
 
-    def outer_cond(vars_: list[str], invs: list[str], pivot: str) -> str:
-        return b.node("outer/less", "Less", [vars_[0], invs[0]], T=AttrValue(type=INT))
+    outer_cond = b.less_than("outer/less")
 
     def outer_body(vars_: list[str], invs: list[str], pivot: str) -> list[str]:
         inner_zero = b.const("outer/zero", 0, control=pivot)
 
-        def inner_cond(ivars: list[str], iinvs: list[str], ipivot: str) -> str:
-            return b.node("inner/less", "Less", [ivars[0], iinvs[0]], T=AttrValue(type=INT))
+        inner_cond = b.less_than("inner/less")
 
         def inner_body(ivars: list[str], iinvs: list[str], ipivot: str) -> list[str]:
             one = b.const("inner/one", 1, control=ipivot)
@@ -221,8 +222,7 @@ def loop_in_cond() -> GraphDef:
     switch_limit = b.op("cond/switch_limit", "Switch", [limit, pred])
     taken = b.op("cond/taken", "Identity", [f"{switch}:1"])
 
-    def cond(vars_: list[str], invs: list[str], pivot: str) -> str:
-        return b.node("loop/less", "Less", [vars_[0], invs[0]], T=AttrValue(type=INT))
+    cond = b.less_than("loop/less")
 
     def body(vars_: list[str], invs: list[str], pivot: str) -> list[str]:
         one = b.const("loop/one", 1, control=pivot)
@@ -253,8 +253,7 @@ def test_dead_tensors_leave_a_finished_loop_only_through_its_exits():
     zero = b.const("zero", 0)
     n = b.arg("n", 0)
 
-    def cond(vars_: list[str], invs: list[str], pivot: str) -> str:
-        return b.node("loop/less", "Less", [vars_[0], invs[0]], T=AttrValue(type=INT))
+    cond = b.less_than("loop/less")
 
     def body(vars_: list[str], invs: list[str], pivot: str) -> list[str]:
         one = b.const("loop/one", 1, control=pivot)
@@ -332,8 +331,7 @@ def loop_with_body_on_ps(parallel: int) -> tuple[GraphDef, set[str]]:
     step = b.arg("step", 1)
     zero = b.const("zero", 0)
 
-    def cond(vars_: list[str], invs: list[str], pivot: str) -> str:
-        return b.node("loop/less", "Less", [vars_[0], invs[0]], T=AttrValue(type=INT))
+    cond = b.less_than("loop/less")
 
     def body(vars_: list[str], invs: list[str], pivot: str) -> list[str]:
         product = b.op("loop/product", "Mul", [vars_[0], invs[1]])
@@ -386,14 +384,12 @@ def test_nested_loops_spanning_tasks_name_each_inner_execution_apart():
     step = b.arg("step", 1)
     zero = b.const("zero", 0)
 
-    def outer_cond(vars_: list[str], invs: list[str], pivot: str) -> str:
-        return b.node("outer/less", "Less", [vars_[0], invs[0]], T=AttrValue(type=INT))
+    outer_cond = b.less_than("outer/less")
 
     def outer_body(vars_: list[str], invs: list[str], pivot: str) -> list[str]:
         inner_zero = b.const("outer/zero", 0, control=pivot)
 
-        def inner_cond(ivars: list[str], iinvs: list[str], ipivot: str) -> str:
-            return b.node("inner/less", "Less", [ivars[0], iinvs[0]], T=AttrValue(type=INT))
+        inner_cond = b.less_than("inner/less")
 
         def inner_body(ivars: list[str], iinvs: list[str], ipivot: str) -> list[str]:
             product = b.op("inner/product", "Mul", [ivars[0], iinvs[1]])
@@ -447,8 +443,7 @@ def test_a_loop_that_never_ends_can_be_cancelled():
     zero = b.const("zero", 0)
     limit = b.const("limit", 1)
 
-    def cond(vars_: list[str], invs: list[str], pivot: str) -> str:
-        return b.node("loop/less", "Less", [vars_[0], invs[0]], T=AttrValue(type=INT))
+    cond = b.less_than("loop/less")
 
     def body(vars_: list[str], invs: list[str], pivot: str) -> list[str]:
         return [b.op("loop/same", "Identity", [vars_[0]])]  # never reaches the limit
