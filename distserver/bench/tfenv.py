@@ -69,7 +69,11 @@ def quiet_tf_env() -> dict[str, str]:
 
 
 def probe(python: str) -> TFEnv | str:
-    """A `TFEnv` if `python` imports tensorflow, else the reason it does not."""
+    """A `TFEnv` if `python` imports tensorflow, else the reason it does not. A relative
+    path (`.tfenv/bin/python`) is made absolute: the benchmarks start it from other
+    directories."""
+    if os.sep in python:
+        python = os.path.abspath(python)
     if not os.path.exists(python):
         return f"{python} does not exist"
     try:
