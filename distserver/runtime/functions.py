@@ -477,15 +477,8 @@ class _Inliner:
                 f"Tin lists {len(in_types)}",
                 node_name=node.name,
             )
-        made: list[NodeDef] = []
-
-        def add(name: str, op: str, inputs: Sequence[str], **type_attrs: DataType) -> NodeDef:
-            new = NodeDef(name=prefix + name, op=op, device=device)
-            new.input.extend(inputs)
-            for key, dtype in type_attrs.items():
-                new.attr[key].type = dtype
-            made.append(new)
-            return new
+        lowering = _Lowering(node)
+        made, add = lowering.nodes, lowering.add
 
         switch_pred = add("switch_pred", "Switch", [cond, cond, *controls], T=DT_BOOL)
         pivot_false = add("pivot_f", "Identity", [f"{switch_pred.name}:0"], T=DT_BOOL)
@@ -499,10 +492,11 @@ class _Inliner:
             ("then", "then_branch", 1, pivot_true),
             ("else", "else_branch", 0, pivot_false),
         ):
-            call = NodeDef(name=prefix + label, op="PartitionedCall", device=device)
-            call.input.extend([f"{switch.name}:{port}" for switch in switches] + [f"^{pivot.name}"])
-            call.attr["f"].func.CopyFrom(node.attr[attr].func)
-            made.append(call)
+            call = lowering.call(
+                label,
+                node.attr[attr].func,
+                [f"{switch.name}:{port}" for switch in switches] + [f"^{pivot.name}"],
+            )
             # Carries the branch's liveness, for control edges from the If.
             branches.append(add(f"{label}_done", "Identity", [f"{pivot.name}:0", f"^{call.name}"], T=DT_BOOL))
         executed = add("branch_executed", "Merge", [branch.name for branch in branches], T=DT_BOOL)
@@ -545,15 +539,8 @@ class _Inliner:
             )
         prefix = f"{node.name}/"
         device = node.device
-        made: list[NodeDef] = []
-
-        def add(name: str, op: str, inputs: Sequence[str], **type_attrs: DataType) -> NodeDef:
-            new = NodeDef(name=prefix + name, op=op, device=device)
-            new.input.extend(inputs)
-            for key, dtype in type_attrs.items():
-                new.attr[key].type = dtype
-            made.append(new)
-            return new
+        lowering = _Lowering(node)
+        made, add = lowering.nodes, lowering.add
 
         def constant(name: str, value: int) -> str:
             new = add(name, "Const", controls, dtype=DT_INT32)
@@ -582,10 +569,9 @@ class _Inliner:
                 add(f"input_{k}_{i}", "Switch", [arg, predicate], T=dtype)
                 for i, (arg, dtype) in enumerate(zip(args, in_types, strict=True))
             ]
-            call = NodeDef(name=f"{prefix}branch_{k}", op="PartitionedCall", device=device)
-            call.input.extend([f"{switch.name}:1" for switch in switches] + [f"^{pivot.name}"])
-            call.attr["f"].func.CopyFrom(branch)
-            made.append(call)
+            call = lowering.call(
+                f"branch_{k}", branch, [f"{switch.name}:1" for switch in switches] + [f"^{pivot.name}"]
+            )
             done.append(add(f"branch_{k}_done", "Identity", [f"{pivot.name}:0", f"^{call.name}"], T=DT_BOOL))
         executed = add("branch_executed", "Merge", [branch.name for branch in done], T=DT_BOOL)
         executed.attr["N"].i = len(done)
@@ -630,28 +616,19 @@ class _Inliner:
         parallel = node.attr["parallel_iterations"].i if "parallel_iterations" in node.attr else 10
         prefix = f"{node.name}/"
         device = node.device
-        made: list[NodeDef] = []
-
-        def add(name: str, op: str, inputs: Sequence[str], dtype: DataType | None = None) -> NodeDef:
-            new = NodeDef(name=prefix + name, op=op, device=device)
-            new.input.extend(inputs)
-            if dtype is not None:
-                new.attr["T"].type = dtype
-            made.append(new)
-            return new
+        lowering = _Lowering(node)
+        made, add = lowering.nodes, lowering.add
 
         def call(name: str, function: NameAttrList, inputs: Sequence[str]) -> str:
-            new = add(name, "StatefulPartitionedCall", inputs)
-            new.attr["f"].func.CopyFrom(function)
-            return new.name
+            return lowering.call(name, function, inputs, op="StatefulPartitionedCall").name
 
         merges = []
         for k, (value, dtype) in enumerate(zip(data_inputs, types, strict=True)):
-            enter = add(f"enter_{k}", "Enter", [value, *controls], dtype)
+            enter = add(f"enter_{k}", "Enter", [value, *controls], T=dtype)
             enter.attr["frame_name"].s = node.name.encode()
             enter.attr["is_constant"].b = False
             enter.attr["parallel_iterations"].i = parallel
-            merge = add(f"merge_{k}", "Merge", [enter.name, f"{prefix}next_{k}"], dtype)
+            merge = add(f"merge_{k}", "Merge", [enter.name, f"{prefix}next_{k}"], T=dtype)
             merge.attr["N"].i = 2
             merges.append(merge.name)
         # The calls' nodes without inputs wait on their first argument: they run in
@@ -673,22 +650,47 @@ class _Inliner:
                 node_name=node.name,
             )
         if cond_types[0] != DT_BOOL:
-            predicate = add("to_bool", "ToBool", [predicate], cond_types[0]).name
+            predicate = add("to_bool", "ToBool", [predicate], T=cond_types[0]).name
         loop_cond = add("loop_cond", "LoopCond", [predicate])
         pivots = []
         exits = []
         for k, (merged, dtype) in enumerate(zip(merges, types, strict=True)):
-            switch = add(f"switch_{k}", "Switch", [merged, loop_cond.name], dtype)
-            exits.append(add(f"exit_{k}", "Exit", [f"{switch.name}:0"], dtype).name)
-            pivots.append(add(f"body_in_{k}", "Identity", [f"{switch.name}:1"], dtype).name)
+            switch = add(f"switch_{k}", "Switch", [merged, loop_cond.name], T=dtype)
+            exits.append(add(f"exit_{k}", "Exit", [f"{switch.name}:0"], T=dtype).name)
+            pivots.append(add(f"body_in_{k}", "Identity", [f"{switch.name}:1"], T=dtype).name)
         body = call("body", functions["body"], [*pivots, f"^{pivots[0]}"])
         for k, dtype in enumerate(types):
-            add(f"next_{k}", "NextIteration", [f"{body}:{k}"], dtype)
+            add(f"next_{k}", "NextIteration", [f"{body}:{k}"], T=dtype)
         result = NodeDef(name=node.name, op="IdentityN", device=device)
         result.input.extend(exits)
         result.attr["T"].list.type.extend(types)
         made.append(result)
         self.expand(made, out, depth, stack)
+
+
+class _Lowering:
+    """The nodes a lowered `If`, `Case` or `While` becomes: named under the node's name,
+    on its device."""
+
+    def __init__(self, node: NodeDef) -> None:
+        self.prefix = f"{node.name}/"
+        self.device = node.device
+        self.nodes: list[NodeDef] = []
+
+    def add(self, name: str, op: str, inputs: Sequence[str], **type_attrs: DataType) -> NodeDef:
+        new = NodeDef(name=self.prefix + name, op=op, device=self.device)
+        new.input.extend(inputs)
+        for key, dtype in type_attrs.items():
+            new.attr[key].type = dtype
+        self.nodes.append(new)
+        return new
+
+    def call(
+        self, name: str, function: NameAttrList, inputs: Sequence[str], op: str = "PartitionedCall"
+    ) -> NodeDef:
+        new = self.add(name, op, inputs)
+        new.attr["f"].func.CopyFrom(function)
+        return new
 
 
 def _prefixed(text: str, prefix: str) -> str:
