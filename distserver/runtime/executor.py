@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from distserver import errors
+from distserver.kernels._common import warnings_off
 from distserver.kernels.registry import (
     CARRIES_DEADNESS,
     DEAD,
@@ -292,7 +293,13 @@ class Executor:
 
         With `stats`, each node that runs adds its timings (`NodeExecStats`: start,
         end, a timeline label; what `RunOptions(trace_level=FULL_TRACE)` returns).
+        numpy's floating-point warnings are off for the whole step (`warnings_off`),
+        once, rather than around each kernel's arithmetic.
         """
+        with warnings_off():
+            await self._run(ctx, stats)
+
+    async def _run(self, ctx: StepContext, stats: DeviceStepStats | None) -> None:
         if self._functions is not None and ctx.functions is None:
             ctx = dataclasses.replace(ctx, functions=self._functions)
         if self._loop_plan is not None:

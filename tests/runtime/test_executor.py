@@ -12,7 +12,7 @@ import distserver as ds
 from distserver.kernels.resources import ResourceManager
 from distserver.protos import types_pb2
 from distserver.protos.attr_value_pb2 import AttrValue
-from distserver.runtime.executor import Executor, StepContext
+from distserver.runtime.executor import OFFLOAD_BYTES, Executor, StepContext
 from distserver.runtime.rendezvous import StepRendezvous
 
 TASK = "/job:localhost/replica:0/task:0"
@@ -195,3 +195,25 @@ async def test_only_a_graph_that_can_hold_a_reference_variable_checks_inputs_for
             assert type(seen[0]) is VariableRef
         else:
             assert isinstance(seen[0], np.ndarray)
+
+
+@pytest.mark.parametrize("offload", [True, False], ids=["thread-pool", "inline"])
+async def test_a_step_computes_inf_and_nan_silently_and_leaves_the_callers_error_state(offload):
+    # numpy's warnings are turned off once per step (`warnings_off`), not around each
+    # kernel: inline kernels see that, pool threads (no context of the step) still quiet
+    # their own arithmetic. pytest turns any warning into an error here.
+    from distserver.kernels import _common
+
+    elements = (OFFLOAD_BYTES // 4) if offload else 4
+    with ds.Graph().as_default() as graph:
+        big = ds.fill([elements], np.float32(3e38))
+        ds.multiply(big, big, name="overflow")  # inf
+        zero = ds.fill([elements], np.float32(0.0))
+        ratio = ds.truediv(zero, zero, name="nan")
+        ds.reduce_sum(ds.exp(ratio), name="total")
+    executor = Executor(graph.as_graph_def())
+    before = np.geterr()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        await executor.run(_step_context(pool))
+    assert np.geterr() == before
+    assert not _common._WARNINGS_OFF.get()
