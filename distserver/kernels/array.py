@@ -103,6 +103,7 @@ class IdentityKernel(OpKernel):
     """Passes its input through (PlaceholderWithDefault: the default, when not fed)."""
 
     runs_on_loop = True  # a view or the shape: no thread hop
+    passes_through = True
 
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
         return [inputs[0]]
@@ -118,6 +119,8 @@ class IdentityNKernel(OpKernel):
 
 @register_kernel("NoOp")
 class NoOpKernel(OpKernel):
+    passes_through = True
+
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
         return []
 

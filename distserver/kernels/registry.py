@@ -177,6 +177,10 @@ class OpKernel:
     # Kernels that output a `VariableRef` (VariableV2): only graphs holding one need the
     # dereferencing check on every kernel's inputs (`compute_without_dereference`).
     makes_refs: ClassVar[bool] = False
+    # Kernels that output their one data input unchanged (Identity) or nothing (NoOp):
+    # the executor may leave such a node out of its steps, its consumers taking the
+    # value from its input and waiting for its control inputs themselves.
+    passes_through: ClassVar[bool] = False
     ref_inputs: frozenset[int] = frozenset()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:

@@ -9,6 +9,9 @@ resolves inputs, and rejects cycles. `run(ctx)` then executes one step:
   at the first step: how each node runs (`_Node.mode`), and the outputs of nodes
   without inputs whose kernel says they are fixed (`OpKernel.outputs_fixed`: Const,
   VarHandleOp), which later steps start from (a traced step still runs every node).
+* Nodes that only pass a value on or only order others (Identity, NoOp) are left out
+  of graphs without loops or reference variables, their consumers connected to their
+  inputs (`_leave_out_pass_through`), as TensorFlow's Grappler does before a step.
 * Small synchronous kernels run inline on the event loop (a task per node would
   cost more than the node). Kernels whose inputs are large, or whose output will
   be (`OpKernel.output_nbytes`: Fill, Tile, Range, random tensors), run in the
@@ -53,6 +56,7 @@ from distserver.kernels._common import warnings_off
 from distserver.kernels.registry import (
     CARRIES_DEADNESS,
     DEAD,
+    SEES_DEAD_DATA,
     SKIP_WHEN_DEAD,
     FunctionFrame,
     KernelContext,
@@ -175,6 +179,7 @@ class _Node:
     # `VariableRef` check in a graph that cannot hold one (`compute_without_dereference`).
     compute: Callable[[KernelContext, list[Any]], list[Any]] | None = None
     may_output_dead: bool = False  # `kernel.may_output_dead`
+    left_out: bool = False  # never runs: its consumers were connected to its inputs
 
 
 class Executor:
@@ -201,6 +206,7 @@ class Executor:
             kernel = _shared_or_new_kernel(node_def, stateful_kernels)
             sizes_output = type(kernel).output_nbytes is not OpKernel.output_nbytes
             self._nodes.append(_Node(i, kernel, [], [], 0, sizes_its_output=sizes_output))
+        control_sources: list[list[int]] = [[] for _ in graph_def.node]  # per node: its control inputs
         for i, node_def in enumerate(graph_def.node):
             node = self._nodes[i]
             for text in node_def.input:
@@ -212,21 +218,26 @@ class Executor:
                     )
                 if is_control:
                     self._nodes[src].control_consumers.append(i)
+                    control_sources[i].append(src)
                 else:
                     node.inputs.append((src, output))
                     self._nodes[src].num_reads += 1
                 self._nodes[src].consumers.append(i)
                 node.num_waits += 1
         has_refs = any(n.kernel.makes_refs for n in self._nodes)
+        has_loops = any(n.kernel.op in ("Enter", "RefEnter") for n in self._nodes)
+        self._loop_plan = _LoopPlan(self._nodes) if has_loops else None
+        self._check_acyclic()
+        if not has_refs and not has_loops:
+            # (A reference variable's Identity reads the variable when it runs, and a
+            # loop's values are tagged by frame: both keep every node.)
+            _leave_out_pass_through(self._nodes, control_sources)
         for node in self._nodes:
             node.mode = _mode_of(node)
             node.sources = tuple(src for src, _ in node.inputs)
             node.compute = node.kernel.compute if has_refs else compute_without_dereference(node.kernel)
             node.may_output_dead = node.kernel.may_output_dead
-        self._roots = [n.index for n in self._nodes if n.num_waits == 0]
-        has_loops = any(n.kernel.op in ("Enter", "RefEnter") for n in self._nodes)
-        self._loop_plan = _LoopPlan(self._nodes) if has_loops else None
-        self._check_acyclic()
+        self._roots = [n.index for n in self._nodes if n.num_waits == 0 and not n.left_out]
         self._functions = (
             FunctionLibraryRuntime(index_library(graph_def.library))
             if len(graph_def.library.function)
@@ -491,6 +502,97 @@ def _record(stats: DeviceStepStats, kernel: OpKernel, started_ns: int, ended_ns:
         timeline_label=f"{kernel.name} = {kernel.op}({inputs})",
         thread_id=threading.get_ident() & 0xFFFFFFFF,
     )
+
+
+def _leave_out_pass_through(nodes: list[_Node], control_sources: list[list[int]]) -> None:
+    """Leave out the nodes that only pass a value on or only order others
+    (`OpKernel.passes_through`: Identity, NoOp), as TensorFlow's Grappler removes them
+    before a step: a third of the nodes of a training step (a gradient's
+    `tuple/control_dependency` Identity, its `group_deps` NoOp, the train op).
+
+    Each consumer takes the value from the node's own input and waits for the node's
+    control inputs itself, so every node still runs after everything it waited for,
+    and with the same deadness: a consumer is dead when the left-out node would have
+    been (a dead data or control input of the node is now one of its own). Kept:
+    a node feeding a Merge (which tells a dead data input from a live one whatever its
+    control inputs), an Identity of an input that may be dead alone (a Switch port:
+    a control edge from the Switch itself would not carry that deadness), a malformed
+    node (it fails the step as it should), and a node whose consumers would gain more
+    edges than its own (a NoOp joining many producers to many consumers).
+    """
+    waits = [n.num_waits for n in nodes]
+    order = deque(n.index for n in nodes if n.num_waits == 0)
+    while order:
+        i = order.popleft()
+        node = nodes[i]
+        for c in node.consumers:
+            waits[c] -= 1
+            if not waits[c]:
+                order.append(c)
+        if node.kernel.passes_through and _may_leave_out(nodes, node, control_sources[i]):
+            _leave_out(nodes, node, control_sources)
+
+
+def _may_leave_out(nodes: list[_Node], node: _Node, controls: list[int]) -> bool:
+    expected_inputs = 1 if node.kernel.op != "NoOp" else 0
+    if len(node.inputs) != expected_inputs:
+        return False
+    if node.inputs:
+        src, _ = node.inputs[0]
+        if nodes[src].kernel.may_output_dead:
+            return False
+    data_edges = 0
+    for c in set(node.consumers):
+        consumer = nodes[c]
+        if consumer.kernel.dead_inputs == SEES_DEAD_DATA:
+            return False
+        for src, k in consumer.inputs:
+            if src == node.index:
+                if k != 0 or not node.inputs:  # an output the node does not have
+                    return False
+                data_edges += 1
+    control_edges = len(node.control_consumers)
+    added = data_edges * len(controls) + control_edges * (len(controls) + len(node.inputs))
+    return added <= len(node.inputs) + len(controls) + len(node.consumers)
+
+
+def _leave_out(nodes: list[_Node], node: _Node, control_sources: list[list[int]]) -> None:
+    i = node.index
+    controls = control_sources[i]
+
+    def add_control_edge(src: int, c: int) -> None:
+        nodes[src].consumers.append(c)
+        nodes[src].control_consumers.append(c)
+        control_sources[c].append(src)
+        nodes[c].num_waits += 1
+
+    for src, _ in node.inputs:
+        nodes[src].consumers.remove(i)
+        nodes[src].num_reads -= 1
+    for g in controls:
+        nodes[g].consumers.remove(i)
+        nodes[g].control_consumers.remove(i)
+    for c in node.control_consumers:
+        control_sources[c].remove(i)
+        nodes[c].num_waits -= 1
+        for src, _ in node.inputs:
+            add_control_edge(src, c)
+        for g in controls:
+            add_control_edge(g, c)
+    for c in set(node.consumers):
+        consumer = nodes[c]
+        for slot, (src, _) in enumerate(consumer.inputs):
+            if src == i:
+                source = node.inputs[0]
+                consumer.inputs[slot] = source
+                nodes[source[0]].consumers.append(c)
+                nodes[source[0]].num_reads += 1
+                for g in controls:
+                    add_control_edge(g, c)
+    node.inputs, node.consumers, node.control_consumers = [], [], []
+    node.num_waits = node.num_reads = 0
+    control_sources[i] = []
+    node.left_out = True
 
 
 def _mode_of(node: _Node) -> int:

@@ -4,16 +4,23 @@ from __future__ import annotations
 
 import concurrent.futures
 import tracemalloc
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import pytest
 
 import distserver as ds
+from distserver import errors
 from distserver.kernels.resources import ResourceManager
 from distserver.protos import types_pb2
 from distserver.protos.attr_value_pb2 import AttrValue
+from distserver.protos.graph_pb2 import GraphDef
+from distserver.protos.node_def_pb2 import NodeDef
+from distserver.protos.tensor_shape_pb2 import TensorShapeProto
 from distserver.runtime.executor import OFFLOAD_BYTES, Executor, StepContext
 from distserver.runtime.rendezvous import StepRendezvous
+from distserver.tensors import to_tensor_proto
 
 TASK = "/job:localhost/replica:0/task:0"
 DEVICE = f"{TASK}/device:CPU:0"
@@ -217,3 +224,105 @@ async def test_a_step_computes_inf_and_nan_silently_and_leaves_the_callers_error
         await executor.run(_step_context(pool))
     assert np.geterr() == before
     assert not _common._WARNINGS_OFF.get()
+
+
+def _node(name: str, op: str, inputs: Sequence[str] = (), **attrs: Any) -> NodeDef:
+    node = NodeDef(name=name, op=op, input=list(inputs))
+    for key, value in attrs.items():
+        if isinstance(value, np.ndarray):
+            node.attr[key].tensor.CopyFrom(to_tensor_proto(value))
+        elif key == "N":
+            node.attr[key].i = value
+        elif isinstance(value, list):
+            node.attr[key].shape.CopyFrom(TensorShapeProto(dim=[TensorShapeProto.Dim(size=d) for d in value]))
+        else:
+            node.attr[key].type = value
+    return node
+
+
+def _graph(*nodes: NodeDef) -> GraphDef:
+    graph = GraphDef()
+    graph.node.extend(nodes)
+    return graph
+
+
+_F32 = types_pb2.DT_FLOAT
+
+
+def _variable(name: str) -> NodeDef:
+    return _node(name, "VarHandleOp", dtype=_F32, shape=[])
+
+
+def _const(name: str, value: float, inputs: Sequence[str] = ()) -> NodeDef:
+    return _node(name, "Const", inputs, dtype=_F32, value=np.array(value, np.float32))
+
+
+def _left_out(executor: Executor) -> set[str]:
+    return {n.kernel.name for n in executor._nodes if n.left_out}
+
+
+async def test_identity_and_noop_nodes_are_left_out_and_their_consumers_still_wait_for_their_inputs():
+    # A gradient's shape: add -> NoOp group -> Identity(value, ^group) -> reader. Left
+    # out, the reader waits for the add itself: it reads 1 + 2. (Without that edge the
+    # reader would run first: it is ready as soon as `passed_on` is, before `add` is.)
+    ctx = _step_context(None)
+    init = _node("init", "AssignVariableOp", ["v", "one"], dtype=_F32)
+    await Executor(_graph(_variable("v"), _const("one", 1.0), init)).run(ctx)
+    step = Executor(
+        _graph(
+            _node("read", "ReadVariableOp", ["v", "^after"], dtype=_F32),
+            _variable("v"),
+            _variable("result"),
+            _node("keep", "AssignVariableOp", ["result", "read"], dtype=_F32),
+            _const("passed_on", 0.0),
+            _const("two", 2.0),
+            _node("add", "AssignAddVariableOp", ["v", "two"], dtype=_F32),
+            _node("group", "NoOp", ["^add"]),
+            _node("after", "Identity", ["passed_on", "^group"], T=_F32),
+            _node("train", "NoOp", ["^keep", "^after"]),
+        )
+    )
+    assert _left_out(step) == {"group", "after", "train"}
+    await step.run(ctx)
+    assert ctx.resources.lookup("", "result").value == np.float32(3.0)
+
+
+async def test_an_identity_that_carries_one_dead_switch_port_to_a_control_edge_is_kept():
+    # TensorFlow's cond pivot: Identity(switch:1) is dead when the predicate is false,
+    # and makes what it controls dead. A control edge from the Switch itself would not:
+    # the Switch has a live output too.
+    ctx = _step_context(None)
+    executor = Executor(
+        _graph(
+            _variable("v"),
+            _node("pred", "Const", dtype=types_pb2.DT_BOOL, value=np.array(False)),
+            _const("x", 1.0),
+            _node("switch", "Switch", ["x", "pred"], T=_F32),
+            _node("pivot", "Identity", ["switch:1"], T=_F32),
+            _const("five", 5.0, ["^pivot"]),
+            _node("assign", "AssignVariableOp", ["v", "five"], dtype=_F32),
+        )
+    )
+    assert _left_out(executor) == set()
+    await executor.run(ctx)
+    with pytest.raises(errors.NotFoundError):
+        ctx.resources.lookup("", "v")  # the branch not taken assigned nothing
+
+
+async def test_pass_through_nodes_feeding_a_merge_or_joining_many_to_many_are_kept():
+    controls = [f"^c{i}" for i in range(5)]
+    executor = Executor(
+        _graph(
+            _node("pred", "Const", dtype=types_pb2.DT_BOOL, value=np.array(True)),
+            _const("x", 1.0),
+            _node("switch", "Switch", ["x", "pred"], T=_F32),
+            _node("through", "Identity", ["x"], T=_F32),
+            _node("merge", "Merge", ["switch:0", "through"], T=_F32, N=2),
+            *[_const(f"c{i}", float(i)) for i in range(5)],
+            _node("join", "NoOp", controls),
+            *[_const(f"d{i}", float(i), ["^join"]) for i in range(5)],
+        )
+    )
+    # A Merge tells a dead input from a live one whatever its control inputs; the NoOp
+    # would give its 5 consumers 25 edges instead of its own 10.
+    assert _left_out(executor) == set()
