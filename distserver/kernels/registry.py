@@ -14,6 +14,7 @@ TensorFlow clients.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import math
 import threading
@@ -49,6 +50,14 @@ class Rendezvous(Protocol):
 
     async def recv_local(self, key: RendezvousKey) -> tuple[Any, bool]:
         """Wait for a value delivered to this task's rendezvous, wherever it came from."""
+        ...
+
+    def recv_soon(self, key: RendezvousKey) -> asyncio.Future[tuple[Any, bool]]:
+        """`recv`, as a future the caller owns (cancelling it gives up this receive only)."""
+        ...
+
+    def recv_local_soon(self, key: RendezvousKey) -> asyncio.Future[tuple[Any, bool]]:
+        """`recv_local`, as a future the caller owns."""
         ...
 
 

@@ -7,6 +7,7 @@ incarnation and the tensor, which together make the rendezvous key.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
@@ -79,9 +80,13 @@ class RecvKernel(_SendRecvKernel):
         # (the push protocol, `distserver.runtime.push`).
         self.pushed = self.attr_bool(RECV_PUSHED_ATTR, False)
 
-    async def compute_async(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+    def receive(self, ctx: KernelContext) -> asyncio.Future[tuple[Any, bool]]:
+        """The (value, is_dead) this node receives, as a future the caller owns: the
+        executor waits on it without a task of its own."""
         if self.pushed:
-            value, is_dead = await ctx.rendezvous.recv_local(self.key)
-        else:
-            value, is_dead = await ctx.rendezvous.recv(self.key_in(ctx))
+            return ctx.rendezvous.recv_local_soon(self.key)
+        return ctx.rendezvous.recv_soon(self.key_in(ctx))
+
+    async def compute_async(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        value, is_dead = await self.receive(ctx)
         return [DEAD if is_dead else value]

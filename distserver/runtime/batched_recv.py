@@ -116,6 +116,12 @@ class _Batch:
         return all(future.done() for _, future in self.waiting.values())
 
 
+def _give_up(batch: _Batch, receive: asyncio.Future[tuple[Any, bool]]) -> None:
+    """A receive of `batch` was cancelled: stop asking once nobody waits for the rest."""
+    if receive.cancelled() and batch.runner is not None and batch.abandoned():
+        batch.runner.cancel()
+
+
 class BatchedReceiver:
     """The receiving side: gathers the remote receives of a step per sending task.
 
@@ -135,24 +141,27 @@ class BatchedReceiver:
 
     async def fetch(self, step_id: int, key: RendezvousKey) -> tuple[Any, bool]:
         """The value of `key` in step `step_id` from its sending task."""
-        if key.src_task in self._plain_peers or key.text in self._fetched_separately:
-            return await self._fetch_one(step_id, key)
+        return await self.fetch_soon(step_id, key)
+
+    def fetch_soon(self, step_id: int, key: RendezvousKey) -> asyncio.Future[tuple[Any, bool]]:
+        """`fetch` as a future the caller owns: cancelling it gives up this receive (and
+        the batch's call once no receive waits on it)."""
         loop = asyncio.get_running_loop()
+        future: asyncio.Future[tuple[Any, bool]] = loop.create_future()
+        if key.src_task in self._plain_peers or key.text in self._fetched_separately:
+            fetching = self._spawn(self._fetch_into(step_id, key, future))
+            future.add_done_callback(lambda done: fetching.cancel() if done.cancelled() else None)
+            return future
         batch = self._gathering.get((key.src_task, step_id))
         if batch is None:
             batch = self._gathering[(key.src_task, step_id)] = _Batch(key.src_task, step_id)
             loop.call_soon(self._send, batch)
         entry = batch.waiting.get(key.text)
-        if entry is None:
-            entry = batch.waiting[key.text] = (key, loop.create_future())
-        try:
-            return await asyncio.shield(entry[1])
-        except asyncio.CancelledError:
-            if not entry[1].done():
-                entry[1].cancel()
-            if batch.runner is not None and batch.abandoned():
-                batch.runner.cancel()  # nobody waits for the rest: stop asking
-            raise
+        if entry is not None:  # received twice in one step (no graph of ours does that)
+            return asyncio.shield(entry[1])
+        batch.waiting[key.text] = (key, future)
+        future.add_done_callback(lambda done: _give_up(batch, done))
+        return future
 
     def _send(self, batch: _Batch) -> None:
         self._gathering.pop((batch.task, batch.step_id), None)
@@ -218,7 +227,10 @@ class BatchedReceiver:
     ) -> None:
         try:
             result = await self._fetch_one(step_id, key)
-        except errors.OpError as exc:
+        except asyncio.CancelledError:
+            future.cancel()
+            raise
+        except Exception as exc:
             if not future.done():
                 future.set_exception(exc)
             return

@@ -25,7 +25,8 @@ from typing import Any
 from distserver import errors
 from distserver.devices import RendezvousKey
 
-# (step_id, key) -> (value, is_dead): fetch one value from its sending task (`key.src_task`).
+# (step_id, key) -> (value, is_dead): fetch one value from its sending task (`key.src_task`);
+# a future (which the receiver may cancel), or a coroutine, which is made a task.
 RemoteFetch = Callable[[int, RendezvousKey], Awaitable[tuple[Any, bool]]]
 
 
@@ -68,16 +69,27 @@ class StepRendezvous:
 
     async def recv(self, key: RendezvousKey) -> tuple[Any, bool]:
         """Wait for the value of `key`, fetching it from its task when that is remote."""
+        return await self.recv_soon(key)
+
+    def recv_soon(self, key: RendezvousKey) -> asyncio.Future[tuple[Any, bool]]:
+        """`recv` as a future the caller owns: cancelling it gives up this receive only.
+        (The executor waits on it without a task of its own.)"""
         if key.src_task != self._local_task and self._fetch_remote is not None:
             if self._error is not None:
-                raise self._error
-            return await self._fetch_remote(self.step_id, key)
-        return await self.recv_local(key)
+                failed: asyncio.Future[tuple[Any, bool]] = asyncio.get_running_loop().create_future()
+                failed.set_exception(self._error)
+                return failed
+            return asyncio.ensure_future(self._fetch_remote(self.step_id, key))
+        return self.recv_local_soon(key)
 
     async def recv_local(self, key: RendezvousKey) -> tuple[Any, bool]:
         """Wait for a value sent on this task (RecvTensor serves from here)."""
+        return await self.recv_local_soon(key)
+
+    def recv_local_soon(self, key: RendezvousKey) -> asyncio.Future[tuple[Any, bool]]:
+        """`recv_local` as a future the caller owns."""
         # shield: a cancelled receiver must not cancel the slot another may wait on.
-        return await asyncio.shield(self._slot(key))
+        return asyncio.shield(self._slot(key))
 
     def slots(self, keys: list[RendezvousKey]) -> list[asyncio.Future[tuple[Any, bool]]]:
         """The futures of values sent on this task, for waiting on many at once

@@ -102,7 +102,7 @@ class Worker:
         self._batched = batched_recv.BatchedReceiver(self._batch_call, self._fetch_remote)
         # Larger values are answered "fetch by RecvTensor" (the transport's choice).
         self._batched_value_bytes = min(batched_value_bytes, PUSH_LIMIT_BYTES)
-        self._rendezvous = RendezvousTable(task_name, self._batched.fetch if worker_client else None)
+        self._rendezvous = RendezvousTable(task_name, self._batched.fetch_soon if worker_client else None)
         # WorkerService method -> proto-in, proto-out handler. RecvTensor is the data
         # plane: transports serve it from `recv_tensor` (the task's tensor source).
         self._handlers: dict[str, Callable[[Any], Awaitable[Message]]] = {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import tracemalloc
 from collections.abc import Sequence
@@ -326,3 +327,60 @@ async def test_pass_through_nodes_feeding_a_merge_or_joining_many_to_many_are_ke
     # A Merge tells a dead input from a live one whatever its control inputs; the NoOp
     # would give its 5 consumers 25 edges instead of its own 10.
     assert _left_out(executor) == set()
+
+
+def _recv(name: str, src_task: str = TASK) -> NodeDef:
+    node = _node(name, "_Recv", tensor_type=_F32)
+    node.attr["send_device"].s = f"{src_task}/device:CPU:0".encode()
+    node.attr["recv_device"].s = DEVICE.encode()
+    node.attr["send_device_incarnation"].i = 1
+    node.attr["tensor_name"].s = name.encode()
+    return node
+
+
+async def test_a_receive_is_waited_for_without_a_task_and_given_up_when_the_step_stops():
+    # `_Recv` values are futures the step waits on (no task per receive); a step that
+    # stops (here: its timeout) cancels its own receives, never the rendezvous' slot,
+    # so a value sent later is still delivered to whoever receives it.
+    executor = Executor(
+        _graph(_recv("early"), _recv("never"), _node("sum", "AddV2", ["early", "never"], T=_F32))
+    )
+    ctx = _step_context(None)
+    ctx.rendezvous.send(executor._nodes[0].kernel.key, np.float32(1.0))  # type: ignore[attr-defined]
+    tasks_before = len(asyncio.all_tasks())
+    stepping = asyncio.ensure_future(executor.run(ctx))
+    await asyncio.sleep(0.01)
+    assert len(asyncio.all_tasks()) == tasks_before + 1  # the step's own task only
+    stepping.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await stepping
+    never = executor._nodes[1].kernel.key  # type: ignore[attr-defined]
+    ctx.rendezvous.send(never, np.float32(2.0))
+    assert await ctx.rendezvous.recv_local(never) == (np.float32(2.0), False)
+
+
+async def test_a_failed_or_cancelled_receive_fails_the_step_naming_the_node():
+    fetches: list[asyncio.Future[tuple[Any, bool]]] = []
+
+    def fetch_remote(step_id: int, key: Any) -> asyncio.Future[tuple[Any, bool]]:
+        fetches.append(asyncio.get_running_loop().create_future())
+        return fetches[-1]
+
+    peer = "/job:ps/replica:0/task:0"
+    executor = Executor(_graph(_recv("w", peer)))
+    for outcome in ("error", "cancelled"):
+        fetches.clear()
+        ctx = _step_context(None)
+        ctx.rendezvous = StepRendezvous(1, TASK, fetch_remote)
+        stepping = asyncio.ensure_future(executor.run(ctx))
+        await asyncio.sleep(0.01)
+        if outcome == "error":
+            fetches[0].set_exception(errors.UnavailableError("ps is gone"))
+            with pytest.raises(errors.UnavailableError, match="ps is gone") as raised:
+                await asyncio.wait_for(stepping, 10)
+            assert raised.value.node_name == "w"
+        else:
+            # Cancelled by someone else: the step must fail, not end as if it had run.
+            fetches[0].cancel()
+            with pytest.raises(errors.CancelledError, match="'w'"):
+                await asyncio.wait_for(stepping, 10)
