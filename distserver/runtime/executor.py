@@ -9,6 +9,8 @@ resolves inputs, and rejects cycles. `run(ctx)` then executes one step:
   at the first step: how each node runs (`_Node.mode`), and the outputs of nodes
   without inputs whose kernel says they are fixed (`OpKernel.outputs_fixed`: Const,
   VarHandleOp), which later steps start from (a traced step still runs every node).
+* Nodes of pure ops (`_FOLDABLE_OPS`) whose inputs are all constants are computed once,
+  at registration (`_fold_constants`, Grappler's constant folding), when small.
 * Nodes that only pass a value on or only order others (Identity, NoOp) are left out
   of graphs without loops or reference variables, their consumers connected to their
   inputs (`_leave_out_pass_through`), as TensorFlow's Grappler does before a step.
@@ -252,18 +254,26 @@ class Executor:
 
     def _plan_fixed_nodes(self) -> None:
         """Where a step starts once the nodes with fixed outputs (`OpKernel.outputs_fixed`,
-        no inputs) have run: they run once per device, not once per step."""
-        self._fixed = [i for i in self._roots if self._nodes[i].kernel.outputs_fixed]
+        no inputs) have run, they once per device, and the nodes `_fold_constants` computed
+        from constants, once for good: no step runs them."""
+        nodes = self._nodes
+        self._fixed = [i for i in self._roots if nodes[i].kernel.outputs_fixed]
         self._fixed_outputs: dict[str, list[list[Any]]] = {}  # device -> outputs of each fixed node
-        waits = [n.num_waits for n in self._nodes]
-        ready = [i for i in self._roots if not self._nodes[i].kernel.outputs_fixed]
-        for i in self._fixed:
-            for c in self._nodes[i].consumers:
+        # node -> its outputs (a graph with loops runs every node, see `_LoopStep`)
+        self._folded = _fold_constants(nodes, self._fixed) if self._loop_plan is None else {}
+        waits = [n.num_waits for n in nodes]
+        unread = [n.num_reads for n in nodes]
+        ready = [i for i in self._roots if not nodes[i].kernel.outputs_fixed]
+        for i in [*self._fixed, *self._folded]:  # (the folded in the order they were computed)
+            for src, _ in nodes[i].inputs:
+                unread[src] -= 1
+            for c in nodes[i].consumers:
                 waits[c] -= 1
-                if waits[c] == 0:
+                if waits[c] == 0 and c not in self._folded:
                     ready.append(c)
         self._waits_after_fixed = waits
         self._ready_after_fixed = ready
+        self._unread_after_fixed = unread
 
     def _fixed_values(self, ctx: StepContext) -> list[list[Any]]:
         values = self._fixed_outputs.get(ctx.device)
@@ -322,17 +332,21 @@ class Executor:
             await _LoopStep(self, ctx, stats).run()
             return
         nodes = self._nodes
-        # Outputs still to be taken by a consumer; a node's entry is dropped with its last read.
-        unread = [n.num_reads for n in nodes]
         outputs: list[list[Any] | None] = [None] * len(nodes)
         dead_control = [False] * len(nodes)  # a control input of the node is dead
         if self._fixed and stats is None:  # a traced step shows every node run
+            # Outputs still to be taken by a consumer; a node's entry is dropped with its last read.
+            unread = list(self._unread_after_fixed)
             waits = list(self._waits_after_fixed)
             ready = deque(self._ready_after_fixed)
             for i, values in zip(self._fixed, self._fixed_values(ctx), strict=True):
                 if unread[i]:
                     outputs[i] = values
+            for i, values in self._folded.items():
+                if unread[i]:
+                    outputs[i] = values
         else:
+            unread = [n.num_reads for n in nodes]
             waits = [n.num_waits for n in nodes]
             ready = deque(self._roots)
         pool = ctx.pool
@@ -540,6 +554,56 @@ def _record(stats: DeviceStepStats, kernel: OpKernel, started_ns: int, ended_ns:
         timeline_label=f"{kernel.name} = {kernel.op}({inputs})",
         thread_id=threading.get_ident() & 0xFFFFFFFF,
     )
+
+
+# Ops whose outputs depend only on their inputs' values (no state, no device, no
+# randomness): a node of one of them whose inputs are all constants is computed once,
+# when its graph is registered (`_fold_constants`), as TensorFlow's Grappler folds
+# constants (a gradient's `grad_ys` Fill, a mean's Tile and RealDiv, a partitioned
+# lookup's index arithmetic).
+_FOLDABLE_OPS = frozenset(
+    {
+        "Add", "AddV2", "BroadcastGradientArgs", "Cast", "ConcatV2", "ExpandDims", "Fill",
+        "FloorDiv", "FloorMod", "Maximum", "Minimum", "Mul", "Neg", "Pack", "Prod", "Range",
+        "RealDiv", "Reshape", "Shape", "Size", "Squeeze", "StridedSlice", "Sub", "Sum", "Tile",
+    }
+)  # fmt: skip
+# A folded node's outputs are kept for the graph's lifetime: only small ones are.
+FOLD_LIMIT_BYTES = 64 * 1024
+
+
+def _fold_constants(nodes: list[_Node], fixed: list[int]) -> dict[int, list[Any]]:
+    """Node -> its outputs, for the nodes of `_FOLDABLE_OPS` computed from `Const`
+    nodes alone (or from nodes folded so), in the order they were computed. Kept
+    in the step: a node with control inputs (what it waits for may make it dead), one
+    whose kernel fails (the step reports that, as before), one with outputs over
+    `FOLD_LIMIT_BYTES`."""
+    constants = {i for i in fixed if nodes[i].kernel.op == "Const"}
+    values: dict[int, list[Any]] = {}  # of the constants and nodes folded so far
+    folded: dict[int, list[Any]] = {}
+    order = deque(c for i in constants for c in nodes[i].consumers)
+    while order:
+        c = order.popleft()
+        node = nodes[c]
+        if c in values or node.kernel.op not in _FOLDABLE_OPS:
+            continue
+        if node.num_waits != len(node.inputs):
+            continue  # control inputs
+        if not all(src in values or src in constants for src, _ in node.inputs):
+            continue  # inputs not (yet) known
+        for src, _ in node.inputs:
+            if src not in values:
+                values[src] = nodes[src].kernel.compute(None, [])  # type: ignore[arg-type]
+        try:
+            with warnings_off():
+                outputs = node.kernel.compute(None, [values[src][k] for src, k in node.inputs])  # type: ignore[arg-type]
+        except Exception:  # the step runs the node and reports its error
+            continue
+        if sum(v.nbytes for v in outputs if isinstance(v, np.ndarray)) > FOLD_LIMIT_BYTES:
+            continue
+        values[c] = folded[c] = outputs
+        order.extend(node.consumers)
+    return folded
 
 
 def _leave_out_pass_through(nodes: list[_Node], control_sources: list[list[int]]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import tracemalloc
 from collections.abc import Sequence
 from typing import Any
@@ -150,7 +151,8 @@ async def test_nodes_with_fixed_outputs_run_once_per_device_unless_the_step_is_t
     monkeypatch.setattr(ConstKernel, "compute", counting)
     with ds.Graph().as_default() as graph:
         a = ds.constant(np.float32(2.0), name="a")
-        ds.add(a, ds.constant(np.float32(3.0), name="b"), name="total")
+        # (Pow: not an op whose node is folded when its inputs are constants.)
+        ds.pow(a, ds.constant(np.float32(3.0), name="b"), name="total")
     executor = Executor(graph.as_graph_def())
     for _ in range(3):
         await executor.run(_step_context(None))
@@ -179,7 +181,8 @@ async def test_only_a_graph_that_can_hold_a_reference_variable_checks_inputs_for
             variable.attr["dtype"].type = types_pb2.DT_FLOAT
             assign = NodeDef(name="assign", op="Assign", input=["v", "value"])
             nodes += [variable, assign]
-        read = NodeDef(name="read", op="Neg", input=["assign" if with_variable else "value"])
+        # (Square: not an op whose node is folded when its input is a constant.)
+        read = NodeDef(name="read", op="Square", input=["assign" if with_variable else "value"])
         for node in [*nodes[1:], read]:
             node.attr["T"].type = types_pb2.DT_FLOAT
         result = GraphDef()
@@ -197,7 +200,7 @@ async def test_only_a_graph_that_can_hold_a_reference_variable_checks_inputs_for
             seen.append(inputs[0]) or original(ctx, inputs)
         )
         await executor.run(_step_context(None))
-        # Assign outputs the reference, which the wrapped compute dereferences (Neg on a
+        # Assign outputs the reference, which the wrapped compute dereferences (Square on a
         # VariableRef would have failed the step).
         if with_variable:
             assert type(seen[0]) is VariableRef
@@ -384,3 +387,49 @@ async def test_a_failed_or_cancelled_receive_fails_the_step_naming_the_node():
             fetches[0].cancel()
             with pytest.raises(errors.CancelledError, match="'w'"):
                 await asyncio.wait_for(stepping, 10)
+
+
+async def test_nodes_computed_from_constants_alone_are_folded_once_and_not_run_by_steps(monkeypatch):
+    from distserver.kernels.array import FillKernel
+    from distserver.kernels.registry import FunctionFrame
+    from distserver.runtime import executor as executor_module
+
+    runs: list[str] = []
+    original = FillKernel.compute
+
+    def counting(self, ctx, inputs):
+        runs.append(self.name)
+        return original(self, ctx, inputs)
+
+    monkeypatch.setattr(FillKernel, "compute", counting)
+    monkeypatch.setattr(executor_module, "FOLD_LIMIT_BYTES", 1024)
+    with ds.Graph().as_default() as graph:
+        ones = ds.fill([4], np.float32(1.0), name="ones")  # folded
+        big = ds.fill([1024], np.float32(1.0), name="big")  # over the limit: runs every step
+        held = ds.square(ds.constant(np.float32(2.0)), name="held")  # Square: not folded
+        scaled = ds.multiply(ones, held, name="scaled")  # an input that is not a constant
+        ds.add(ds.reduce_sum(scaled), ds.reduce_sum(big), name="total")
+    graph_def = graph.as_graph_def()
+    graph_def.node.append(_node("result", "_Retval", ["total"], T=_F32))
+    graph_def.node[-1].attr["index"].i = 0
+    executor = Executor(graph_def)
+    folded = {executor._nodes[i].kernel.name for i in executor._folded}
+    assert "ones" in folded
+    assert not folded & {"big", "scaled", "total"}
+    assert "ones" in runs  # computed when the graph was registered (big too, then dropped)
+    runs.clear()
+    for _ in range(2):
+        ctx = dataclasses.replace(_step_context(None), frame=FunctionFrame(args=[], retvals=[None]))
+        await executor.run(ctx)
+        assert ctx.frame.retvals == [np.float32(16.0 + 1024.0)]
+    assert runs == ["big", "big"]
+
+
+async def test_a_foldable_node_that_fails_is_left_to_the_step_which_reports_it():
+    values = _node("values", "Const", dtype=_F32, value=np.float32([1.0, 2.0, 3.0]))
+    shape = _node("shape", "Const", dtype=types_pb2.DT_INT32, value=np.int32([2]))
+    executor = Executor(_graph(values, shape, _node("bad", "Reshape", ["values", "shape"], T=_F32)))
+    assert not executor._folded
+    with pytest.raises(errors.InvalidArgumentError) as raised:
+        await executor.run(_step_context(None))
+    assert raised.value.node_name == "bad"
