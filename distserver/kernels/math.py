@@ -167,13 +167,18 @@ class _ElementwiseKernel(OpKernel):
         self.out_dtype = BOOL if returns_bool else self.dtype
         # numpy lacks some bfloat16 loops: compute in float32 and round back.
         self.work_dtype = compute_dtype(self.dtype)
+        self._converts = self.work_dtype != self.dtype
 
     def _apply(self, *args: np.ndarray) -> np.ndarray:
-        args = tuple(a.astype(self.work_dtype, copy=False) for a in args)
+        if self._converts:
+            args = tuple(a.astype(self.work_dtype, copy=False) for a in args)
         try:
-            return array(self._quiet_fn(*args), self.out_dtype)
+            result = self._quiet_fn(*args)
         except _ArithmeticError as exc:
             raise kernel_error(self, str(exc)) from None
+        if type(result) is np.ndarray and result.dtype == self.out_dtype:
+            return result
+        return array(result, self.out_dtype)
 
 
 _UNARY_FLOAT = FLOATS | COMPLEX
@@ -209,7 +214,8 @@ class UnaryOpKernel(_ElementwiseKernel):
 
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
         (x,) = inputs
-        check_input_dtype(self, 0, x, self.dtype)
+        if x.dtype != self.dtype:
+            check_input_dtype(self, 0, x, self.dtype)
         return [self._apply(x)]
 
 
@@ -250,9 +256,11 @@ class BinaryOpKernel(_ElementwiseKernel):
 
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
         x, y = inputs
-        check_input_dtype(self, 0, x, self.dtype)
-        check_input_dtype(self, 1, y, self.dtype)
-        broadcast_shape(self, x.shape, y.shape)
+        if x.dtype != self.dtype or y.dtype != self.dtype:
+            check_input_dtype(self, 0, x, self.dtype)
+            check_input_dtype(self, 1, y, self.dtype)
+        if x.shape != y.shape:
+            broadcast_shape(self, x.shape, y.shape)
         return [self._apply(x, y)]
 
 
@@ -352,12 +360,13 @@ class MatMulKernel(OpKernel):
 
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
         a, b = inputs
-        for i, value in enumerate(inputs):
-            check_input_dtype(self, i, value, self.dtype)
-            if value.ndim != 2:
-                raise kernel_error(
-                    self, f"In[{i}] is not a matrix. Instead it has shape {shape_str(value.shape)}"
-                )
+        if a.dtype != self.dtype or b.dtype != self.dtype or a.ndim != 2 or b.ndim != 2:
+            for i, value in enumerate(inputs):
+                check_input_dtype(self, i, value, self.dtype)
+                if value.ndim != 2:
+                    raise kernel_error(
+                        self, f"In[{i}] is not a matrix. Instead it has shape {shape_str(value.shape)}"
+                    )
         lhs = a.T if self.transpose_a else a
         rhs = b.T if self.transpose_b else b
         if lhs.shape[1] != rhs.shape[0]:

@@ -73,6 +73,7 @@ class ActivationKernel(OpKernel):
         super().__init__(node)
         allowed, self.fn = _ACTIVATIONS[self.op]
         self.dtype = attr_type_in(self, "T", allowed)
+        self.work = _work_dtype(self.dtype)
         self.alpha = self.attr_float("alpha", 0.2)
 
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
@@ -132,19 +133,24 @@ class ActivationGradKernel(OpKernel):
         allowed, self.fn = _GRADIENTS.get(self.op) or _OUTPUT_GRADIENTS[self.op]
         self._quiet_fn = quiet(self.fn)
         self.dtype = attr_type_in(self, "T", allowed)
+        self.work = _work_dtype(self.dtype)
         self.alpha = self.attr_float("alpha", 0.2)
 
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
         a, b = inputs
-        check_input_dtype(self, 0, a, self.dtype)
-        check_input_dtype(self, 1, b, self.dtype)
+        if a.dtype != self.dtype or b.dtype != self.dtype:
+            check_input_dtype(self, 0, a, self.dtype)
+            check_input_dtype(self, 1, b, self.dtype)
         if a.shape != b.shape:
             raise kernel_error(
                 self,
                 f"{self.op} inputs must have the same shape: {shape_str(a.shape)} vs {shape_str(b.shape)}",
             )
-        work = _work_dtype(self.dtype)
-        result = self._quiet_fn(a.astype(work, copy=False), b.astype(work, copy=False), self.alpha)
+        if self.work is not self.dtype:
+            a, b = a.astype(self.work), b.astype(self.work)
+        result = self._quiet_fn(a, b, self.alpha)
+        if type(result) is np.ndarray and result.dtype == self.dtype:
+            return [result]
         return [array(result, self.dtype)]
 
 

@@ -64,6 +64,12 @@ class ResourceManager:
             except KeyError:
                 raise errors.NotFoundError(f"Resource {container}/{name} does not exist.") from None
 
+    def find(self, container: str, name: str) -> Any | None:
+        """The resource `container/name`, or None (`lookup` without its errors)."""
+        with self._lock:
+            resources = self._containers.get(container or DEFAULT_CONTAINER)
+            return None if resources is None else resources.get(name)
+
     def lookup_or_create(self, container: str, name: str, factory: Callable[[], Any]) -> Any:
         """The resource `container/name`, created by `factory()` first if it is absent.
 

@@ -77,12 +77,20 @@ class _VariableKernel(OpKernel):
 
     def _find(self, ctx: KernelContext, handle: ResourceHandle) -> VariableResource | None:
         """The initialized variable `handle` names, or None."""
-        try:
-            resource = ctx.resources.lookup(handle.container, handle.name)
-        except errors.NotFoundError:
-            return None
-        if isinstance(resource, VariableResource) and resource.is_initialized:
+        resource = ctx.resources.find(handle.container, handle.name)
+        if isinstance(resource, VariableResource) and resource.value is not None:
             return resource
+        return None
+
+    def _find_input(self, ctx: KernelContext, value: Any) -> VariableResource | None:
+        """`_find(ctx, _handle(ctx, value))` for the usual case, inline (read and updated by
+        every step): a handle of this device naming an initialized variable. None for any
+        other case, which the caller then takes through `_handle` and `_find` for its error."""
+        handle = value[()] if type(value) is np.ndarray and not value.ndim else value
+        if type(handle) is ResourceHandle and (not handle.device or handle.device == ctx.device):
+            variable = ctx.resources.find(handle.container, handle.name)
+            if isinstance(variable, VariableResource) and variable.value is not None:
+                return variable
         return None
 
     def _lookup(self, ctx: KernelContext, handle: ResourceHandle) -> VariableResource:
@@ -130,6 +138,10 @@ class ReadVariableOpKernel(_VariableKernel):
         self.dtype = self.attr_type("dtype")
 
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        variable = self._find_input(ctx, inputs[0])
+        value = None if variable is None else variable.read()
+        if value is not None and value.dtype == self.dtype:
+            return [value]
         handle = self._handle(ctx, inputs[0])
         variable = self._find(ctx, handle)
         value = None if variable is None else variable.read()
@@ -473,8 +485,12 @@ class _ApplyKernel(_VariableKernel):
         self.may_update_in_place = (
             type(self).update_in_place is not _ApplyKernel.update_in_place and self.dtype in _IN_PLACE_TYPES
         )
-        # (input index, name) of the "var" inputs; (input index, name, is a scalar) of the rest.
-        self._var_slots = [(i, name) for i, (name, kind) in enumerate(self.signature) if kind == "var"]
+        # The inputs' names; the indices and names of the "var" inputs; (input index, name,
+        # is a scalar) of the rest; the names of the inputs that must have var's shape.
+        self._names = [name for name, _ in self.signature]
+        self._var_indices = [i for i, (_, kind) in enumerate(self.signature) if kind == "var"]
+        self._var_names = [self._names[i] for i in self._var_indices]
+        self._shaped_names = [name for name, kind in self.signature[1:] if kind != "scalar"]
         self._other_slots = [
             (i, name, kind == "scalar") for i, (name, kind) in enumerate(self.signature) if kind != "var"
         ]
@@ -504,23 +520,24 @@ class _ApplyKernel(_VariableKernel):
         """The variable input `index` (`value`) names."""
         if self.on_refs:
             return ref_input(self, value, index).variable
-        return self._lookup(ctx, self._handle(ctx, value))
+        return self._find_input(ctx, value) or self._lookup(ctx, self._handle(ctx, value))
 
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
-        signature = self.signature
-        if len(inputs) != len(signature):
-            raise kernel_error(self, f"expects {len(signature)} inputs, got {len(inputs)}")
-        targets = [self._resource(ctx, i, inputs[i]) for i, _ in self._var_slots]
-        values: dict[str, np.ndarray] = {}
+        # Run by every optimizer update of every step (a model of 60 variables: 60 a
+        # step), so the checks are plain comparisons, with the error paths out of line.
+        if len(inputs) != len(self.signature):
+            raise kernel_error(self, f"expects {len(self.signature)} inputs, got {len(inputs)}")
+        targets = [self._resource(ctx, i, inputs[i]) for i in self._var_indices]
+        values = dict(zip(self._names, inputs, strict=True))
         dtype = self.dtype
         for i, name, scalar in self._other_slots:
             value = inputs[i]
-            check_input_dtype(self, i, value, dtype)
+            if value.dtype != dtype:
+                check_input_dtype(self, i, value, dtype)
             if scalar and value.ndim:
                 if value.size != 1 or value.ndim > 1:
                     raise kernel_error(self, f"{name} is not a scalar: {shape_str(value.shape)}")
-                value = value.reshape(())
-            values[name] = value
+                values[name] = value.reshape(())
         with _locked(targets):
             # Decided before this kernel takes references to the arrays itself. Scalars
             # are not worth it (numpy's temporaries of 0-d arrays are not arrays).
@@ -529,38 +546,41 @@ class _ApplyKernel(_VariableKernel):
             )
             for variable in targets:
                 in_place = in_place and variable.unshared() and variable.value.ndim > 0  # type: ignore[union-attr]
-            for (i, name), variable in zip(self._var_slots, targets, strict=True):
+            for i, name, variable in zip(self._var_indices, self._var_names, targets, strict=True):
                 current = variable.value
                 if current is None:
                     raise self._no_value(ctx, i, inputs[i])
-                check_input_dtype(self, 0, current, dtype)
+                if current.dtype != dtype:
+                    check_input_dtype(self, 0, current, dtype)
                 values[name] = current
             shape = values["var"].shape
-            for name, kind in signature[1:]:
-                if kind != "scalar" and values[name].shape != shape:
+            for name in self._shaped_names:
+                if values[name].shape != shape:
                     raise kernel_error(
                         self,
                         f"var and {name} do not have the same shape"
                         f"{shape_str(shape)} {shape_str(values[name].shape)}",
                     )
-            names = [name for _, name in self._var_slots]
             if in_place:
-                self._update_in_place(values, names)
+                self._update_in_place(values)
             else:
                 with np.errstate(all="ignore"):
                     updated = self.update(**values)
                 for name, new_value in updated.items():
-                    targets[names.index(name)].replace(array(new_value, self.dtype))
+                    targets[self._var_names.index(name)].replace(array(new_value, self.dtype))
         return [inputs[0]] if self.on_refs else []
 
-    def _update_in_place(self, values: dict[str, np.ndarray], names: list[str]) -> None:
-        for name in names:
+    def _update_in_place(self, values: dict[str, np.ndarray]) -> None:
+        for name in self._var_names:
             values[name].flags.writeable = True
         try:
-            for piece in _pieces(values, self.signature):
-                self._quiet_update_in_place(**piece)
+            if values["var"].nbytes < 2 * _PIECE_BYTES:  # one piece: `_pieces` would give `values`
+                self._quiet_update_in_place(**values)
+            else:
+                for piece in _pieces(values, self.signature):
+                    self._quiet_update_in_place(**piece)
         finally:
-            for name in names:
+            for name in self._var_names:
                 values[name].flags.writeable = False
         type(self).in_place_updates += 1
 
@@ -609,16 +629,16 @@ class ApplyMomentumKernel(_ApplyKernel):
 
     def update_in_place(self, **x: np.ndarray) -> None:
         var, accum, grad, lr, momentum = x["var"], x["accum"], x["grad"], x["lr"], x["momentum"]
-        np.multiply(accum, momentum, out=accum)
-        np.add(accum, grad, out=accum)
+        accum *= momentum  # the augmented operators: the same ufuncs as `update`, called faster
+        accum += grad
         if self.use_nesterov:
             step = grad * lr
             scaled = accum * momentum
-            np.multiply(scaled, lr, out=scaled)
-            np.add(step, scaled, out=step)
+            scaled *= lr
+            step += scaled
         else:
             step = lr * accum
-        np.subtract(var, step, out=var)
+        var -= step
 
 
 @register_kernel("ResourceApplyAdam", "ApplyAdam")

@@ -8,6 +8,9 @@ import pytest
 
 from distserver import errors
 from distserver.kernels import create_kernel
+from distserver.kernels._common import broadcast_shape
+
+from .conftest import make_node
 
 RNG = np.random.default_rng(0)
 
@@ -527,3 +530,21 @@ def test_hot_kernels_compute_inf_and_nan_without_a_warning(run_op, op, inputs, a
     # silent); pytest turns any warning into an error here.
     result = run_op(op, *inputs, T=np.float32, **attrs)[0]
     assert not np.isfinite(result).all()
+
+
+def test_broadcast_shape_agrees_with_numpy():
+    # The binary kernels' hand-written broadcast of two shapes, against numpy's, on every
+    # pair of shapes of rank <= 3 with sizes 0-3, compatible or not.
+    sizes = (0, 1, 2, 3)
+    shapes = [()] + [(a,) for a in sizes] + [(a, b) for a in sizes for b in sizes]
+    shapes += [(a, b, c) for a in (1, 2) for b in sizes for c in (0, 1, 3)]
+    kernel = create_kernel(make_node("AddV2", ["x", "y"], T=np.float32))
+    for x in shapes:
+        for y in shapes:
+            try:
+                expected = np.broadcast_shapes(x, y)
+            except ValueError:
+                with pytest.raises(errors.InvalidArgumentError, match="Incompatible shapes"):
+                    broadcast_shape(kernel, x, y)
+            else:
+                assert broadcast_shape(kernel, x, y) == expected, (x, y)

@@ -187,13 +187,26 @@ def test_var_is_initialized_and_destroy(run_op, ctx, variable):
         run_op("DestroyResourceOp", handle, ctx=ctx, ignore_lookup_error=False)
 
 
-def test_handle_from_another_device_is_refused(run_op, ctx):
+def test_handle_from_another_device_is_refused(run_op, ctx, variable):
+    # A variable of that name exists on this device: the handle's device still decides
+    # (the kernels' inline lookup must not skip the check).
+    _assign(run_op, ctx, variable(name="v"), np.zeros(3, np.float32))
     handle = np.empty((), dtype=object)
     handle[()] = ResourceHandle("/job:ps/replica:0/task:0/device:CPU:0", "localhost", "v")
-    with pytest.raises(
+    refused = pytest.raises(
         errors.InvalidArgumentError, match="Trying to access resource v located in device /job:ps"
-    ):
+    )
+    with refused:
         _read(run_op, ctx, handle)
+    with refused:
+        run_op(
+            "ResourceApplyGradientDescent",
+            handle,
+            np.float32(0.1),
+            np.ones(3, np.float32),
+            ctx=ctx,
+            T=np.float32,
+        )
 
 
 def test_non_handle_input_is_refused(run_op, ctx):
