@@ -113,6 +113,12 @@ _DATATYPE_BY_NUMPY: Final[dict[np.dtype[Any], int]] = {
     dtype: datatype for datatype, dtype in _NUMPY_BY_DATATYPE.items() if dtype != _OBJECT
 }
 
+# The numpy dtypes whose arrays are written as they are to `tensor_content` (little-endian
+# machines: the wire's byte order is theirs) -> DataType.
+_CONTENT_DATATYPE_BY_NUMPY: Final[dict[np.dtype[Any], int]] = (
+    dict(_DATATYPE_BY_NUMPY) if sys.byteorder == "little" else {}
+)
+
 # Names numpy does not know (or knows differently) but TensorFlow users write.
 _DATATYPE_BY_TF_NAME: Final[dict[str, int]] = {
     "string": _DT.DT_STRING,
@@ -313,6 +319,43 @@ def _shape_text(proto: TensorShapeProto) -> str:
     return "[" + ",".join("?" if d.size == -1 else str(d.size) for d in proto.dim) + "]"
 
 
+# Shape protos of fully known shapes, by shape: a step sends the same shapes every time.
+_SHAPE_PROTOS: dict[tuple[int, ...], TensorShapeProto] = {}
+_SHAPE_PROTOS_KEPT = 1024
+
+
+def _known_shape_proto(shape: tuple[int, ...]) -> TensorShapeProto:
+    """`shape_to_proto(shape)` of an array's shape, from a bounded cache (callers copy it:
+    a message field set from a message takes a copy)."""
+    proto = _SHAPE_PROTOS.get(shape)
+    if proto is None:
+        if len(_SHAPE_PROTOS) >= _SHAPE_PROTOS_KEPT:
+            _SHAPE_PROTOS.clear()
+        proto = _SHAPE_PROTOS[shape] = shape_to_proto(shape)
+    return proto
+
+
+# Fully known shapes by their protos' wire bytes (serialising a shape proto is cheaper
+# than reading its dims one by one); bounded, as a peer could send any number of shapes.
+_SHAPES_BY_WIRE: dict[bytes, tuple[int, ...]] = {}
+
+
+def _known_shape(shape_proto: TensorShapeProto) -> tuple[int, ...] | None:
+    """The sizes of `shape_proto`, or None when its rank or a size is unknown."""
+    wire = shape_proto.SerializeToString()
+    shape = _SHAPES_BY_WIRE.get(wire)
+    if shape is None:
+        if shape_proto.unknown_rank:
+            return None
+        shape = tuple(dim.size for dim in shape_proto.dim)
+        if min(shape, default=0) < 0:
+            return None
+        if len(_SHAPES_BY_WIRE) >= _SHAPE_PROTOS_KEPT:
+            _SHAPES_BY_WIRE.clear()
+        _SHAPES_BY_WIRE[wire] = shape
+    return shape
+
+
 def _value_shape(proto: TensorProto) -> tuple[int, ...]:
     # A tensor value needs every dimension known.
     shape_proto = proto.tensor_shape
@@ -434,6 +477,15 @@ def to_tensor_proto(value: Any, dtype: Any = None) -> TensorProto:
         ValueError: For ragged nested lists, python integers out of the dtype's range, or
             numeric content of 2 GiB or more.
     """
+    if dtype is None and type(value) is np.ndarray:
+        # The usual case, in short: a numeric array in native (little-endian) order.
+        datatype = _CONTENT_DATATYPE_BY_NUMPY.get(value.dtype)
+        if datatype is not None and value.nbytes <= _MAX_CONTENT_BYTES:
+            return TensorProto(
+                dtype=datatype,  # type: ignore[arg-type]
+                tensor_shape=_known_shape_proto(value.shape),
+                tensor_content=value.tobytes(order="C"),
+            )
     datatype = None if dtype is None else _base_datatype(as_datatype(dtype))
     if datatype is not None:
         as_numpy_dtype(datatype)  # Refuse unsupported types early.
@@ -701,11 +753,23 @@ def from_tensor_proto(
             or more typed values than the shape has elements.
         errors.ResourceExhaustedError: The tensor would take more than the budget.
     """
+    content = proto.tensor_content
+    if content and not writable and sys.byteorder == "little":
+        # The usual case, in short: a numeric tensor_content of the right size.
+        dtype = _NUMPY_BY_DATATYPE.get(proto.dtype)
+        shape = _known_shape(proto.tensor_shape)
+        if (
+            dtype is not None
+            and dtype is not _OBJECT
+            and shape is not None
+            and len(content) == math.prod(shape) * dtype.itemsize
+        ):
+            (budget or DecodeBudget()).charge(proto, len(content), 0)
+            return np.frombuffer(content, dtype=dtype).reshape(shape)
     datatype = _base_datatype(proto.dtype)
     dtype = as_numpy_dtype(datatype)
     shape = _value_shape(proto)
     count = math.prod(shape)
-    content = proto.tensor_content
     element_bytes = _OBJECT_ELEMENT_BYTES if dtype == _OBJECT else dtype.itemsize
     padding = 0 if content else max(count - _typed_length(proto, datatype), 0)
     nbytes = count * element_bytes + (len(content) if dtype == _OBJECT else 0)

@@ -744,3 +744,71 @@ def test_padded_object_tensors_share_their_item_without_a_python_loop():
     assert value.shape == (1 << 20,)
     assert value[0] is value[-1]
     assert value[0] == VariantTensorDataProto()
+
+
+# -- the short paths of the usual case (a numeric array, a numeric tensor_content) ---------
+
+_NUMERIC = [
+    np.float32,
+    np.float64,
+    np.int32,
+    np.int64,
+    np.uint8,
+    np.int8,
+    np.int16,
+    np.uint16,
+    np.uint32,
+    np.uint64,
+    np.bool_,
+    np.float16,
+    np.complex64,
+    np.complex128,
+    ml_dtypes.bfloat16,
+]
+
+
+@pytest.mark.parametrize("dtype", _NUMERIC, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("shape", [(), (0,), (3,), (2, 3), (4, 1, 2)])
+def test_short_paths_give_what_the_general_ones_give(dtype, shape):
+    value = (np.arange(int(np.prod(shape))) % 3).astype(dtype).reshape(shape)
+    short = to_tensor_proto(value)
+    general = to_tensor_proto(value, dtype=value.dtype)  # an explicit dtype takes the general path
+    assert short.SerializeToString() == general.SerializeToString()
+    decoded = from_tensor_proto(short)
+    assert decoded.dtype == value.dtype
+    assert decoded.shape == shape
+    assert decoded.flags.writeable == (value.size == 0)  # content is shared, read-only
+    np.testing.assert_array_equal(decoded, value)
+    writable = from_tensor_proto(short, writable=True)  # the general path
+    assert writable.flags.writeable
+    np.testing.assert_array_equal(writable, value)
+
+
+def test_short_encode_handles_strides_and_byte_order():
+    value = np.arange(12, dtype=np.float32).reshape(3, 4)
+    assert to_tensor_proto(value.T).tensor_content == np.ascontiguousarray(value.T).tobytes()
+    big = value.astype(">f4")  # not in the short path's table: the general path swaps it
+    assert to_tensor_proto(big).tensor_content == value.tobytes()
+
+
+def test_short_decode_still_refuses_bad_shapes_and_sizes():
+    unknown = to_tensor_proto(np.zeros(2, np.float32))
+    unknown.tensor_shape.unknown_rank = True
+    with pytest.raises(errors.InvalidArgumentError, match="fully defined shape"):
+        from_tensor_proto(unknown)
+    negative = to_tensor_proto(np.zeros(2, np.float32))
+    negative.tensor_shape.dim[0].size = -1
+    with pytest.raises(errors.InvalidArgumentError, match="fully defined shape"):
+        from_tensor_proto(negative)
+    short = to_tensor_proto(np.zeros(2, np.float32))
+    short.tensor_shape.dim[0].size = 3
+    with pytest.raises(errors.InvalidArgumentError, match="has 8 bytes of tensor_content, expected 12"):
+        from_tensor_proto(short)
+
+
+def test_the_shape_caches_stay_bounded():
+    for size in range(tensors._SHAPE_PROTOS_KEPT + 10):
+        value = np.zeros((1, size), np.uint8)
+        assert from_tensor_proto(to_tensor_proto(value)).shape == (1, size)
+    assert len(tensors._SHAPES_BY_WIRE) <= tensors._SHAPE_PROTOS_KEPT
+    assert len(tensors._SHAPE_PROTOS) <= tensors._SHAPE_PROTOS_KEPT
