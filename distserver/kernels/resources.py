@@ -45,6 +45,10 @@ class ResourceManager:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._containers: dict[str, dict[str, Any]] = {}
+        # Counts the removals (`delete`, `clear`): a resource found while it had the same
+        # value is still the one its name names (kernels keep what they found, see
+        # `state._VariableKernel`).
+        self.generation = 0
 
     def lookup(self, container: str, name: str) -> Any:
         """The resource `container/name`.
@@ -108,6 +112,7 @@ class ResourceManager:
             del resources[name]
             if not resources:
                 del self._containers[container]
+            self.generation += 1
 
     def clear(self, containers: Sequence[str]) -> None:
         """Drop every resource in `containers`; an empty list means the default container.
@@ -118,6 +123,7 @@ class ResourceManager:
         with self._lock:
             for container in names:
                 self._containers.pop(container, None)
+            self.generation += 1
 
     def containers(self) -> list[str]:
         """Sorted names of the containers that hold at least one resource."""

@@ -21,6 +21,7 @@ The optimizer kernels (`ResourceApplyGradientDescent`, `...Momentum`, `...Adam`,
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -48,7 +49,7 @@ from distserver.kernels._common import (
 from distserver.kernels.array import GatherKernel
 from distserver.kernels.ref_variables import count_up_to, ref_input, requested_input
 from distserver.kernels.registry import KernelContext, OpKernel, register_kernel
-from distserver.kernels.resources import DEFAULT_CONTAINER, VariableResource
+from distserver.kernels.resources import DEFAULT_CONTAINER, ResourceManager, VariableResource
 from distserver.tensors import ResourceHandle
 
 if TYPE_CHECKING:
@@ -62,8 +63,20 @@ def _missing_text(handle: ResourceHandle) -> str:
     return f"Resource {handle.container or DEFAULT_CONTAINER}/{handle.name}/{_VAR_TYPE_NAME} does not exist."
 
 
+# Handle inputs a kernel remembers having looked up (more come only from handles that
+# are new arrays every step, such as ones received from another task).
+_FOUND_KEPT = 8
+
+
 class _VariableKernel(OpKernel):
     """Shared handle checks and lookups for the kernels that take a variable handle."""
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        # id(handle input) -> (that input, the ResourceManager, its generation then, the
+        # device, the variable found, weakly). A VarHandleOp's output is the same array
+        # every step: its variable is found again by identity, without a lookup.
+        self._found: dict[int, tuple[Any, ResourceManager, int, str, weakref.ref[VariableResource]]] = {}
 
     def _handle(self, ctx: KernelContext, value: Any) -> ResourceHandle:
         handle = handle_input(self, value)
@@ -86,10 +99,26 @@ class _VariableKernel(OpKernel):
         """`_find(ctx, _handle(ctx, value))` for the usual case, inline (read and updated by
         every step): a handle of this device naming an initialized variable. None for any
         other case, which the caller then takes through `_handle` and `_find` for its error."""
+        resources = ctx.resources
+        found = self._found.get(id(value))
+        if (
+            found is not None
+            and found[0] is value
+            and found[1] is resources
+            and found[2] == resources.generation
+            and found[3] == ctx.device
+        ):
+            variable = found[4]()
+            if variable is not None and variable.value is not None:
+                return variable
         handle = value[()] if type(value) is np.ndarray and not value.ndim else value
         if type(handle) is ResourceHandle and (not handle.device or handle.device == ctx.device):
-            variable = ctx.resources.find(handle.container, handle.name)
+            generation = resources.generation  # read first: a removal after it shows
+            variable = resources.find(handle.container, handle.name)
             if isinstance(variable, VariableResource) and variable.value is not None:
+                if len(self._found) >= _FOUND_KEPT:
+                    self._found.clear()
+                self._found[id(value)] = (value, resources, generation, ctx.device, weakref.ref(variable))
                 return variable
         return None
 

@@ -378,3 +378,52 @@ def test_disable_copy_on_read_needs_the_variable_and_changes_nothing(run_op, new
         run_op("DisableCopyOnRead", handle, ctx=ctx)
     ctx.resources.create("", "v", VariableResource(np.float32))
     assert run_op("DisableCopyOnRead", handle, ctx=ctx) == []
+
+
+# --------------------------------------------------------------------------- remembered lookups
+
+
+def test_kernels_use_the_variable_a_handle_names_now_not_the_one_they_found_before(
+    make_node, new_context, ctx, variable
+):
+    # Kernels remember the variable a handle input named (the same handle array every
+    # step): destroying it, clearing the container or running on another ResourceManager
+    # must not leave them updating or reading the old one.
+    handle = variable(name="v")
+    read = create_kernel(make_node("ReadVariableOp", ["h"], dtype=np.float32))
+    step = create_kernel(make_node("ResourceApplyGradientDescent", ["h", "a", "d"], T=np.float32))
+    alpha, delta = np.float32(1.0), np.ones(3, np.float32)
+
+    def apply(context):
+        step.compute(context, [handle, np.asarray(alpha), delta])
+
+    def value(context):
+        return read.compute(context, [handle])[0].tolist()
+
+    create_kernel(make_node("AssignVariableOp", ["h", "v"], dtype=np.float32)).compute(
+        ctx, [handle, np.array([1, 2, 3], np.float32)]
+    )
+    apply(ctx)
+    assert value(ctx) == [0, 1, 2]
+    create_kernel(make_node("DestroyResourceOp", ["h"])).compute(ctx, [handle])
+    with pytest.raises(errors.NotFoundError, match="does not exist"):
+        apply(ctx)
+    with pytest.raises(errors.FailedPreconditionError, match="Could not find variable v"):
+        value(ctx)
+    for start in ([10, 20, 30], [7, 7, 7]):  # a new variable of the same name, twice
+        create_kernel(make_node("AssignVariableOp", ["h", "v"], dtype=np.float32)).compute(
+            ctx, [handle, np.array(start, np.float32)]
+        )
+        apply(ctx)
+        assert value(ctx) == [x - 1 for x in start]
+        held = ctx.resources.find(DEFAULT_CONTAINER, "v")  # alive, with its value, after the clear
+        ctx.resources.clear([])
+        assert held.value is not None
+    other = new_context()  # same handle array, another task's variables
+    create_kernel(make_node("AssignVariableOp", ["h", "v"], dtype=np.float32)).compute(
+        other, [handle, np.array([5, 5, 5], np.float32)]
+    )
+    apply(other)
+    assert value(other) == [4, 4, 4]
+    with pytest.raises(errors.FailedPreconditionError, match="Could not find variable v"):
+        value(ctx)
