@@ -76,6 +76,7 @@ __all__ = [
     "shape_to_proto",
     "tensor_nbytes",
     "to_tensor_proto",
+    "write_tensor_proto",
 ]
 
 Shape = tuple[int | None, ...]
@@ -477,15 +478,10 @@ def to_tensor_proto(value: Any, dtype: Any = None) -> TensorProto:
         ValueError: For ragged nested lists, python integers out of the dtype's range, or
             numeric content of 2 GiB or more.
     """
-    if dtype is None and type(value) is np.ndarray:
-        # The usual case, in short: a numeric array in native (little-endian) order.
-        datatype = _CONTENT_DATATYPE_BY_NUMPY.get(value.dtype)
-        if datatype is not None and value.nbytes <= _MAX_CONTENT_BYTES:
-            return TensorProto(
-                dtype=datatype,  # type: ignore[arg-type]
-                tensor_shape=_known_shape_proto(value.shape),
-                tensor_content=value.tobytes(order="C"),
-            )
+    if dtype is None:
+        proto = TensorProto()
+        if _write_numeric(proto, value):
+            return proto
     datatype = None if dtype is None else _base_datatype(as_datatype(dtype))
     if datatype is not None:
         as_numpy_dtype(datatype)  # Refuse unsupported types early.
@@ -514,6 +510,28 @@ def to_tensor_proto(value: Any, dtype: Any = None) -> TensorProto:
 
 make_tensor_proto = to_tensor_proto
 """Alias of `to_tensor_proto`, named like TensorFlow's function."""
+
+
+def write_tensor_proto(proto: TensorProto, value: Any) -> None:
+    """Write `value` into `proto`, an empty message (a field of a request or response
+    being built): `proto.CopyFrom(to_tensor_proto(value))` without the intermediate
+    message for a numeric array (1.9 vs 3.1 us for 4 KiB)."""
+    if not _write_numeric(proto, value):
+        proto.CopyFrom(to_tensor_proto(value))
+
+
+def _write_numeric(proto: TensorProto, value: Any) -> bool:
+    """The usual case of `to_tensor_proto`, in short: a numeric array in native
+    (little-endian) order written into `proto`. False, and nothing written, otherwise."""
+    if type(value) is not np.ndarray:
+        return False
+    datatype = _CONTENT_DATATYPE_BY_NUMPY.get(value.dtype)
+    if datatype is None or value.nbytes > _MAX_CONTENT_BYTES:
+        return False
+    proto.dtype = datatype  # type: ignore[assignment]
+    proto.tensor_shape.CopyFrom(_known_shape_proto(value.shape))
+    proto.tensor_content = value.tobytes(order="C")
+    return True
 
 
 def _as_array(value: Any, datatype: int | None) -> NDArray[Any]:

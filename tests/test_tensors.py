@@ -812,3 +812,19 @@ def test_the_shape_caches_stay_bounded():
         assert from_tensor_proto(to_tensor_proto(value)).shape == (1, size)
     assert len(tensors._SHAPES_BY_WIRE) <= tensors._SHAPE_PROTOS_KEPT
     assert len(tensors._SHAPE_PROTOS) <= tensors._SHAPE_PROTOS_KEPT
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        np.arange(6, dtype=np.float32).reshape(2, 3),
+        np.array(b"text", dtype=object),
+        1.5,
+        np.arange(4).astype(">i4"),
+    ],
+    ids=["numeric", "string", "python", "big-endian"],
+)
+def test_write_tensor_proto_writes_what_to_tensor_proto_makes(value):
+    written = TensorProto()
+    tensors.write_tensor_proto(written, value)
+    assert written.SerializeToString() == to_tensor_proto(value).SerializeToString()

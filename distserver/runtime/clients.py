@@ -23,7 +23,7 @@ from distserver.protos.debug_pb2 import StepStats
 from distserver.protos.services import MASTER_SERVICE, TENSOR_SERVICE, WORKER_SERVICE
 from distserver.runtime.batched_recv import decode_response
 from distserver.runtime.names import canonical_tensor_name
-from distserver.tensors import from_tensor_proto, to_tensor_proto
+from distserver.tensors import from_tensor_proto, write_tensor_proto
 
 
 class ChannelLike(Protocol):
@@ -173,7 +173,7 @@ class RemoteWorker:
         full.exec_opts.record_timeline = stats is not None
         for key, value in sends.items():
             named = full.send.add(name=key)
-            named.tensor.CopyFrom(to_tensor_proto(value))
+            write_tensor_proto(named.tensor, value)
         response: Any = await self.call("RunGraph", full, timeout=timeout)
         _raise_body_error(response.status_code, response.status_error_message)
         if stats is not None:
@@ -221,7 +221,7 @@ class RemoteMaster:
             request.options.CopyFrom(options)
         for name, value in feeds.items():
             named = request.feed.add(name=name)
-            named.tensor.CopyFrom(to_tensor_proto(value))
+            write_tensor_proto(named.tensor, value)
         response: Any = await self.call("RunStep", request, timeout=rpc_deadline(options))
         _raise_body_error(response.status_code, response.status_error_message)
         if metadata is not None:
@@ -234,6 +234,6 @@ class RemoteMaster:
     async def run_callable(self, handle: str, callable_handle: int, feeds: Sequence[Any]) -> list[Any]:
         request = m.RunCallableRequest(session_handle=handle, handle=callable_handle)
         for value in feeds:
-            request.feed.add().CopyFrom(to_tensor_proto(value))
+            write_tensor_proto(request.feed.add(), value)
         response: Any = await self.call("RunCallable", request)
         return [from_tensor_proto(t) for t in response.fetch]

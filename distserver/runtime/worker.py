@@ -39,7 +39,7 @@ from distserver.runtime.counters import StepCounters
 from distserver.runtime.executor import Executor, StepContext
 from distserver.runtime.push import PUSH_LIMIT_BYTES, worker_returns
 from distserver.runtime.rendezvous import RendezvousTable, StepRendezvous
-from distserver.tensors import tensor_nbytes, to_tensor_proto
+from distserver.tensors import tensor_nbytes, write_tensor_proto
 
 logger = logging.getLogger(__name__)
 
@@ -319,7 +319,7 @@ class Worker:
             results = await self.run_graph(request, sends, stats=stats)
             for key, value in results.items():
                 named = response.recv.add(name=key)
-                named.tensor.CopyFrom(to_tensor_proto(value))
+                write_tensor_proto(named.tensor, value)
         except errors.OpError as exc:
             if not request.store_errors_in_response_body:
                 raise
@@ -353,7 +353,7 @@ class Worker:
         for text, value in values.items():
             named = response.recv.add(name=text)
             if value is not batched_recv.FETCH_SEPARATELY:
-                named.tensor.CopyFrom(to_tensor_proto(value))
+                write_tensor_proto(named.tensor, value)
                 self._rendezvous.served(step_id, parse_rendezvous_key(text))
         return response
 
