@@ -13,7 +13,9 @@ resolves inputs, and rejects cycles. `run(ctx)` then executes one step:
   at registration (`_fold_constants`, Grappler's constant folding), when small.
 * Nodes that only pass a value on or only order others (Identity, NoOp) are left out
   of graphs without loops or reference variables, their consumers connected to their
-  inputs (`_leave_out_pass_through`), as TensorFlow's Grappler does before a step.
+  inputs (`_leave_out_pass_through`), as TensorFlow's Grappler does before a step;
+  before that, a pure node whose outputs nobody reads (only control edges wait for
+  it: the gradient of a layer's input) becomes a NoOp (`_skip_unread_results`).
 * Small synchronous kernels run inline on the event loop (a task per node would
   cost more than the node). Kernels whose inputs are large, or whose output will
   be (`OpKernel.output_nbytes`: Fill, Tile, Range, random tensors), run in the
@@ -58,6 +60,7 @@ import numpy as np
 
 from distserver import errors
 from distserver.kernels._common import warnings_off
+from distserver.kernels.control_flow import SwitchKernel
 from distserver.kernels.registry import (
     CARRIES_DEADNESS,
     DEAD,
@@ -238,6 +241,7 @@ class Executor:
         if not has_refs and not has_loops:
             # (A reference variable's Identity reads the variable when it runs, and a
             # loop's values are tagged by frame: both keep every node.)
+            _skip_unread_results(self._nodes, control_sources)
             _leave_out_pass_through(self._nodes, control_sources)
         for node in self._nodes:
             node.mode = _mode_of(node)
@@ -604,6 +608,65 @@ def _fold_constants(nodes: list[_Node], fixed: list[int]) -> dict[int, list[Any]
         values[c] = folded[c] = outputs
         order.extend(node.consumers)
     return folded
+
+
+# Pure kernels `_skip_unread_results` still runs: a placeholder fails a step it is not
+# fed in, a check fails on a bad value, and a function's arguments and results are
+# its interface.
+_ALWAYS_COMPUTED = frozenset({"Placeholder", "PlaceholderWithDefault", "CheckNumerics", "_Arg", "_Retval"})
+
+
+def _skip_unread_results(nodes: list[_Node], control_sources: list[list[int]]) -> None:
+    """Turn a node of a pure kernel whose outputs nobody reads, only waits for through
+    control edges, into a NoOp over the same inputs (as control inputs), as
+    TensorFlow's Grappler does before a step (its dependency optimizer): the gradient
+    of a layer's input, computed by `tf.gradients` and only waited for by the
+    gradient's `tuple` group, is a full matrix product a step (a third of `mlp`'s).
+
+    Its consumers still wait for everything it waited for, with the same deadness (a
+    dead input, data or control, makes the NoOp dead too; every producer but a Switch
+    has outputs all dead or all live, so a control edge from it is as dead as a data
+    edge). A node with no consumers
+    at all is kept (it is what the step was asked to run); so is every kernel with
+    side effects or deadness rules of its own. A converted node's inputs may in turn
+    be read by nobody: they are looked at again."""
+    order = deque(range(len(nodes)))
+    while order:
+        i = order.popleft()
+        node = nodes[i]
+        kernel = node.kernel
+        if node.num_reads or not node.control_consumers or not _pure(kernel):
+            continue
+        if any(isinstance(nodes[src].kernel, SwitchKernel) for src, _ in node.inputs):
+            # A control edge from a Switch is dead only when both its ports are: it
+            # would not carry the deadness of the one port the node reads.
+            continue
+        for src, _ in node.inputs:
+            nodes[src].num_reads -= 1
+            nodes[src].control_consumers.append(i)
+            control_sources[i].append(src)
+            order.append(src)
+        node.inputs = []
+        node.sizes_its_output = False
+        node.kernel = _shared_or_new_kernel(
+            NodeDef(name=kernel.name, op="NoOp", device=kernel.node.device), None
+        )
+
+
+def _pure(kernel: OpKernel) -> bool:
+    """Whether a node of `kernel` may be left uncomputed when nobody reads its outputs."""
+    return not (
+        kernel.is_stateful
+        or kernel.is_async
+        or kernel.does_io
+        or kernel.makes_refs
+        or kernel.passes_through  # (Identity and NoOp: `_leave_out_pass_through`)
+        or kernel.outputs_fixed  # (computed once per device anyway)
+        or kernel.may_output_dead
+        or kernel.dead_inputs != SKIP_WHEN_DEAD
+        or kernel.ref_inputs
+        or kernel.op in _ALWAYS_COMPUTED
+    )
 
 
 def _leave_out_pass_through(nodes: list[_Node], control_sources: list[list[int]]) -> None:

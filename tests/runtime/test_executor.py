@@ -332,6 +332,91 @@ async def test_pass_through_nodes_feeding_a_merge_or_joining_many_to_many_are_ke
     assert _left_out(executor) == set()
 
 
+def _noops(executor: Executor) -> set[str]:
+    return {n.kernel.name for n in executor._nodes if n.kernel.op == "NoOp"}
+
+
+async def test_a_pure_node_nobody_reads_is_not_computed_and_what_waits_for_it_waits_for_its_inputs():
+    # The gradient of a layer's input: a product only the gradient's group waits for.
+    # Its shapes do not match, so computing it would fail the step: it is not computed,
+    # nor are its inputs, which nobody else reads. `reader` (first in the graph) waits
+    # for it, so for the add as well: it reads 3, not 1.
+    ctx = _step_context(None)
+    init = _node("init", "AssignVariableOp", ["v", "one"], dtype=_F32)
+    await Executor(_graph(_variable("v"), _const("one", 1.0), init)).run(ctx)
+    graph = _graph(
+        _node("reader", "ReadVariableOp", ["v", "^unread"], dtype=_F32),
+        _node("keep", "AssignVariableOp", ["result", "reader"], dtype=_F32),
+        _variable("v"),
+        _variable("result"),
+        _const("two", 2.0),
+        _node("add", "AssignAddVariableOp", ["v", "two"], dtype=_F32),
+        _node("bumped", "ReadVariableOp", ["v", "^add"], dtype=_F32),
+        _node("shaped", "Reshape", ["bumped", "row"], T=_F32, Tshape=types_pb2.DT_INT32),
+        _node("row", "Const", dtype=types_pb2.DT_INT32, value=np.array([1, 1], np.int32)),
+        _node("wide", "Const", dtype=_F32, value=np.ones((3, 4), np.float32)),
+        _node("unread", "MatMul", ["shaped", "wide"], T=_F32),
+    )
+    step = Executor(graph)
+    assert _noops(step) == {"unread", "shaped", "bumped"}
+    await step.run(ctx)
+    assert ctx.resources.lookup("", "result").value == np.float32(3.0)
+    # Asked for (no consumer: the node the step was asked to run), it is computed, and fails.
+    ctx = _step_context(None)
+    await Executor(_graph(_variable("v"), _const("one", 1.0), init)).run(ctx)
+    alone = _graph(*[node for node in graph.node if node.name not in ("reader", "keep")])
+    with pytest.raises(errors.InvalidArgumentError, match="unread"):
+        await Executor(alone).run(ctx)
+
+
+async def test_a_node_nobody_reads_is_computed_when_it_has_effects_or_reads_a_switch_port():
+    executor = Executor(
+        _graph(
+            _node("pred", "Const", dtype=types_pb2.DT_BOOL, value=np.array(False)),
+            _const("x", 1.0),
+            _node("switch", "Switch", ["x", "pred"], T=_F32),
+            _node("on_port", "Neg", ["switch:1"], T=_F32),
+            _node("feed", "Placeholder", dtype=_F32),
+            _node("random", "RandomUniform", ["shape"], T=types_pb2.DT_INT32, dtype=_F32),
+            _node("shape", "Const", dtype=types_pb2.DT_INT32, value=np.array([2], np.int32)),
+            _node("after", "NoOp", ["^on_port", "^feed", "^random"]),
+            _const("last", 0.0, ["^after"]),
+        )
+    )
+    # A control edge from the Switch is live when one port is: `on_port` stays to carry
+    # the dead port. A placeholder must fail when not fed, and a random op's sequence
+    # moves on.
+    assert _noops(executor) == {"after"}
+
+
+async def test_a_node_nobody_reads_downstream_of_a_dead_port_makes_what_waits_for_it_dead():
+    # cond's branch not taken: `negated` reads the pivot (dead), is not computed, and
+    # the assignment waiting for it must not run either; nor the one waiting for a
+    # node reading the dead port itself.
+    ctx = _step_context(None)
+    executor = Executor(
+        _graph(
+            _variable("v"),
+            _node("pred", "Const", dtype=types_pb2.DT_BOOL, value=np.array(False)),
+            _const("x", 1.0),
+            _node("switch", "Switch", ["x", "pred"], T=_F32),
+            _node("pivot", "Identity", ["switch:1"], T=_F32),
+            _node("negated", "Neg", ["pivot"], T=_F32),
+            _const("five", 5.0, ["^negated"]),
+            _node("assign", "AssignVariableOp", ["v", "five"], dtype=_F32),
+            _variable("w"),
+            _node("on_port", "Neg", ["switch:1"], T=_F32),  # computed (dead), not a NoOp
+            _const("six", 6.0, ["^on_port"]),
+            _node("assign_w", "AssignVariableOp", ["w", "six"], dtype=_F32),
+        )
+    )
+    assert _noops(executor) == {"negated"}
+    await executor.run(ctx)
+    for name in ("v", "w"):
+        with pytest.raises(errors.NotFoundError):
+            ctx.resources.lookup("", name)
+
+
 def _recv(name: str, src_task: str = TASK) -> NodeDef:
     node = _node(name, "_Recv", tensor_type=_F32)
     node.attr["send_device"].s = f"{src_task}/device:CPU:0".encode()
