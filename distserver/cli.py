@@ -34,6 +34,7 @@ from distserver._process import die_with_parent, exit_quietly_on_interrupt, run
 from distserver.bench import command as bench_command
 from distserver.cluster import ClusterSpec, TFConfigClusterResolver
 from distserver.facade import Session
+from distserver.kernels import _intra_op as intra_op
 from distserver.metrics import MetricsEndpoint
 from distserver.protos.master_pb2 import ListDevicesRequest
 from distserver.protos.services import MASTER_SERVICE, STATUS_SERVICE
@@ -146,7 +147,10 @@ async def _serve(args: argparse.Namespace) -> int:
     elif not user_chose_threads():
         spec = ClusterSpec(cluster)
         addresses = [address for name in spec.jobs for address in spec.job_tasks(name) if address]
-        set_blas_threads(threads_per_local_task(addresses, os.cpu_count() or 1))
+        threads = threads_per_local_task(addresses, os.cpu_count() or 1)
+        set_blas_threads(threads)
+        if threads == 1 and (os.cpu_count() or 1) > 1:
+            intra_op.enable()  # a large product takes a second thread of its own
     server = AsyncServer(
         cluster,
         job,

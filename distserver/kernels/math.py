@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from distserver import errors
+from distserver.kernels import _intra_op
 from distserver.kernels._common import (
     BFLOAT16,
     BOOL,
@@ -375,9 +376,32 @@ class MatMulKernel(OpKernel):
                 f"Matrix size-incompatible: In[0]: {shape_str(a.shape)}, In[1]: {shape_str(b.shape)}",
             )
         if self.work is self.dtype:  # a product of matrices: an array of their dtype
-            return [_quiet_matmul(lhs, rhs)]
-        product = _quiet_matmul(lhs.astype(self.work), rhs.astype(self.work))
+            return [_matmul(lhs, rhs)]
+        product = _matmul(lhs.astype(self.work), rhs.astype(self.work))
         return [array(product, self.dtype)]
+
+
+def _matmul(lhs: np.ndarray, rhs: np.ndarray) -> np.ndarray:
+    """lhs @ rhs; a large product in two blocks of rows, one on the intra-op helper
+    thread when it runs (`_intra_op`). Each block keeps `SPLIT_MIN_ROWS` // 2 rows or
+    more, so BLAS computes it as it does the whole (its matrix-matrix kernel, each
+    element summed over the inner dimension in the same order): the same bits. (A
+    product of a row or a few takes other kernels, summing in another order.)"""
+    rows = lhs.shape[0]
+    if (
+        not _intra_op.enabled()
+        or rows < _intra_op.SPLIT_MIN_ROWS
+        or rows * lhs.shape[1] * rhs.shape[1] < _intra_op.SPLIT_MACS
+    ):
+        product: np.ndarray = _quiet_matmul(lhs, rhs)
+        return product
+    out = np.empty((rows, rhs.shape[1]), np.result_type(lhs, rhs))
+    half = rows // 2
+    _intra_op.run_halves(
+        lambda: _quiet_matmul(lhs[:half], rhs, out=out[:half]),
+        lambda: _quiet_matmul(lhs[half:], rhs, out=out[half:]),
+    )
+    return out
 
 
 @register_kernel("BiasAdd", "BiasAddV1")

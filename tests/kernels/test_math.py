@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from distserver import errors
-from distserver.kernels import create_kernel
+from distserver.kernels import _intra_op, create_kernel
 from distserver.kernels._common import broadcast_shape
 
 from .conftest import make_node
@@ -311,6 +311,73 @@ def test_matmul_errors(run_op):
         errors.InvalidArgumentError, match=r"In\[1\] is not a matrix. Instead it has shape \[3\]"
     ):
         run_op("MatMul", np.ones((2, 3), np.float32), np.ones(3, np.float32), T=np.float32)
+
+
+@pytest.fixture
+def intra_op_helper():
+    _intra_op.enable()
+    yield
+    _intra_op.disable()
+
+
+@pytest.mark.parametrize("transpose_a", [False, True])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int64, np.complex64, np.float16])
+@pytest.mark.parametrize("rows", [257, _intra_op.SPLIT_MIN_ROWS])
+def test_a_large_product_is_cut_in_two_on_the_helper_thread_and_gives_the_same_bits(
+    run_op, intra_op_helper, monkeypatch, transpose_a, dtype, rows
+):
+    # An mlp layer's shapes: (rows x 784) @ (784 x 512), rows odd or the fewest cut.
+    inner, columns = 784, 512
+    rng = np.random.default_rng(rows)
+    a = (rng.standard_normal((inner, rows) if transpose_a else (rows, inner)) * 4).astype(dtype)
+    b = (rng.standard_normal((inner, columns)) * 4).astype(dtype)
+    whole = run_op("MatMul", a, b, T=dtype, transpose_a=transpose_a)[0]
+    halves = []
+    real_run_halves = _intra_op.run_halves
+    monkeypatch.setattr(_intra_op, "run_halves", lambda *parts: halves.append(real_run_halves(*parts)))
+    split = run_op("MatMul", a, b, T=dtype, transpose_a=transpose_a)[0]
+    assert len(halves) == 1
+    assert split.dtype == whole.dtype == np.dtype(dtype)
+    np.testing.assert_array_equal(split, whole)
+    _intra_op.disable()
+    np.testing.assert_array_equal(run_op("MatMul", a, b, T=dtype, transpose_a=transpose_a)[0], whole)
+    assert len(halves) == 1  # off: one call, not split
+
+
+def test_a_small_product_or_one_of_few_rows_is_not_cut(run_op, intra_op_helper, monkeypatch):
+    monkeypatch.setattr(_intra_op, "run_halves", None)  # any use fails
+    run_op("MatMul", np.ones((256, 64), np.float32), np.ones((64, 64), np.float32), T=np.float32)
+    rows = _intra_op.SPLIT_MIN_ROWS - 1
+    columns = _intra_op.SPLIT_MACS // (rows * 784) + 1
+    (out,) = run_op(
+        "MatMul", np.ones((rows, 784), np.float32), np.ones((784, columns), np.float32), T=np.float32
+    )
+    assert out.shape == (rows, columns)
+
+
+def test_halves_wait_for_each_other_and_report_errors(intra_op_helper):
+    import threading
+    import time
+
+    ran = []
+
+    def second():
+        time.sleep(0.05)
+        ran.append(threading.current_thread().name)
+
+    with pytest.raises(ZeroDivisionError):
+        _intra_op.run_halves(lambda: 1 / 0, second)
+    assert len(ran) == 1  # waited for, though the first failed
+    assert ran[0].startswith("distserver-intra-op")
+
+    def fails():
+        raise KeyError("second")
+
+    with pytest.raises(KeyError, match="second"):
+        _intra_op.run_halves(lambda: None, fails)
+    _intra_op.disable()
+    _intra_op.run_halves(lambda: ran.append("first"), lambda: ran.append(threading.current_thread().name))
+    assert ran[1:] == ["first", threading.current_thread().name]  # off: both here, in order
 
 
 @pytest.mark.parametrize("data_format", ["NHWC", "NCHW"])
