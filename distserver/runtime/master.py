@@ -614,8 +614,13 @@ class Master:
                 pushed_keys=[parse_rendezvous_key(k) for k in sorted(plan.pushed_keys.get(task, ()))],
             )
 
+        partitions = await gather_all(register(t, g) for t, g in plan.graphs.items())
+        # This task's own partition last: a step starts the partitions in this order, and
+        # the local one runs its first kernels before it yields, the remote ones only send
+        # their RunGraph call (a ps's reads then start ~0.35 ms sooner in `small`).
+        partitions.sort(key=lambda part: part.task == self.task_name)
         return _RegisteredPlan(
-            partitions=await gather_all(register(t, g) for t, g in plan.graphs.items()),
+            partitions=partitions,
             feed_keys=plan.feed_keys,
             fetch_keys=plan.fetch_keys,
         )
