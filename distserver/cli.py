@@ -251,6 +251,9 @@ def _statistics_text(stats: dict[str, Any]) -> str:
             f"  {kind}: {counts['succeeded']} ok, {counts['in_flight']} in flight, failed: {failed}; "
             f"mean latency {mean}"
         )
+    updates = stats.get("optimizer_updates", {})  # (a server older than the field has none)
+    in_place, copied = updates.get("in_place", 0), updates.get("copied", 0)
+    lines.append(f"  optimizer updates: {in_place} in place, {copied} into new arrays")
     if not stats["peers"]:
         lines.append("  peers: none contacted yet")
     for peer, channel in sorted(stats["peers"].items()):

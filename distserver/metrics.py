@@ -17,6 +17,9 @@ into metric families. What is exported, every series labelled with the task
   or less come back inside RunGraph responses),
   `distserver_peer_calls_total`, `distserver_peer_calls_failed_total`.
 * `distserver_sessions`: master sessions open; and the process' own (`process_*`).
+* `distserver_optimizer_updates_total{written}`: optimizer updates of the process,
+  `written` "in_place" (into the variable's own array) or "copied" (into a new one,
+  because a reader still held the old one: each costs an allocation of the variable's size).
 """
 
 from __future__ import annotations
@@ -74,6 +77,14 @@ def metric_families(stats: ServerStatistics, task: str) -> list[Metric]:
     sessions = GaugeMetricFamily("distserver_sessions", "master sessions open", labels=["task"])
     sessions.add_metric([task], stats.sessions)
     families.append(sessions)
+    updates = CounterMetricFamily(
+        "distserver_optimizer_updates",
+        "optimizer updates of this process, by how they were written",
+        labels=["task", "written"],
+    )
+    for written, count in sorted(stats.optimizer_updates.items()):
+        updates.add_metric([task, written], count)
+    families.append(updates)
     return families
 
 

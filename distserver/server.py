@@ -36,6 +36,7 @@ from distserver import errors
 from distserver.cluster import ClusterSpec, local_address, make_server_def, validate_cluster
 from distserver.devices import full_device_name, task_name
 from distserver.kernels.resources import ResourceManager
+from distserver.kernels.state import OPTIMIZER_UPDATES
 from distserver.protos.cluster_pb2 import ClusterDef
 from distserver.protos.device_attributes_pb2 import DeviceAttributes
 from distserver.protos.services import (
@@ -74,6 +75,9 @@ class ServerStatistics:
     `peers` are this task's channels to the other tasks, by task name: calls made, and
     tensors and bytes received, with the data path each channel's tensors take
     ("grpc"; "verbs" when grpc+verbs moves them through shared memory).
+    `optimizer_updates` counts the optimizer updates of this process (of every server
+    in it) by how they were written: "in_place" into the variables' own arrays, or
+    "copied" into new arrays because something still held the old ones.
     """
 
     target: str
@@ -83,6 +87,7 @@ class ServerStatistics:
     steps: StepStatistics  # steps this task's master ran (its clients' Session.run)
     graphs: StepStatistics  # partition graphs this task's worker ran (RunGraph)
     peers: dict[str, ChannelStatistics]
+    optimizer_updates: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         """Plain data (JSON-ready): every field, and `in_flight` for steps and graphs."""
@@ -242,6 +247,7 @@ class AsyncServer:
             steps=self.master.steps.snapshot() if self.master else empty,
             graphs=self.worker.graphs.snapshot() if self.worker else empty,
             peers={task: channel.statistics() for task, channel in self._channels.items()},
+            optimizer_updates={"in_place": OPTIMIZER_UPDATES.in_place, "copied": OPTIMIZER_UPDATES.copied},
         )
 
     async def _get_statistics_rpc(self, request: empty_pb2.Empty) -> wrappers_pb2.StringValue:

@@ -69,9 +69,13 @@ def _run_workload(target):
             total = ds.reduce_sum(big) + ds.reduce_sum(small)
             unfed = ds.placeholder(ds.float32, shape=[], name="unfed")
             needs_feed = unfed * 2.0
+            weight = ds.Variable(np.ones(4, np.float32), name="weight")
+            train = ds.train.GradientDescentOptimizer(0.1).minimize(ds.reduce_sum(weight * weight))
+            init = ds.global_variables_initializer()
     with ds.Session(target, graph=graph) as session:
+        session.run(init)
         for _ in range(STEPS):
-            assert session.run(total) == ROWS * COLS + SMALL
+            assert session.run([total, train])[0] == ROWS * COLS + SMALL
         with pytest.raises(ds.errors.InvalidArgumentError):
             session.run(needs_feed)
 
@@ -112,7 +116,8 @@ def test_counters_and_metrics_match_a_known_workload(python_env, protocol):
 
     data_path = "verbs" if protocol == "grpc+verbs" else "grpc"
     assert status.returncode == 0, status.stderr
-    assert f"  steps: {STEPS} ok, 0 in flight, failed: InvalidArgumentError 1;" in status.stdout
+    assert f"  steps: {STEPS + 1} ok, 0 in flight, failed: InvalidArgumentError 1;" in status.stdout
+    assert f"  optimizer updates: {STEPS} in place, 0 into new arrays" in status.stdout
     peer_line = next(line for line in status.stdout.splitlines() if line.startswith(f"  peer {PS} "))
     assert f"via {data_path}:" in peer_line
     assert f"{STEPS} tensors / {STEPS * NBYTES} bytes received" in peer_line
@@ -126,11 +131,13 @@ def test_counters_and_metrics_match_a_known_workload(python_env, protocol):
     def value(name, **labels):
         return samples[(name, tuple(sorted({"task": WORKER, **labels}.items())))]
 
-    assert value("distserver_steps_total", result="ok") == STEPS
+    assert value("distserver_steps_total", result="ok") == STEPS + 1  # and the initializer
     assert value("distserver_steps_total", result="InvalidArgumentError") == 1
     assert value("distserver_steps_in_flight") == 0
-    assert value("distserver_step_latency_seconds_count") == STEPS + 1
-    assert value("distserver_step_latency_seconds_bucket", le="+Inf") == STEPS + 1
+    assert value("distserver_step_latency_seconds_count") == STEPS + 2
+    assert value("distserver_step_latency_seconds_bucket", le="+Inf") == STEPS + 2
+    assert value("distserver_optimizer_updates_total", written="in_place") == STEPS
+    assert value("distserver_optimizer_updates_total", written="copied") == 0
     assert value("distserver_step_latency_seconds_sum") > 0
     peer = {"peer": PS, "address": f"localhost:{ps_port}", "data_path": data_path}
     assert value("distserver_peer_tensor_bytes_received_total", **peer) == STEPS * NBYTES

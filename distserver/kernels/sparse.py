@@ -54,7 +54,7 @@ from distserver.kernels._common import (
     shape_str,
 )
 from distserver.kernels.registry import KernelContext, OpKernel, register_kernel
-from distserver.kernels.state import _ApplyKernel, _locked, ftrl_update, proximal_step
+from distserver.kernels.state import OPTIMIZER_UPDATES, _ApplyKernel, _locked, ftrl_update, proximal_step
 
 if TYPE_CHECKING:
     from distserver.protos.node_def_pb2 import NodeDef
@@ -451,11 +451,10 @@ class _SparseApplyKernel(_ApplyKernel):
                 if in_place:
                     for value in updated.values():
                         value.flags.writeable = False
-            if in_place:
-                type(self).in_place_updates += 1
-            else:
+            if not in_place:
                 for name, new_value in updated.items():
                     variables[name][0].replace(array(new_value, self.dtype))
+            OPTIMIZER_UPDATES.count(in_place)
         return [inputs[0]] if self.on_refs else []
 
     def _check_scalar(self, name: str, value: np.ndarray) -> None:

@@ -21,6 +21,7 @@ The optimizer kernels (`ResourceApplyGradientDescent`, `...Momentum`, `...Adam`,
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -408,6 +409,27 @@ class ResourceScatterKernel(_VariableKernel):
 # --------------------------------------------------------------------------- optimizers
 
 
+class OptimizerUpdates:
+    """How many optimizer updates (dense and sparse) this process wrote into the
+    variables' own arrays, and how many built new arrays because something held the
+    old ones (`AsyncServer.statistics`, the `distserver_optimizer_updates_total` metric)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.in_place = 0
+        self.copied = 0
+
+    def count(self, in_place: bool) -> None:
+        with self._lock:
+            if in_place:
+                self.in_place += 1
+            else:
+                self.copied += 1
+
+
+OPTIMIZER_UPDATES = OptimizerUpdates()
+
+
 class _locked:  # a context manager, named like one written as a function
     """Hold the locks of `variables` (a context manager): one fixed order (by identity)
     for every kernel, so two updates never deadlock; a variable passed twice is locked
@@ -500,8 +522,6 @@ class _ApplyKernel(_VariableKernel):
     is_stateful = True
     signature: ClassVar[tuple[tuple[str, str], ...]]
     types: ClassVar[frozenset[np.dtype[Any]]] = FLOATS | COMPLEX  # the `T` TF has kernels for
-    # How many updates of this kernel were written in place (for tests and profiles).
-    in_place_updates = 0
 
     def __init__(self, node: NodeDef) -> None:
         super().__init__(node)
@@ -597,6 +617,7 @@ class _ApplyKernel(_VariableKernel):
                     updated = self.update(**values)
                 for name, new_value in updated.items():
                     targets[self._var_names.index(name)].replace(array(new_value, self.dtype))
+            OPTIMIZER_UPDATES.count(in_place)
         return [inputs[0]] if self.on_refs else []
 
     def _update_in_place(self, values: dict[str, np.ndarray]) -> None:
@@ -611,7 +632,6 @@ class _ApplyKernel(_VariableKernel):
         finally:
             for name in self._var_names:
                 values[name].flags.writeable = False
-        type(self).in_place_updates += 1
 
     def update(self, **x: np.ndarray) -> dict[str, Any]:
         """New values of the "var" inputs, from every input's current value."""

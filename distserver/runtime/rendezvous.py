@@ -53,6 +53,13 @@ class StepRendezvous:
             slot = asyncio.get_running_loop().create_future()
             if self._error is not None:
                 slot.set_exception(self._error)
+            elif key.text in self._handed_over:
+                slot.set_exception(
+                    errors.InternalError(
+                        f"{key.text} was already received in step {self.step_id}: a value is received once"
+                    )
+                )
+                slot.exception()  # (a send of it fails on its own: no receiver needs to see this)
             self._slots[key.text] = slot
             if key.dst_task != self._local_task:
                 self._for_others.add(key.text)
@@ -114,8 +121,13 @@ class StepRendezvous:
         return [key for key, slot in self._slots.items() if not slot.done()]
 
     def hand_over(self, keys: set[str] | list[str]) -> None:
-        """Record values another task has taken (returned in a response, or served)."""
+        """Record values another task has taken (returned in a response, or served), and
+        let go of them: a value is received once, and a step that keeps holding what it
+        sent keeps a variable's array shared (a ps sends its variables' values early in
+        its step and updates them at the end, in place only when nothing holds them)."""
         self._handed_over.update(keys)
+        for key in keys:
+            self._slots.pop(key, None)
 
     def needed_elsewhere(self) -> bool:
         """True while another task may still ask for a value of this step from here.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import weakref
 
 import numpy as np
 import pytest
@@ -76,3 +77,21 @@ async def test_a_failed_step_pins_no_request_and_is_dropped_without_cleanup():
     gc.collect()
     assert not [o for o in gc.get_objects() if isinstance(o, Feeds)]
     await _until_empty(table)
+
+
+async def test_a_value_another_task_took_is_let_go_and_cannot_be_taken_again():
+    table = RendezvousTable(HERE, idle_seconds=IDLE)
+    step = table.start(9)
+    value = np.arange(4, dtype=np.float32)
+    watch = weakref.ref(value)
+    step.send(TO_THERE, value)
+    taken, is_dead = await step.recv_local(TO_THERE)
+    assert taken is value
+    assert not is_dead
+    table.served(9, TO_THERE)
+    del value, taken
+    gc.collect()
+    assert watch() is None  # the running step no longer holds it (a ps may update it in place)
+    with pytest.raises(errors.InternalError, match="already received in step 9"):
+        await step.recv_local(TO_THERE)
+    assert table.release_if_done(9, set())
