@@ -213,12 +213,14 @@ class OpKernel:
         raise NotImplementedError
 
     def output_nbytes(self, inputs: list[Any]) -> int:
-        """Bytes this kernel will write for `inputs`, where that does not follow from their size.
+        """Bytes this kernel will write for `inputs`, or its work counted in such bytes,
+        where that does not follow from their size.
 
         Kernels whose output can dwarf their inputs (Fill, Tile, Range, random
-        tensors, ...) say so, and the executor sends them to the thread pool like a
-        kernel with large inputs. A cheap estimate; 0 when unknown or malformed (the
-        kernel reports bad inputs when it runs).
+        tensors, ...) or whose work does (a matrix product's multiply-adds, a
+        convolution's patches) say so, and the executor sends them to the thread pool
+        like a kernel with large inputs. A cheap estimate; 0 when unknown or malformed
+        (the kernel reports bad inputs when it runs).
         """
         return 0
 

@@ -17,8 +17,9 @@ resolves inputs, and rejects cycles. `run(ctx)` then executes one step:
   before that, a pure node whose outputs nobody reads (only control edges wait for
   it: the gradient of a layer's input) becomes a NoOp (`_skip_unread_results`).
 * Small synchronous kernels run inline on the event loop (a task per node would
-  cost more than the node). Kernels whose inputs are large, or whose output will
-  be (`OpKernel.output_nbytes`: Fill, Tile, Range, random tensors), run in the
+  cost more than the node). Kernels whose inputs are large (`OFFLOAD_BYTES`), or
+  whose output or work will be (`OpKernel.output_nbytes`: Fill, Tile, Range, random
+  tensors, a matrix product's multiply-adds), run in the
   worker's thread pool, and asynchronous kernels (queues) run as tasks, so
   independent branches proceed concurrently and the loop never blocks on numpy. A
   `_Recv`'s value is a future the step waits on without a task (`RecvKernel.receive`:
@@ -84,8 +85,11 @@ from distserver.runtime.functions import index_library, inline_functions, instan
 from distserver.runtime.names import parse_input
 from distserver.runtime.rendezvous import StepRendezvous
 
-# Kernels whose inputs add up to at least this many bytes run in the thread pool.
-OFFLOAD_BYTES = 256 * 1024
+# Kernels whose inputs (and `output_nbytes`) add up to at least this many bytes run in
+# the thread pool. An element-wise kernel takes ~40 us a MiB here, and a hop to the pool
+# and back 50-100 us: below this a thread costs more than the kernel's work (a 256 KiB
+# gather of an embedding step's gradient: 10 us inline, ~240 us through the pool).
+OFFLOAD_BYTES = 1 << 20
 
 
 @dataclass
@@ -384,13 +388,16 @@ class Executor:
             nonlocal in_flight
             started = time.time_ns() if stats is not None else 0
             try:
+                thread = None
                 if offload:
                     loop = asyncio.get_running_loop()
-                    values = await loop.run_in_executor(ctx.pool, _compute, node.kernel, ctx, inputs)
+                    values, thread = await loop.run_in_executor(
+                        ctx.pool, _compute_in_thread, node.kernel, ctx, inputs
+                    )
                 else:
                     values = await _guard(node.kernel, node.kernel.compute_async(ctx, inputs))
                 if stats is not None:
-                    _record(stats, node.kernel, started, time.time_ns())
+                    _record(stats, node.kernel, started, time.time_ns(), thread)
                 finish(node.index, values)
             finally:
                 in_flight -= 1
@@ -543,8 +550,11 @@ def _output(nodes: list[_Node], outputs: list[list[Any] | None], src: int, k: in
     return values[k]
 
 
-def _record(stats: DeviceStepStats, kernel: OpKernel, started_ns: int, ended_ns: int) -> None:
-    """Add one node's run to `stats`, as TensorFlow's step stats describe it."""
+def _record(
+    stats: DeviceStepStats, kernel: OpKernel, started_ns: int, ended_ns: int, thread: int | None = None
+) -> None:
+    """Add one node's run to `stats`, as TensorFlow's step stats describe it; `thread`:
+    the thread that ran it, when not this one (a pool thread)."""
     took = ended_ns - started_ns
     inputs = ", ".join(kernel.node.input)
     stats.node_stats.add(
@@ -556,7 +566,7 @@ def _record(stats: DeviceStepStats, kernel: OpKernel, started_ns: int, ended_ns:
         op_end_rel_nanos=took,
         all_end_rel_nanos=took,
         timeline_label=f"{kernel.name} = {kernel.op}({inputs})",
-        thread_id=threading.get_ident() & 0xFFFFFFFF,
+        thread_id=(threading.get_ident() if thread is None else thread) & 0xFFFFFFFF,
     )
 
 
@@ -787,6 +797,11 @@ def _large(node: _Node, inputs: list[Any]) -> bool:
     return nbytes >= OFFLOAD_BYTES
 
 
+def _compute_in_thread(kernel: OpKernel, ctx: KernelContext, inputs: list[Any]) -> tuple[list[Any], int]:
+    """`_compute` in a pool thread, and that thread (for step stats)."""
+    return _compute(kernel, ctx, inputs), threading.get_ident()
+
+
 def _compute(kernel: OpKernel, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
     try:
         return kernel.compute(ctx, inputs)
@@ -940,13 +955,16 @@ class _LoopStep:
             kernel = nodes[i].kernel
             started = time.time_ns() if self.stats is not None else 0
             try:
+                thread = None
                 if offload:
                     loop = asyncio.get_running_loop()
-                    values = await loop.run_in_executor(ctx.pool, _compute, kernel, ctx, inputs)
+                    values, thread = await loop.run_in_executor(
+                        ctx.pool, _compute_in_thread, kernel, ctx, inputs
+                    )
                 else:
                     values = await _guard(kernel, kernel.compute_async(ctx, inputs))
                 if self.stats is not None:
-                    _record(self.stats, kernel, started, time.time_ns())
+                    _record(self.stats, kernel, started, time.time_ns(), thread)
                 self.finish(i, iteration, values, dead=False)
             finally:
                 in_flight -= 1

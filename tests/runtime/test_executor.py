@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import threading
 import tracemalloc
 from collections.abc import Sequence
 from typing import Any
@@ -17,6 +18,7 @@ from distserver import errors
 from distserver.kernels.resources import ResourceManager
 from distserver.protos import types_pb2
 from distserver.protos.attr_value_pb2 import AttrValue
+from distserver.protos.debug_pb2 import DeviceStepStats
 from distserver.protos.graph_pb2 import GraphDef
 from distserver.protos.node_def_pb2 import NodeDef
 from distserver.protos.tensor_shape_pb2 import TensorShapeProto
@@ -206,6 +208,25 @@ async def test_only_a_graph_that_can_hold_a_reference_variable_checks_inputs_for
             assert type(seen[0]) is VariableRef
         else:
             assert isinstance(seen[0], np.ndarray)
+
+
+async def test_a_kernel_goes_to_the_pool_for_large_work_not_for_a_quarter_mib():
+    # A hop to the pool costs more than element-wise work on 256 KiB; a product of small
+    # matrices can still be long work (300x300 @ 300x300: 720 KB in, 27M multiply-adds).
+    quarter = np.ones(64 * 1024, np.float32)
+    small_square = np.ones((300, 300), np.float32)
+    with ds.Graph().as_default() as graph:
+        ds.negative(ds.constant(quarter), name="negated")
+        ds.matmul(ds.constant(small_square), ds.constant(small_square), name="product")
+        ds.negative(ds.constant(np.ones(OFFLOAD_BYTES // 4, np.float32)), name="large")
+    stats = DeviceStepStats()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        await Executor(graph.as_graph_def()).run(_step_context(pool), stats)
+    here = threading.get_ident() & 0xFFFFFFFF
+    threads = {node.node_name: node.thread_id for node in stats.node_stats}
+    assert threads["negated"] == here
+    assert threads["product"] != here
+    assert threads["large"] != here
 
 
 @pytest.mark.parametrize("offload", [True, False], ids=["thread-pool", "inline"])
