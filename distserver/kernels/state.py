@@ -677,7 +677,7 @@ class ApplyMomentumKernel(_ApplyKernel):
         # A model's variables are most often updated by this kernel (60 calls a step for
         # `small`), nearly always the same way: two unshared float variables, scalar
         # hyperparameters, a gradient of the variable's shape. That case runs here
-        # with the same checks, locks and arithmetic as `_ApplyKernel.compute` (12 -> 7
+        # with the same checks, locks and arithmetic as `_ApplyKernel.compute` (10.7 -> 5.8
         # us a call); anything else, errors included, goes the general way.
         if self._may_go_fast and len(inputs) == 5 and self._update_fast(ctx, inputs):
             OPTIMIZER_UPDATES.count(True)

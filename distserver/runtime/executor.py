@@ -21,7 +21,8 @@ resolves inputs, and rejects cycles. `run(ctx)` then executes one step:
   whose output or work will be (`OpKernel.output_nbytes`: Fill, Tile, Range, random
   tensors, a matrix product's multiply-adds), run in the
   worker's thread pool, and asynchronous kernels (queues) run as tasks, so
-  independent branches proceed concurrently and the loop never blocks on numpy. A
+  independent branches proceed concurrently and the loop never blocks on long
+  numpy work. A
   `_Recv`'s value is a future the step waits on without a task (`RecvKernel.receive`:
   8.5 -> 3 us a receive; a step's receives are cancelled when it stops).
 * A node's outputs are dropped as soon as its last consumer has taken them (as
@@ -620,9 +621,9 @@ def _fold_constants(nodes: list[_Node], fixed: list[int]) -> dict[int, list[Any]
     return folded
 
 
-# Pure kernels `_skip_unread_results` still runs: a placeholder fails a step it is not
-# fed in, a check fails on a bad value, and a function's arguments and results are
-# its interface.
+# Pure kernels `_skip_unread_results` still runs (Grappler's list): a placeholder fails
+# a step it is not fed in, a check fails on a bad value, and a function's arguments and
+# results are its interface.
 _ALWAYS_COMPUTED = frozenset({"Placeholder", "PlaceholderWithDefault", "CheckNumerics", "_Arg", "_Retval"})
 
 
@@ -636,10 +637,9 @@ def _skip_unread_results(nodes: list[_Node], control_sources: list[list[int]]) -
     Its consumers still wait for everything it waited for, with the same deadness (a
     dead input, data or control, makes the NoOp dead too; every producer but a Switch
     has outputs all dead or all live, so a control edge from it is as dead as a data
-    edge). A node with no consumers
-    at all is kept (it is what the step was asked to run); so is every kernel with
-    side effects or deadness rules of its own. A converted node's inputs may in turn
-    be read by nobody: they are looked at again."""
+    edge). A node with no consumers at all is kept (it is what the step was asked to
+    run); so is every kernel with side effects or deadness rules of its own. A
+    converted node's inputs may in turn be read by nobody: they are looked at again."""
     order = deque(range(len(nodes)))
     while order:
         i = order.popleft()
