@@ -389,7 +389,8 @@ def reduce_rows_at(ufunc: np.ufunc, output: np.ndarray, ids: np.ndarray, rows: n
     for k in range(passes):
         positions = order[occurrence == k] if passes > 1 else order
         picked = ids[positions]
-        output[picked] = ufunc(output[picked], rows[positions])
+        # (`take`: the rows of fancy indexing, 3x faster on the first axis)
+        output[picked] = ufunc(output.take(picked, axis=0), rows.take(positions, axis=0))
 
 
 class _SparseApplyKernel(_ApplyKernel):
