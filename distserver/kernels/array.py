@@ -829,8 +829,8 @@ class GatherKernel(OpKernel):
         axis = normalize_axis(self, axis, params.ndim)
         batch_dims = self._batch_dims(params, indices, axis)
         limit = params.shape[axis]
-        bad = np.flatnonzero((indices < 0) | (indices >= limit))
-        if bad.size:
+        if indices.size and (indices.min() < 0 or indices.max() >= limit):  # (no temporaries)
+            bad = np.flatnonzero((indices < 0) | (indices >= limit))
             position = np.unravel_index(bad[0], indices.shape)
             where = f"[{','.join(map(str, position))}]" if indices.ndim else ""
             raise kernel_error(self, f"indices{where} = {indices.reshape(-1)[bad[0]]} is not in [0, {limit})")

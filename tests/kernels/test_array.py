@@ -507,6 +507,34 @@ def test_gather_v2_matches_take(run_op, axis, indices_shape):
     np.testing.assert_array_equal(out, np.take(params, indices, axis=axis))
 
 
+def test_gather_names_the_first_index_out_of_range(run_op):
+    params = np.arange(6, dtype=np.float32).reshape(3, 2)
+    for indices, text in (
+        (np.array([0, 7, -1], np.int32), r"indices\[1\] = 7 is not in \[0, 3\)"),
+        (np.array([[2, -1], [5, 0]], np.int64), r"indices\[0,1\] = -1 is not in \[0, 3\)"),
+    ):
+        with pytest.raises(errors.InvalidArgumentError, match=text):
+            run_op(
+                "GatherV2",
+                params,
+                indices,
+                np.int32(0),
+                Tparams=np.float32,
+                Tindices=indices.dtype,
+                Taxis=np.int32,
+            )
+    (empty,) = run_op(
+        "GatherV2",
+        params,
+        np.zeros(0, np.int32),
+        np.int32(0),
+        Tparams=np.float32,
+        Tindices=np.int32,
+        Taxis=np.int32,
+    )
+    assert empty.shape == (0, 2)
+
+
 def test_gather_v1_uses_axis_zero(run_op):
     params = np.array([b"a", b"b", b"c"], dtype=object)
     (out,) = run_op("Gather", params, np.array([[2, 0]], np.int64), Tparams=object, Tindices=np.int64)
