@@ -447,7 +447,9 @@ def _measure_layout(
             (counts_dir / "site").mkdir(parents=True)
             (counts_dir / "site" / "sitecustomize.py").write_text(_COUNTER)
             log(f"[{layout}] starting {name}")
-            profile_dir = Path(options["profile"]) if options.get("profile") else None
+            profile_dir = Path(options["profile"]).absolute() if options.get("profile") else None
+            if profile_dir is not None:
+                profile_dir.mkdir(parents=True, exist_ok=True)  # (the tasks write into it)
             ours = OursRuntime(name, protocol, jobs, tree, counts_dir, profile_dir)
             runtimes.append(ours)
             if protocol in runtimes_wanted:
