@@ -312,6 +312,17 @@ async def test_identity_and_noop_nodes_are_left_out_and_their_consumers_still_wa
     assert ctx.resources.lookup("", "result").value == np.float32(3.0)
 
 
+def _branch_not_taken() -> list[NodeDef]:
+    """A variable `v`, and cond's Switch on a false predicate with its pivot (dead)."""
+    return [
+        _variable("v"),
+        _node("pred", "Const", dtype=types_pb2.DT_BOOL, value=np.array(False)),
+        _const("x", 1.0),
+        _node("switch", "Switch", ["x", "pred"], T=_F32),
+        _node("pivot", "Identity", ["switch:1"], T=_F32),
+    ]
+
+
 async def test_an_identity_that_carries_one_dead_switch_port_to_a_control_edge_is_kept():
     # TensorFlow's cond pivot: Identity(switch:1) is dead when the predicate is false,
     # and makes what it controls dead. A control edge from the Switch itself would not:
@@ -319,11 +330,7 @@ async def test_an_identity_that_carries_one_dead_switch_port_to_a_control_edge_i
     ctx = _step_context(None)
     executor = Executor(
         _graph(
-            _variable("v"),
-            _node("pred", "Const", dtype=types_pb2.DT_BOOL, value=np.array(False)),
-            _const("x", 1.0),
-            _node("switch", "Switch", ["x", "pred"], T=_F32),
-            _node("pivot", "Identity", ["switch:1"], T=_F32),
+            *_branch_not_taken(),
             _const("five", 5.0, ["^pivot"]),
             _node("assign", "AssignVariableOp", ["v", "five"], dtype=_F32),
         )
@@ -417,11 +424,7 @@ async def test_a_node_nobody_reads_downstream_of_a_dead_port_makes_what_waits_fo
     ctx = _step_context(None)
     executor = Executor(
         _graph(
-            _variable("v"),
-            _node("pred", "Const", dtype=types_pb2.DT_BOOL, value=np.array(False)),
-            _const("x", 1.0),
-            _node("switch", "Switch", ["x", "pred"], T=_F32),
-            _node("pivot", "Identity", ["switch:1"], T=_F32),
+            *_branch_not_taken(),
             _node("negated", "Neg", ["pivot"], T=_F32),
             _const("five", 5.0, ["^negated"]),
             _node("assign", "AssignVariableOp", ["v", "five"], dtype=_F32),

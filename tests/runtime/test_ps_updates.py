@@ -65,39 +65,38 @@ def _expected_steps() -> list[tuple[np.ndarray, np.ndarray]]:
     return states
 
 
+def _train(
+    protocol: str, fetch_reads: bool
+) -> tuple[dict[str, int], list[list[np.ndarray]], list[np.ndarray]]:
+    """STEPS steps of `_model` on a ps and a worker (one OS process each): the ps's
+    optimizer updates meanwhile, by how they were written; the ps's reads each step
+    fetched (with `fetch_reads`); the variables after the last step."""
+    with LocalCluster({"ps": 1, "worker": 1}, protocol=protocol) as cluster:
+        graph, init, reads, train = _model(fetch_reads)
+        with ds.Session(cluster.target("worker"), graph=graph) as session:
+            session.run(init)
+            before = _updates(protocol, cluster.target("ps"))
+            fetched = [session.run([reads, train])[0] if reads else session.run(train) for _ in range(STEPS)]
+            after = _updates(protocol, cluster.target("ps"))
+            final = session.run([graph.get_tensor_by_name(f"{name}/Read/ReadVariableOp:0") for name in "ab"])
+    return {how: after[how] - before[how] for how in after}, fetched, final
+
+
 @pytest.mark.parametrize("protocol", ["grpc", "grpc+verbs"])
 def test_a_ps_updates_in_place_the_variables_a_worker_has_read(protocol):
     expected = _expected_steps()
-    with LocalCluster({"ps": 1, "worker": 1}, protocol=protocol) as cluster:
-        graph, init, _, train = _model(fetch_reads=False)
-        with ds.Session(cluster.target("worker"), graph=graph) as session:
-            session.run(init)
-            before = _updates(protocol, cluster.target("ps"))
-            for _ in range(STEPS):
-                session.run(train)
-            after = _updates(protocol, cluster.target("ps"))
-            a, b = (graph.get_tensor_by_name(f"{name}/Read/ReadVariableOp:0") for name in "ab")
-            got = session.run([a, b])
-    assert after["in_place"] - before["in_place"] == 2 * STEPS
-    assert after["copied"] == before["copied"]
-    np.testing.assert_allclose(got[0], expected[-1][0], rtol=1e-6)
-    np.testing.assert_allclose(got[1], expected[-1][1], rtol=1e-6)
+    updates, _, final = _train(protocol, fetch_reads=False)
+    assert updates == {"in_place": 2 * STEPS, "copied": 0}
+    np.testing.assert_allclose(final[0], expected[-1][0], rtol=1e-6)
+    np.testing.assert_allclose(final[1], expected[-1][1], rtol=1e-6)
 
 
-@pytest.mark.parametrize("protocol", ["grpc"])
-def test_values_the_step_still_holds_for_its_client_are_never_written(protocol):
+def test_values_the_step_still_holds_for_its_client_are_never_written():
     # The ps's own reads, fetched: its RunGraph response is written after the update, so
     # the update must build new arrays and the client must get the values from before it.
     expected = _expected_steps()
-    with LocalCluster({"ps": 1, "worker": 1}, protocol=protocol) as cluster:
-        graph, init, reads, train = _model(fetch_reads=True)
-        with ds.Session(cluster.target("worker"), graph=graph) as session:
-            session.run(init)
-            before = _updates(protocol, cluster.target("ps"))
-            for step in range(STEPS):
-                got, _ = session.run([reads, train])
-                np.testing.assert_allclose(got[0], expected[step][0], rtol=1e-6)
-                np.testing.assert_allclose(got[1], expected[step][1], rtol=1e-6)
-            after = _updates(protocol, cluster.target("ps"))
-    assert after["copied"] - before["copied"] == 2 * STEPS
-    assert after["in_place"] == before["in_place"]
+    updates, fetched, _ = _train("grpc", fetch_reads=True)
+    assert updates == {"in_place": 0, "copied": 2 * STEPS}
+    for step, got in enumerate(fetched):
+        np.testing.assert_allclose(got[0], expected[step][0], rtol=1e-6)
+        np.testing.assert_allclose(got[1], expected[step][1], rtol=1e-6)
