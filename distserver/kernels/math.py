@@ -362,13 +362,11 @@ class MatMulKernel(OpKernel):
     def output_nbytes(self, inputs: list[Any]) -> int:
         # Its multiply-adds, two to a byte: BLAS does ~50 a ns on one core here, an
         # element-wise kernel streams ~25 bytes a ns (`executor.OFFLOAD_BYTES`).
-        try:
-            a, b = inputs
-            rows, inner = (a.shape[1], a.shape[0]) if self.transpose_a else a.shape
-            columns = b.shape[0] if self.transpose_b else b.shape[1]
-            return int(rows) * int(inner) * int(columns) // 2
-        except (AttributeError, TypeError, ValueError):
+        # (Asked before every product of a step: rows x inner is the size of `a` either way.)
+        a, b = inputs
+        if getattr(b, "ndim", 0) != 2 or getattr(a, "ndim", 0) != 2:
             return 0
+        return int(a.size * b.shape[0 if self.transpose_b else 1]) // 2
 
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
         a, b = inputs
@@ -400,9 +398,9 @@ def _matmul(lhs: np.ndarray, rhs: np.ndarray) -> np.ndarray:
     product of a row or a few takes other kernels, summing in another order.)"""
     rows = lhs.shape[0]
     if (
-        not _intra_op.enabled()
-        or rows < _intra_op.SPLIT_MIN_ROWS
+        rows < _intra_op.SPLIT_MIN_ROWS  # (first: the usual small product stops here)
         or rows * lhs.shape[1] * rhs.shape[1] < _intra_op.SPLIT_MACS
+        or not _intra_op.enabled()
     ):
         product: np.ndarray = _quiet_matmul(lhs, rhs)
         return product
