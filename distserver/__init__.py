@@ -15,7 +15,10 @@ The public API:
 * Errors: `distserver.errors` (`OpError` and TensorFlow's 16 subclasses).
 """
 
-from distserver import _grpc_env  # noqa: F401 - must run before anything imports grpc
+from distserver import (
+    _grpc_env,  # noqa: F401 - must run before anything imports grpc
+    _malloc,  # noqa: F401 - glibc malloc thresholds, before large buffers
+)
 from distserver import errors as errors
 from distserver.cluster import ClusterSpec as ClusterSpec
 from distserver.cluster import TFConfigClusterResolver as TFConfigClusterResolver

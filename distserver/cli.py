@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
 import json
 import logging
 import os
@@ -28,7 +27,7 @@ from typing import Any
 
 from google.protobuf.empty_pb2 import Empty
 
-from distserver import __version__, errors
+from distserver import __version__, _malloc, errors
 from distserver._blas import set_blas_threads, threads_per_local_task, user_chose_threads
 from distserver._process import die_with_parent, exit_quietly_on_interrupt, run
 from distserver.bench import command as bench_command
@@ -115,29 +114,6 @@ def _checked_task(cluster: ClusterSpec, job: str, task: int, task_source: str) -
 
 def _indices(cluster: ClusterSpec, job: str) -> str:
     return ", ".join(str(i) for i in cluster.task_indices(job))
-
-
-def _keep_freed_memory() -> bool:
-    """Make glibc reuse freed heap memory instead of mapping fresh pages per big buffer.
-
-    Every large tensor buffer the transport allocates would otherwise be a new
-    `mmap`, zero-filled and faulted in 4 KiB at a time (~16k faults per 64 MiB); with
-    this, a 64 MiB RecvTensor went from ~0.4 to ~1.4 GB/s (docs/benchmarks.md, "the gRPC
-    transfer probe").
-    The cost: the process keeps its peak heap instead of returning it to the OS.
-    Opt out with DISTSERVER_MALLOC_TUNING=0.
-    """
-    if os.environ.get("DISTSERVER_MALLOC_TUNING", "1") == "0" or not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None)
-        return bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30))
-    except (OSError, AttributeError):
-        return False
-
-
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_MAX = -4
 
 
 async def _serve(args: argparse.Namespace) -> int:
@@ -482,7 +458,7 @@ def _run_command(args: argparse.Namespace) -> int:
     try:
         if args.command == "serve":
             die_with_parent()
-            _keep_freed_memory()
+            _malloc.keep_freed_memory()
             _configure_logging(args.log_level)
             return run(_serve(args))
         if args.command == "status":

@@ -57,10 +57,13 @@ class TFEnv:
 def quiet_tf_env() -> dict[str, str]:
     """The environment for TensorFlow processes: fewer C++ log lines on stderr.
 
-    TensorFlow runs with gRPC's defaults: the `GRPC_EXPERIMENTS` that importing
-    distserver set for our own processes (`distserver._grpc_env`) is not passed on.
+    TensorFlow runs with gRPC's and glibc's defaults: the `GRPC_EXPERIMENTS` that
+    importing distserver set for our own processes (`distserver._grpc_env`) is not
+    passed on, and the TF side's scripts, which import distserver's benchmark code,
+    leave malloc's thresholds alone (`distserver._malloc`).
     """
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"}
+    env["DISTSERVER_MALLOC_TUNING"] = "0"
     if _grpc_env.APPLIED:
         env.pop("GRPC_EXPERIMENTS", None)
     if _grpc_env.QUIETED:
