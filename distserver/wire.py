@@ -39,6 +39,10 @@ from distserver.tensors import (
 
 _LEN = 2  # protobuf wire type of length-delimited fields
 _VARINT = 0
+# A plain tensor response has a few fields and a short header (dtype, shape): one with
+# more is left to protobuf, off the event loop when large (a peer's data is hostile).
+_PLAIN_FIELDS = 16
+_PLAIN_HEADER_BYTES = 4096
 _TENSOR_CONTENT_TAG = bytes([(4 << 3) | _LEN])
 _RESPONSE_TENSOR_TAG = bytes([(1 << 3) | _LEN])
 _RESPONSE_IS_DEAD = bytes([(2 << 3) | _VARINT, 1])
@@ -123,11 +127,20 @@ def decode_recv_tensor_response(data: bytes) -> tuple[np.ndarray, bool]:
     Numeric content becomes a read-only numpy view over `data` (no copy); anything
     unusual falls back to protobuf parsing.
     """
+    decoded = decode_plain_recv_tensor_response(data)
+    return _decode_with_protobuf(data) if decoded is None else decoded
+
+
+def decode_plain_recv_tensor_response(data: bytes) -> tuple[np.ndarray, bool] | None:
+    """`decode_recv_tensor_response` of numeric content, a view over `data` whatever its
+    size (cheap enough for the event loop); None when protobuf must parse it."""
     view = memoryview(data)
     pos = 0
     tensor: tuple[int, int] | None = None
     is_dead = False
-    while pos < len(view):
+    for _ in range(_PLAIN_FIELDS):
+        if pos >= len(view):
+            break
         key, pos = _read_varint(view, pos)
         field, wire_type = key >> 3, key & 7
         if wire_type == _LEN:
@@ -142,12 +155,14 @@ def decode_recv_tensor_response(data: bytes) -> tuple[np.ndarray, bool]:
             if field == 2:
                 is_dead = bool(number)
         else:
-            return _decode_with_protobuf(data)
+            return None
+    else:
+        return None  # more fields than a plain response has
     if tensor is None:
-        return _decode_with_protobuf(data)
+        return None
     value = _decode_tensor(data, view, *tensor)
     if value is None:
-        return _decode_with_protobuf(data)
+        return None
     return value, is_dead
 
 
@@ -155,7 +170,9 @@ def _decode_tensor(data: bytes, view: memoryview, start: int, end: int) -> np.nd
     pos = start
     header = bytearray()
     content: tuple[int, int] | None = None
-    while pos < end:
+    for _ in range(_PLAIN_FIELDS):
+        if pos >= end:
+            break
         field_start = pos
         key, pos = _read_varint(view, pos)
         field, wire_type = key >> 3, key & 7
@@ -163,7 +180,7 @@ def _decode_tensor(data: bytes, view: memoryview, start: int, end: int) -> np.nd
             length, pos = _read_varint(view, pos)
             if field == 4:
                 content = (pos, length)
-            elif field == 2:
+            elif field == 2 and length <= _PLAIN_HEADER_BYTES:
                 header += view[field_start : pos + length]
             else:
                 return None  # typed *_val fields, strings, ...: let protobuf read them
@@ -173,6 +190,10 @@ def _decode_tensor(data: bytes, view: memoryview, start: int, end: int) -> np.nd
             header += view[field_start:pos]
         else:
             return None
+    else:
+        return None
+    if len(header) > _PLAIN_HEADER_BYTES:
+        return None
     proto = TensorProto.FromString(bytes(header))
     dtype = as_numpy_dtype(proto.dtype)
     if dtype.kind == "O":

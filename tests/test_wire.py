@@ -15,6 +15,7 @@ from distserver.tensors import ResourceHandle, from_tensor_proto, to_tensor_prot
 from distserver.wire import (
     TensorAssembler,
     chunk_tensor,
+    decode_plain_recv_tensor_response,
     decode_recv_tensor_response,
     encode_recv_tensor_response,
 )
@@ -89,6 +90,33 @@ def test_protobuf_encoded_responses_decode_too():
     value, dead = decode_recv_tensor_response(response.SerializeToString())
     np.testing.assert_array_equal(value, np.arange(4))
     assert dead
+
+
+def test_only_a_plain_response_decodes_without_protobuf():
+    # The receiver decodes a plain response on the event loop whatever its size (a view),
+    # so anything with more fields or a long header than a plain tensor has is left to
+    # protobuf (which the receiver runs in a thread when the response is large).
+    value = np.arange(6, dtype=np.float32).reshape(2, 3)
+    plain = encode_recv_tensor_response(value)
+    decoded = decode_plain_recv_tensor_response(plain)
+    assert decoded is not None
+    np.testing.assert_array_equal(decoded[0], value)
+    typed = RecvTensorResponse()
+    typed.tensor.dtype = 1
+    typed.tensor.float_val.extend([1.0, 2.0])
+    typed.tensor.tensor_shape.dim.add(size=2)
+    data = typed.SerializeToString()
+    assert decode_plain_recv_tensor_response(data) is None
+    np.testing.assert_array_equal(decode_recv_tensor_response(data)[0], [1.0, 2.0])
+    long_shape = RecvTensorResponse()
+    long_shape.tensor.dtype = 1
+    for _ in range(2000):  # a 6 KB header (more dimensions than numpy has)
+        long_shape.tensor.tensor_shape.dim.add(size=1)
+    long_shape.tensor.tensor_content = b"\0\0\0\0"
+    assert decode_plain_recv_tensor_response(long_shape.SerializeToString()) is None
+    padded = bytes(plain) + bytes([(3 << 3) | 0, 1]) * 20  # 20 send_start_micros fields
+    assert decode_plain_recv_tensor_response(padded) is None
+    np.testing.assert_array_equal(decode_recv_tensor_response(padded)[0], value)
 
 
 def test_truncated_streams_and_mismatched_content_are_data_loss():

@@ -66,6 +66,7 @@ from distserver.transports.base import (
 from distserver.wire import (
     TensorAssembler,
     chunk_tensor,
+    decode_plain_recv_tensor_response,
     decode_recv_tensor_response,
     encode_recv_tensor_response,
     is_plain,
@@ -399,6 +400,9 @@ class GrpcTensorPath(TensorPath):
                 self._streamed.clear()
             self._streamed.add(key.tensor_name)
             return await self._recv_stream(request, timeout)
+        decoded = decode_plain_recv_tensor_response(data)  # a view: no thread needed
+        if decoded is not None:
+            return decoded
         result: tuple[Any, bool] = await _in_thread_if_large(len(data), decode_recv_tensor_response, data)
         return result
 
