@@ -8,11 +8,13 @@ trim threshold is handed back to the kernel (`madvise` in a thread's arena), so 
 next buffer page-faults and zeroes its pages again, 4 KiB at a time. Two settings:
 
 * `apply_for_any_process`, when distserver is imported (clients included): buffers
-  below `MMAP_THRESHOLD` come from the heap and are reused, larger ones (a bulk
-  tensor) are still mapped and given back when freed; a heap keeps up to
-  `TRIM_THRESHOLD` free at its top. Measured on `mlp` with distserver's own client
-  (one task): 13% of the client's CPU was page faults; client CPU 3.6 -> 1.25 ms a
-  step, the step 11.9-12.1 -> 8.0-8.7 ms (docs/benchmarks.md, round 7).
+  below `MMAP_THRESHOLD` (32 MiB, the most glibc's own adjustment would reach) come
+  from the heap and are reused, larger ones (a bulk tensor) are still mapped and
+  given back when freed; a heap keeps up to `TRIM_THRESHOLD` free at its top.
+  Measured with distserver's own client (one task): on `mlp`, 1,008 page faults a
+  step, client CPU 3.8 -> 1.2 ms a step, the step 11.0 -> 8.0 ms; fetching a 16 MiB
+  variable, 27.8-31.4 -> 21.7-26.5 ms (docs/benchmarks.md, round 7). (An 8 MiB
+  threshold, tried first, mapped every 16 MiB fetch: 31.5 -> 50.8 ms.)
 * `keep_freed_memory`, for `distserver serve` (a task, which moves the large tensors):
   no mapped buffers at all and a 1 GiB trim threshold, so even bulk tensors reuse
   the heap (a 64 MiB RecvTensor ~0.4 -> ~1.4 GB/s; docs/benchmarks.md, "the gRPC
@@ -29,8 +31,8 @@ import ctypes
 import os
 from collections.abc import Callable
 
-MMAP_THRESHOLD = 8 << 20
-TRIM_THRESHOLD = 32 << 20
+MMAP_THRESHOLD = 32 << 20
+TRIM_THRESHOLD = 64 << 20
 SERVE_TRIM_THRESHOLD = 1 << 30
 
 # mallopt parameters, from glibc's malloc.h

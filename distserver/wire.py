@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
+from google.protobuf.message import Message
 
 from distserver import errors
 from distserver.protos.tensor_pb2 import TensorProto
@@ -44,7 +45,6 @@ _VARINT = 0
 _PLAIN_FIELDS = 16
 _PLAIN_HEADER_BYTES = 4096
 _TENSOR_CONTENT_TAG = bytes([(4 << 3) | _LEN])
-_RESPONSE_TENSOR_TAG = bytes([(1 << 3) | _LEN])
 _RESPONSE_IS_DEAD = bytes([(2 << 3) | _VARINT, 1])
 
 
@@ -102,23 +102,70 @@ def _header(value: np.ndarray) -> bytes:
 
 def encode_recv_tensor_response(value: Any, is_dead: bool = False) -> bytes:
     """The serialized `RecvTensorResponse` carrying `value` (one copy of the content)."""
-    if isinstance(value, np.generic):
-        value = np.asarray(value)
-    if not is_plain(value):
-        response = RecvTensorResponse(is_dead=is_dead)
-        response.tensor.CopyFrom(to_tensor_proto(value))
-        return response.SerializeToString()
-    array = _contiguous_le(value)
-    header = _header(array)
-    content = _bytes_view(array) if array.nbytes else b""
-    content_field: list[Any] = (
-        [_TENSOR_CONTENT_TAG, encode_varint(array.nbytes), content] if array.nbytes else []
-    )
-    tensor_len = len(header) + sum(len(part) for part in content_field)
-    parts: list[Any] = [_RESPONSE_TENSOR_TAG, encode_varint(tensor_len), header, *content_field]
+    parts = length_delimited(1, tensor_proto_parts(value))
     if is_dead:
         parts.append(_RESPONSE_IS_DEAD)
     return b"".join(parts)
+
+
+Part = bytes | memoryview
+
+
+def tensor_proto_parts(value: Any) -> list[Part]:
+    """`to_tensor_proto(value)` serialized, in parts to join: a numeric array's content is
+    a view of the array, so joining the parts copies it once."""
+    if isinstance(value, np.generic):
+        value = np.asarray(value)
+    if not is_plain(value):
+        return [to_tensor_proto(value).SerializeToString()]
+    array = _contiguous_le(value)
+    parts: list[Part] = [_header(array)]
+    if array.nbytes:
+        parts += [_TENSOR_CONTENT_TAG, encode_varint(array.nbytes), _bytes_view(array)]
+    return parts
+
+
+def length_delimited(field: int, parts: list[Part]) -> list[Part]:
+    """Field `field` (a message or bytes) holding the concatenation of `parts`."""
+    size = sum(part.nbytes if isinstance(part, memoryview) else len(part) for part in parts)
+    return [encode_varint((field << 3) | _LEN), encode_varint(size), *parts]
+
+
+def encode_run_step_response(fetched: Sequence[tuple[str, Any]], metadata: bytes = b"") -> bytes:
+    """A serialized `RunStepResponse`: each (name, value) as a `NamedTensorProto` (field 1),
+    then `metadata` (a serialized `RunMetadata`, field 2) when not empty."""
+    parts: list[Part] = []
+    for name, value in fetched:
+        named = [*length_delimited(1, [name.encode()]), *length_delimited(2, tensor_proto_parts(value))]
+        parts += length_delimited(1, named)
+    if metadata:
+        parts += length_delimited(2, [metadata])
+    return b"".join(parts)
+
+
+def encode_run_callable_response(values: Sequence[Any]) -> bytes:
+    """A serialized `RunCallableResponse`: each value a `TensorProto` (field 1)."""
+    parts: list[Part] = []
+    for value in values:
+        parts += length_delimited(1, tensor_proto_parts(value))
+    return b"".join(parts)
+
+
+class EncodedMessage:
+    """A response message already serialized (by the encoders above: each tensor's bytes
+    copied once), which the transports send as it is (`SerializeToString`)."""
+
+    __slots__ = ("data", "message_class")
+
+    def __init__(self, data: bytes, message_class: type[Message]) -> None:
+        self.data = data
+        self.message_class = message_class
+
+    def SerializeToString(self) -> bytes:  # protobuf's name: the transports call it
+        return self.data
+
+    def parse(self) -> Message:
+        return self.message_class.FromString(self.data)
 
 
 def decode_recv_tensor_response(data: bytes) -> tuple[np.ndarray, bool]:

@@ -96,10 +96,10 @@ if kept:
     kept = m.keep_freed_memory()
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-np.ones(4 << 20, np.float32)
+np.ones(16 << 20, np.float32)
 before = faults()
 for _ in range(10):
-    np.ones(4 << 20, np.float32)  # 16 MiB
+    np.ones(16 << 20, np.float32)  # 64 MiB
 print(json.dumps({{"kept": kept, "faults": faults() - before}}))
 """
 
@@ -120,8 +120,8 @@ def test_a_task_keeps_even_bulk_buffers_for_reuse():
     kept = probe(True)
     assert kept["kept"] is True
     assert isinstance(kept["faults"], int)
-    assert kept["faults"] < 64  # 10 buffers of 16 MiB (4,096 pages each)
+    assert kept["faults"] < 64  # 10 buffers of 64 MiB (16,384 pages each)
     mapped = probe(False)  # above MMAP_THRESHOLD: mapped and faulted in every time
     assert isinstance(mapped["faults"], int)
-    # (transparent huge pages may fault fewer than 4,096 times per buffer)
+    # (transparent huge pages may fault fewer than 16,384 times per buffer)
     assert mapped["faults"] > 10 * max(kept["faults"], 64)

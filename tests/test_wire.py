@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from distserver import errors
+from distserver.protos.config_pb2 import RunMetadata
+from distserver.protos.master_pb2 import RunCallableResponse, RunStepResponse
 from distserver.protos.worker_pb2 import RecvTensorResponse
 from distserver.tensors import ResourceHandle, from_tensor_proto, to_tensor_proto
 from distserver.wire import (
@@ -18,6 +20,8 @@ from distserver.wire import (
     decode_plain_recv_tensor_response,
     decode_recv_tensor_response,
     encode_recv_tensor_response,
+    encode_run_callable_response,
+    encode_run_step_response,
 )
 
 DTYPES = [
@@ -65,6 +69,34 @@ def test_chunked_round_trip(value, chunk):
     np.testing.assert_array_equal(got, value)
     if value.dtype.kind != "O" and value.nbytes > chunk:
         assert len(messages) == -(-value.nbytes // chunk)
+
+
+def test_fetch_responses_built_by_hand_are_what_protobuf_reads():
+    # RunStep and RunCallable answers (every value of `values()`, strings and resources
+    # included), read back by protobuf as a TensorFlow client reads them.
+    fetched = [(f"t{i}:0", value) for i, value in enumerate(values())]
+    metadata = RunMetadata()
+    metadata.step_stats.dev_stats.add(device="/job:worker/replica:0/task:0/device:CPU:0")
+    for extra in (b"", metadata.SerializeToString()):
+        step = RunStepResponse.FromString(encode_run_step_response(fetched, extra))
+        assert [named.name for named in step.tensor] == [name for name, _ in fetched]
+        assert step.metadata == (metadata if extra else RunMetadata())
+        for named, (_, value) in zip(step.tensor, fetched, strict=True):
+            assert_same(from_tensor_proto(named.tensor), value)
+    called = RunCallableResponse.FromString(encode_run_callable_response([v for _, v in fetched]))
+    for proto, (_, value) in zip(called.fetch, fetched, strict=True):
+        assert_same(from_tensor_proto(proto), value)
+    assert RunStepResponse.FromString(encode_run_step_response([])) == RunStepResponse()
+
+
+def assert_same(got, value):
+    value = np.asarray(value)
+    assert got.shape == value.shape
+    assert got.dtype.newbyteorder("=") == value.dtype.newbyteorder("=")
+    if value.dtype == object and value.shape == ():
+        assert got[()] == value[()]
+    else:
+        np.testing.assert_array_equal(got, value)
 
 
 def test_decoded_numeric_value_is_a_view_over_the_received_bytes():

@@ -43,7 +43,8 @@ from distserver.runtime.functions import function_attrs, index_library
 from distserver.runtime.names import canonical_tensor_name
 from distserver.runtime.plan import build_plan, import_graph
 from distserver.runtime.worker import Worker
-from distserver.tensors import as_datatype, to_tensor_proto
+from distserver.tensors import as_datatype, tensor_nbytes
+from distserver.wire import EncodedMessage, encode_run_callable_response, encode_run_step_response
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,9 @@ DEFAULT_CONNECT_TIMEOUT = 20.0
 # it, most likely): TensorFlow's session GC, on by default here.
 DEFAULT_SESSION_GC_SECONDS = 3600.0
 _WAITING_LOG_INTERVAL = 10.0
+# Fetched values of this many bytes or more are encoded in a thread (as the executor
+# moves a kernel of this size off the loop, `executor.OFFLOAD_BYTES`).
+ENCODE_IN_THREAD_BYTES = 1 << 20
 _STEP_ID_MASK = ((1 << 56) - 1) | (1 << 56)
 
 
@@ -140,9 +144,9 @@ class Master:
         self._session_gc: asyncio.Task[None] | None = None
         # Workers drop the sessions of this master's earlier incarnations (a restart).
         self.incarnation = random.getrandbits(63) or 1
-        # MasterService method -> proto-in, proto-out handler. Methods not listed
-        # answer UnimplementedError.
-        self._handlers: dict[str, Callable[[Any], Awaitable[Message]]] = {
+        # MasterService method -> proto-in, proto-out handler (RunStep and RunCallable
+        # answer an `EncodedMessage`). Methods not listed answer UnimplementedError.
+        self._handlers: dict[str, Callable[[Any], Awaitable[Message | EncodedMessage]]] = {
             "CreateSession": self.create_session,
             "ExtendSession": self.extend_session,
             "PartialRunSetup": self.partial_run_setup,
@@ -633,7 +637,7 @@ class Master:
 
     # -- RPC handlers (proto in, proto out) --------------------------------------------
 
-    def service_handlers(self) -> dict[str, Callable[[Any], Awaitable[Message]]]:
+    def service_handlers(self) -> dict[str, Callable[[Any], Awaitable[Message | EncodedMessage]]]:
         """MasterService method name -> handler, for transports."""
         return dict(self._handlers)
 
@@ -641,9 +645,10 @@ class Master:
         handler = self._handlers.get(method)
         if handler is None:
             raise errors.UnimplementedError(f"MasterService/{method} is not implemented by distserver")
-        return await handler(request)
+        response = await handler(request)
+        return response.parse() if isinstance(response, EncodedMessage) else response
 
-    async def run_step_rpc(self, request: m.RunStepRequest) -> m.RunStepResponse:
+    async def run_step_rpc(self, request: m.RunStepRequest) -> m.RunStepResponse | EncodedMessage:
         response = m.RunStepResponse()
         try:
             if request.partial_run_handle:
@@ -663,9 +668,14 @@ class Master:
                 request.options,
                 response.metadata,
             )
-            for name in dict.fromkeys(request.fetch):  # each name once, in order
-                named = response.tensor.add(name=name)
-                named.tensor.CopyFrom(to_tensor_proto(results[canonical_tensor_name(name)]))
+            fetched = [(name, results[canonical_tensor_name(name)]) for name in dict.fromkeys(request.fetch)]
+            return await _encoded(
+                m.RunStepResponse,
+                encode_run_step_response,
+                fetched,
+                response.metadata.SerializeToString(),
+                nbytes=sum(tensor_nbytes(value) for _, value in fetched),
+            )
         except errors.OpError as exc:
             if not request.store_errors_in_response_body:
                 raise
@@ -715,13 +725,15 @@ class Master:
         )
         return [results[canonical_tensor_name(f)] for f in spec.fetches]
 
-    async def run_callable_rpc(self, request: m.RunCallableRequest) -> m.RunCallableResponse:
+    async def run_callable_rpc(self, request: m.RunCallableRequest) -> EncodedMessage:
         feeds = await decode_message_tensors(request.feed, what="a RunCallable request")
         values = await self.run_callable(request.session_handle, request.handle, feeds)
-        response = m.RunCallableResponse()
-        for value in values:
-            response.fetch.add().CopyFrom(to_tensor_proto(value))
-        return response
+        return await _encoded(
+            m.RunCallableResponse,
+            encode_run_callable_response,
+            values,
+            nbytes=sum(tensor_nbytes(value) for value in values),
+        )
 
     async def release_callable(self, request: m.ReleaseCallableRequest) -> m.ReleaseCallableResponse:
         session = self._session(request.session_handle)
@@ -743,6 +755,16 @@ def _datatype(value: Any) -> int:
         if not isinstance(value, np.ndarray)
         else as_datatype(value.dtype)
     )
+
+
+async def _encoded(
+    message_class: type[Message], encode: Callable[..., bytes], *args: Any, nbytes: int
+) -> EncodedMessage:
+    """A response whose fetched values are encoded by hand (each tensor's bytes copied
+    once, see `wire`), in a thread when they are large."""
+    if nbytes < ENCODE_IN_THREAD_BYTES:
+        return EncodedMessage(encode(*args), message_class)
+    return EncodedMessage(await asyncio.to_thread(encode, *args), message_class)
 
 
 async def _quietly(coro: Any) -> None:

@@ -9,7 +9,9 @@ speed.
 Two planes:
 
 * Control: `Channel.call(service, method, request)` on the calling side, a
-  `ServiceHandler` per service on the serving side; protobuf messages in and out.
+  `ServiceHandler` per service on the serving side; protobuf messages in and out (or
+  a response already serialized, `wire.EncodedMessage`: the transports call
+  `SerializeToString` on what a handler returns).
 * Data: `Channel.recv_tensor(step_id, key)` on the calling side, a `TensorSource`
   on the serving side; numpy values in and out. How the bytes move (a gRPC
   RecvTensor, a chunked stream, shared memory) is the transport's business.
