@@ -11,8 +11,8 @@ next buffer page-faults and zeroes its pages again, 4 KiB at a time. Two setting
   below `MMAP_THRESHOLD` (32 MiB, the most glibc's own adjustment would reach) come
   from the heap and are reused, larger ones (a bulk tensor) are still mapped and
   given back when freed; a heap keeps up to `TRIM_THRESHOLD` free at its top.
-  Measured with distserver's own client (one task): on `mlp`, 1,008 page faults a
-  step, client CPU 3.8 -> 1.2 ms a step, the step 11.0 -> 8.0 ms; fetching a 16 MiB
+  Measured with distserver's own client (one task): on `mlp`, 1,009 page faults a
+  step, client CPU 4.4 -> 1.4 ms a step, the step 13.7 -> 9.9 ms; fetching a 16 MiB
   variable, 27.8-31.4 -> 21.7-26.5 ms (docs/benchmarks.md, round 7). (An 8 MiB
   threshold, tried first, mapped every 16 MiB fetch: 31.5 -> 50.8 ms.)
 * `keep_freed_memory`, for `distserver serve` (a task, which moves the large tensors):

@@ -6,11 +6,14 @@ several times on each side. These functions produce and read the very same bytes
 (a valid `RecvTensorResponse`, so any TensorFlow peer parses them) by hand:
 
     RecvTensorResponse:  field 1 (tensor: TensorProto) | field 2 (is_dead) | ...
+    RunStepResponse:     field 1 (NamedTensorProto: name (1), tensor (2)), ... | field 2 (metadata)
+    RunCallableResponse: field 1 (TensorProto), ...
     TensorProto:         dtype (1), tensor_shape (2) ... then tensor_content (4)
 
-The content is written after a small header built with protobuf, and read back as a
-numpy view over the received buffer (no copy). Tensors that are not plain memory
-(strings, resources, variants) go through protobuf.
+The content is written after a small header built with protobuf (joining the parts
+copies it once; a master's fetch answers are served as an `EncodedMessage`), and a
+RecvTensor answer is read back as a numpy view over the received buffer (no copy).
+Tensors that are not plain memory (strings, resources, variants) go through protobuf.
 
 The chunked form (`chunk_tensor` / `TensorAssembler`) carries one tensor as a stream
 of messages: the first holds a length-prefixed header and the start of the content,
