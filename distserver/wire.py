@@ -105,10 +105,16 @@ def _header(value: np.ndarray) -> bytes:
 
 def encode_recv_tensor_response(value: Any, is_dead: bool = False) -> bytes:
     """The serialized `RecvTensorResponse` carrying `value` (one copy of the content)."""
+    return b"".join(recv_tensor_response_parts(value, is_dead))
+
+
+def recv_tensor_response_parts(value: Any, is_dead: bool = False) -> list[Part]:
+    """`encode_recv_tensor_response` in parts to join or write one after another: a
+    numeric array's content is a view of the array."""
     parts = length_delimited(1, tensor_proto_parts(value))
     if is_dead:
         parts.append(_RESPONSE_IS_DEAD)
-    return b"".join(parts)
+    return parts
 
 
 Part = bytes | memoryview
@@ -181,7 +187,7 @@ def decode_recv_tensor_response(data: bytes) -> tuple[np.ndarray, bool]:
     return _decode_with_protobuf(data) if decoded is None else decoded
 
 
-def decode_plain_recv_tensor_response(data: bytes) -> tuple[np.ndarray, bool] | None:
+def decode_plain_recv_tensor_response(data: bytes | memoryview) -> tuple[np.ndarray, bool] | None:
     """`decode_recv_tensor_response` of numeric content, a view over `data` whatever its
     size (cheap enough for the event loop); None when protobuf must parse it."""
     view = memoryview(data)
@@ -216,7 +222,7 @@ def decode_plain_recv_tensor_response(data: bytes) -> tuple[np.ndarray, bool] | 
     return value, is_dead
 
 
-def _decode_tensor(data: bytes, view: memoryview, start: int, end: int) -> np.ndarray | None:
+def _decode_tensor(data: bytes | memoryview, view: memoryview, start: int, end: int) -> np.ndarray | None:
     pos = start
     header = bytearray()
     content: tuple[int, int] | None = None
