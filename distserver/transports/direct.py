@@ -742,8 +742,8 @@ class DirectLink:
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                 self.unsupported = "the peer serves no direct path"  # TensorFlow, or direct path off
-            else:
-                self._failed(f"asking for its endpoint failed: {exc.code().name}: {exc.details()}")
+            else:  # the peer is down or busy: its gRPC calls say so; retry quietly
+                self._failed(f"asking for its endpoint failed: {exc.code().name}", warn=False)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -753,9 +753,11 @@ class DirectLink:
                 connection.abort("set-up failed")
             self._setup = None
 
-    def _failed(self, reason: str) -> None:
+    def _failed(self, reason: str, *, warn: bool = True) -> None:
         self._retry_at = asyncio.get_running_loop().time() + RETRY_SECONDS
-        if not self._warned:
+        if not warn:
+            logger.debug("direct path to %s: %s", self._target, reason)
+        elif not self._warned:
             self._warned = True
             logger.warning(
                 "direct path to %s: %s; calls use gRPC meanwhile (retried every %g s)",

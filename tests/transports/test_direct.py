@@ -128,11 +128,13 @@ async def test_a_remote_error_a_deadline_and_a_cancelled_caller_behave_as_unary_
             raise errors.NotFoundError("no such thing here")
 
         peer.behaviour = fail
-        with pytest.raises(errors.NotFoundError, match="^no such thing here$"):
+        with pytest.raises(errors.NotFoundError, match=r"^no such thing here$"):
             await channel.call(WORKER_SERVICE, "GetStatus", GetStatusRequest(), timeout=10)
 
         peer.behaviour = lambda: asyncio.sleep(30)
-        with pytest.raises(errors.DeadlineExceededError, match=r"GetStatus to localhost:\d+ failed: Deadline"):
+        with pytest.raises(
+            errors.DeadlineExceededError, match=r"GetStatus to localhost:\d+ failed: Deadline"
+        ):
             await channel.call(WORKER_SERVICE, "GetStatus", GetStatusRequest(), timeout=0.3)
         await asyncio.wait_for(peer.cancelled.wait(), 10)  # the CANCEL reached the handler
 
@@ -237,7 +239,8 @@ async def test_an_unreachable_direct_port_leaves_calls_on_grpc(caplog):
             await asyncio.sleep(0.1)
     assert not link.connected
     warnings = [r.getMessage() for r in caplog.records if "direct path to 127.0.0.1:1" in r.getMessage()]
-    assert len(warnings) == 1 and "calls use gRPC meanwhile" in warnings[0]
+    assert len(warnings) == 1
+    assert "calls use gRPC meanwhile" in warnings[0]
     await link.close()
 
 
@@ -279,8 +282,9 @@ async def test_hostile_clients_are_cut_off_before_anything_is_allocated(monkeypa
         reader, writer = await raw_connection(port)
         writer.write(hello("Bearer wrong"))
         answer = await closed_by_peer(reader)
-        kind, _, length = HEAD.unpack_from(answer)
-        assert kind == direct.REFUSED and b"needs the cluster's token" in answer[HEAD.size :]
+        kind, _, _length = HEAD.unpack_from(answer)
+        assert kind == direct.REFUSED
+        assert b"needs the cluster's token" in answer[HEAD.size :]
         await shut(writer)
         # Admitted: a CALL claiming 1 TiB, and a frame kind clients may not send, close it.
         for data in (HEAD.pack(direct.CALL, 1, 1 << 40), HEAD.pack(direct.RESULT, 1, 0)):
@@ -290,7 +294,9 @@ async def test_hostile_clients_are_cut_off_before_anything_is_allocated(monkeypa
             await shut(writer)
         assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before < 200_000  # KiB
         # The server still serves a proper client.
-        channel = get_transport("grpc").connect(f"localhost:{listener.port}", security=Security(token="sesame"))
+        channel = get_transport("grpc").connect(
+            f"localhost:{listener.port}", security=Security(token="sesame")
+        )
         try:
             await connected(channel)
         finally:
@@ -302,7 +308,9 @@ async def test_hostile_clients_are_cut_off_before_anything_is_allocated(monkeypa
 async def test_the_direct_path_uses_tls_with_the_clusters_certificates(tmp_path, monkeypatch):
     monkeypatch.delenv("DISTSERVER_AUTH_TOKEN", raising=False)
     certs = make_cluster_certificates(tmp_path)
-    server = Security(str(certs.server_cert), str(certs.server_key), str(certs.ca_cert), require_client_cert=True)
+    server = Security(
+        str(certs.server_cert), str(certs.server_key), str(certs.ca_cert), require_client_cert=True
+    )
     client = Security(str(certs.client_cert), str(certs.client_key), str(certs.ca_cert))
     peer = Peer()
     peer.tensors = {"t": (np.arange(5, dtype=np.float32), False)}
@@ -331,7 +339,8 @@ async def test_turned_off_the_channel_stays_on_grpc(monkeypatch):
     try:
         for _ in range(5):
             await channel.call(WORKER_SERVICE, "GetStatus", GetStatusRequest(), timeout=10)
-        assert not channel.direct_link.connected and channel.direct_link.calls_made == 0
+        assert not channel.direct_link.connected
+        assert channel.direct_link.calls_made == 0
         assert listener._direct is None
     finally:
         await channel.close()
