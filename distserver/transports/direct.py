@@ -86,6 +86,7 @@ MAX_HELLO_BYTES = 4096
 MAX_REQUEST_BYTES = 4 << 20
 MAX_RESULT_BYTES = (1 << 31) - 1
 MAX_CALLS_PER_STREAM = 4096
+MAX_HANDSHAKES = 256  # connections of one server not yet admitted
 HANDSHAKE_TIMEOUT = 10.0
 SETUP_TIMEOUT = 5.0
 RETRY_SECONDS = 5.0
@@ -124,10 +125,12 @@ class _FrameReader:
         self,
         on_frame: Callable[[int, int, bytes | bytearray], None],
         budget: Callable[[int], int],
+        scratch_bytes: int,
     ) -> None:
         self._on_frame = on_frame
         self._budget = budget
-        self._scratch = bytearray(_SCRATCH_BYTES)
+        self._scratch = bytearray(scratch_bytes)
+        self.scratch_bytes = scratch_bytes  # raise it to grow the scratch buffer
         self._start = 0
         self._end = 0
         self._body: bytearray | None = None  # a large frame's body being filled
@@ -137,7 +140,11 @@ class _FrameReader:
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._body is not None:
             return memoryview(self._body)[self._filled :]
-        if self._end == len(self._scratch):  # only a partial frame is left: move it to the front
+        if len(self._scratch) < self.scratch_bytes:
+            grown = bytearray(self.scratch_bytes)
+            grown[: self._end - self._start] = self._scratch[self._start : self._end]
+            self._scratch, self._start, self._end = grown, 0, self._end - self._start
+        elif self._end == len(self._scratch):  # only a partial frame is left: move it to the front
             pending = self._end - self._start
             self._scratch[:pending] = self._scratch[self._start : self._end]
             self._start, self._end = 0, pending
@@ -165,7 +172,7 @@ class _FrameReader:
             available = self._end - body_start
             if available >= length:
                 self._start = body_start + length
-                self._on_frame(kind, call_id, bytes(scratch[body_start : self._start]))
+                self._on_frame(kind, call_id, bytes(memoryview(scratch)[body_start : self._start]))
                 continue
             if _HEAD.size + length > len(scratch):  # read the rest straight into its own buffer
                 body = bytearray(length)
@@ -181,9 +188,9 @@ class _FrameReader:
 class _Connection(asyncio.BufferedProtocol):
     """What both ends share: frame reading, writing with flow control, closing."""
 
-    def __init__(self) -> None:
+    def __init__(self, scratch_bytes: int = _SCRATCH_BYTES) -> None:
         self._transport: asyncio.Transport | None = None
-        self._reader = _FrameReader(self._frame, self._budget)
+        self._reader = _FrameReader(self._frame, self._budget, scratch_bytes)
         self._writable = asyncio.Event()
         self._writable.set()
         # While a large frame goes out a slice at a time, other frames wait here (in order).
@@ -194,6 +201,7 @@ class _Connection(asyncio.BufferedProtocol):
     # -- asyncio callbacks
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
+        _keep_alive(transport.get_extra_info("socket"))
         if transport.get_extra_info("sslcontext") is None:
             # Pause on any unsent byte: each slice of a large body then goes from its own
             # memory to the socket, copied only in part. (TLS transports keep their defaults.)
@@ -292,6 +300,18 @@ class _Connection(asyncio.BufferedProtocol):
             self._transport.close()
 
 
+def _keep_alive(sock: Any) -> None:
+    """TCP keepalive (probes after a minute of silence): a peer whose host vanished
+    without a FIN does not hold its connection forever."""
+    if sock is None:
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 60)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 10)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 6)
+
+
 # ----------------------------------------------------------------------------- server
 
 # Serves one call: (path, serialized request) -> the response's parts (joined, they are
@@ -301,9 +321,10 @@ CallServer = Callable[[str, memoryview], Awaitable[list[bytes | memoryview]]]
 
 class _ServerConnection(_Connection):
     def __init__(self, server: DirectServer) -> None:
-        super().__init__()
+        # Until it is admitted, a connection holds a buffer the size of a HELLO.
+        super().__init__(scratch_bytes=_HEAD.size + MAX_HELLO_BYTES)
         self._server = server
-        self._admitted = False
+        self.admitted = False
         self._running: dict[int, asyncio.Task[None]] = {}
         self._cancelled: set[int] = set()
         self._handshake: asyncio.TimerHandle | None = None
@@ -312,12 +333,15 @@ class _ServerConnection(_Connection):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
         self._server.connections.add(self)
+        if sum(not c.admitted for c in self._server.connections) > MAX_HANDSHAKES:
+            self.abort(f"more than {MAX_HANDSHAKES} connections are shaking hands")
+            return
         self._handshake = asyncio.get_running_loop().call_later(
             HANDSHAKE_TIMEOUT, self.abort, "no HELLO within the handshake timeout"
         )
 
     def _budget(self, kind: int) -> int:
-        if not self._admitted:
+        if not self.admitted:
             return MAX_HELLO_BYTES if kind == HELLO else -1
         if kind == CALL:
             return MAX_REQUEST_BYTES + _CALL.size + 0xFFFF
@@ -349,7 +373,8 @@ class _ServerConnection(_Connection):
         elif not self._server.admits(token):
             self._refuse("the direct path needs the cluster's token")
         else:
-            self._admitted = True
+            self.admitted = True
+            self._reader.scratch_bytes = _SCRATCH_BYTES
             self.send(WELCOME, 0)
 
     def _refuse(self, why: str) -> None:
@@ -698,6 +723,7 @@ class DirectLink:
         self._setup: asyncio.Task[None] | None = None
         self._retry_at = 0.0
         self._warned = False
+        self._closed = False
         self.unsupported: str | None = None if enabled() else f"{ENV}=0"
         self.calls_made = 0
 
@@ -778,6 +804,10 @@ class DirectLink:
         try:
             body = await connection.call(f"/{service}/{method}", payload, timeout, method)
         except ConnectionError as exc:
+            if self._closed:
+                raise errors.CancelledError(
+                    f"{method} to {self._target} was cancelled: the channel was closed"
+                ) from None
             raise errors.UnavailableError(
                 f"{method} to {self._target} failed: the direct connection broke ({exc})"
             ) from None
@@ -789,6 +819,9 @@ class DirectLink:
         return memoryview(body)[_RESULT.size :]
 
     async def close(self) -> None:
+        """Close the connection: calls still waiting fail with CancelledError."""
+        self._closed = True
+        self.unsupported = "the channel is closed"
         if self._setup is not None:
             self._setup.cancel()
             with contextlib.suppress(asyncio.CancelledError):

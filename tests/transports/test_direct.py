@@ -370,3 +370,45 @@ def test_a_session_across_task_processes_runs_its_steps_over_the_direct_path():
         assert status.returncode == 0, status.stderr
         peer_line = next(line for line in status.stdout.splitlines() if "peer /job:ps" in line)
         assert "via direct:" in peer_line, status.stdout
+
+
+async def test_connections_that_do_not_shake_hands_are_capped(monkeypatch):
+    monkeypatch.setattr(direct, "MAX_HANDSHAKES", 3)
+    listener = await start(Peer())
+    writers = []
+    try:
+        for _ in range(3):
+            reader, writer = await raw_connection(direct_port(listener))
+            writers.append(writer)
+        reader, writer = await raw_connection(direct_port(listener))
+        writers.append(writer)
+        assert await closed_by_peer(reader) == b""  # the fourth is cut at once
+        # Admitted connections do not count: a client still gets in once the others are gone.
+        for writer in writers:
+            await shut(writer)
+        await asyncio.sleep(0.1)
+        channel = get_transport("grpc").connect(f"localhost:{listener.port}")
+        try:
+            await connected(channel)
+        finally:
+            await channel.close()
+    finally:
+        await listener.stop(1)
+
+
+async def test_an_aborted_channel_cancels_its_waiting_direct_calls():
+    peer = Peer()
+    listener = await start(peer)
+    channel = get_transport("grpc").connect(f"localhost:{listener.port}")
+    try:
+        await connected(channel)
+        peer.behaviour = lambda: asyncio.sleep(30)
+        waiting = asyncio.ensure_future(channel.call(WORKER_SERVICE, "GetStatus", GetStatusRequest()))
+        await asyncio.wait_for(peer.started.wait(), 10)
+        channel.abort()
+        with pytest.raises(errors.CancelledError, match="was cancelled"):
+            await asyncio.wait_for(waiting, 10)
+        await asyncio.wait_for(peer.cancelled.wait(), 10)  # the server let the handler go
+    finally:
+        await channel.close()
+        await listener.stop(1)
