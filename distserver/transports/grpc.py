@@ -5,9 +5,11 @@ unlimited), `SO_REUSEPORT` is off so a port in use is an error rather than a sil
 second listener, and proxies from the environment are ignored (cluster traffic is
 always direct).
 
-Between distserver tasks, MasterService and WorkerService calls ride one long-lived
-stream per channel (`distserver.transports.call_stream`); TensorFlow peers, and calls
-that must wait for the peer or carry more than 4 MiB, use the unary methods.
+Between distserver tasks, calls and RecvTensor ride a direct TCP connection beside
+gRPC once it is up (`distserver.transports.direct`); until then MasterService and
+WorkerService calls ride one long-lived stream per channel
+(`distserver.transports.call_stream`). TensorFlow peers, and calls that must wait for
+the peer or carry more than 4 MiB, use the unary methods.
 
 A channel is a gRPC control connection plus a pluggable `TensorPath`, its data plane
 (the split tensorpipe makes between a pipe's control connection and its data
