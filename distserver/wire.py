@@ -7,12 +7,14 @@ several times on each side. These functions produce and read the very same bytes
 
     RecvTensorResponse:  field 1 (tensor: TensorProto) | field 2 (is_dead) | ...
     RunStepResponse:     field 1 (NamedTensorProto: name (1), tensor (2)), ... | field 2 (metadata)
+    RunGraphResponse:    field 1 (NamedTensorProto), ... | field 2 (step_stats) | 5, 6 (status)
     RunCallableResponse: field 1 (TensorProto), ...
     TensorProto:         dtype (1), tensor_shape (2) ... then tensor_content (4)
 
 The content is written after a small header built with protobuf (joining the parts
-copies it once; a master's fetch answers are served as an `EncodedMessage`), and a
-RecvTensor answer is read back as a numpy view over the received buffer (no copy).
+copies it once; fetch and RunGraph answers are served as an `EncodedMessage`, encoded
+off the event loop when large: `encode_off_loop`), and RecvTensor, RunStep and RunGraph
+answers are read back as numpy views over the received buffer (no copy).
 Tensors that are not plain memory (strings, resources, variants) go through protobuf.
 
 The chunked form (`chunk_tensor` / `TensorAssembler`) carries one tensor as a stream
@@ -22,10 +24,11 @@ the rest hold content only. It has no size limit, unlike one protobuf message (2
 
 from __future__ import annotations
 
+import asyncio
 import math
 import struct
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 from google.protobuf.message import Message
@@ -40,6 +43,8 @@ from distserver.tensors import (
     shape_to_proto,
     to_tensor_proto,
 )
+
+MessageT = TypeVar("MessageT", bound=Message)
 
 _LEN = 2  # protobuf wire type of length-delimited fields
 _VARINT = 0
@@ -140,16 +145,93 @@ def length_delimited(field: int, parts: list[Part]) -> list[Part]:
     return [encode_varint((field << 3) | _LEN), encode_varint(size), *parts]
 
 
-def encode_run_step_response(fetched: Sequence[tuple[str, Any]], metadata: bytes = b"") -> bytes:
-    """A serialized `RunStepResponse`: each (name, value) as a `NamedTensorProto` (field 1),
-    then `metadata` (a serialized `RunMetadata`, field 2) when not empty."""
+def encode_named_tensor_response(named: Sequence[tuple[str, Any]], field2: bytes = b"") -> bytes:
+    """A serialized `RunStepResponse` or `RunGraphResponse` (both have their tensors as
+    `NamedTensorProto`s in field 1 and a message in field 2): each (name, value) as a
+    `NamedTensorProto`, then `field2` (a serialized `RunMetadata` or `StepStats`) when
+    not empty."""
     parts: list[Part] = []
-    for name, value in fetched:
-        named = [*length_delimited(1, [name.encode()]), *length_delimited(2, tensor_proto_parts(value))]
-        parts += length_delimited(1, named)
-    if metadata:
-        parts += length_delimited(2, [metadata])
+    for name, value in named:
+        item = [*length_delimited(1, [name.encode()]), *length_delimited(2, tensor_proto_parts(value))]
+        parts += length_delimited(1, item)
+    if field2:
+        parts += length_delimited(2, [field2])
     return b"".join(parts)
+
+
+# A response with more top-level fields than this is left to protobuf (the loop below
+# is Python: a peer must not make it spin).
+_NAMED_RESPONSE_FIELDS = 100_000
+
+
+def decode_named_tensor_response(
+    data: bytes | memoryview, message_class: type[MessageT]
+) -> tuple[list[tuple[str, np.ndarray]], MessageT] | None:
+    """The reverse of `encode_named_tensor_response` for any `RunStepResponse` or
+    `RunGraphResponse`: field 1's tensors as (name, numpy view over `data`) pairs, and
+    every other field parsed by protobuf as `message_class` (status, metadata: small).
+    None when a tensor is not plain numeric content (protobuf must parse it all)."""
+    view = memoryview(data)
+    pos = 0
+    named: list[tuple[str, np.ndarray]] = []
+    rest: list[memoryview] = []
+    for _ in range(_NAMED_RESPONSE_FIELDS):
+        if pos >= len(view):
+            break
+        field_start = pos
+        key, pos = _read_varint(view, pos)
+        field, wire_type = key >> 3, key & 7
+        if wire_type == _LEN:
+            length, pos = _read_varint(view, pos)
+            end = pos + length
+            if end > len(view):
+                raise errors.DataLossError("Truncated response")
+            if field == 1:
+                item = _decode_named_tensor(data, view, pos, end)
+                if item is None:
+                    return None
+                named.append(item)
+            else:
+                rest.append(view[field_start:end])
+            pos = end
+        elif wire_type == _VARINT:
+            _, pos = _read_varint(view, pos)
+            rest.append(view[field_start:pos])
+        else:
+            return None
+    else:
+        return None
+    return named, message_class.FromString(b"".join(rest))
+
+
+def _decode_named_tensor(
+    data: bytes | memoryview, view: memoryview, start: int, end: int
+) -> tuple[str, np.ndarray] | None:
+    """A `NamedTensorProto` at view[start:end] with plain numeric content, else None."""
+    pos = start
+    name = b""
+    tensor: tuple[int, int] | None = None
+    while pos < end:
+        key, pos = _read_varint(view, pos)
+        if key & 7 != _LEN:
+            return None
+        length, pos = _read_varint(view, pos)
+        if pos + length > end:
+            raise errors.DataLossError("Truncated named tensor")
+        if key >> 3 == 1:
+            name = bytes(view[pos : pos + length])
+        elif key >> 3 == 2:
+            tensor = (pos, pos + length)
+        pos += length
+    if tensor is None:
+        return None
+    value = _decode_tensor(data, view, *tensor)
+    if value is None:
+        return None
+    try:
+        return name.decode(), value
+    except UnicodeDecodeError:
+        return None
 
 
 def encode_run_callable_response(values: Sequence[Any]) -> bytes:
@@ -175,6 +257,19 @@ class EncodedMessage:
 
     def parse(self) -> Message:
         return self.message_class.FromString(self.data)
+
+
+ENCODE_IN_THREAD_BYTES = 1 << 20
+
+
+async def encode_off_loop(
+    message_class: type[Message], encode: Callable[..., bytes], *args: Any, nbytes: int
+) -> EncodedMessage:
+    """`encode(*args)` as an `EncodedMessage` of `message_class`, in a thread when the
+    tensors it copies (`nbytes`) are large."""
+    if nbytes < ENCODE_IN_THREAD_BYTES:
+        return EncodedMessage(encode(*args), message_class)
+    return EncodedMessage(await asyncio.to_thread(encode, *args), message_class)
 
 
 def decode_recv_tensor_response(data: bytes) -> tuple[np.ndarray, bool]:
@@ -234,6 +329,8 @@ def _decode_tensor(data: bytes | memoryview, view: memoryview, start: int, end: 
         field, wire_type = key >> 3, key & 7
         if wire_type == _LEN:
             length, pos = _read_varint(view, pos)
+            if pos + length > end:
+                raise errors.DataLossError("Truncated tensor")
             if field == 4:
                 content = (pos, length)
             elif field == 2 and length <= _PLAIN_HEADER_BYTES:

@@ -9,8 +9,9 @@ and from protos and turn errors reported in response bodies back into OpErrors.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from google.protobuf.message import Message
 
@@ -24,6 +25,7 @@ from distserver.protos.services import MASTER_SERVICE, TENSOR_SERVICE, WORKER_SE
 from distserver.runtime.batched_recv import decode_response
 from distserver.runtime.names import canonical_tensor_name
 from distserver.tensors import from_tensor_proto, write_tensor_proto
+from distserver.wire import ENCODE_IN_THREAD_BYTES, MessageT, decode_named_tensor_response
 
 
 class ChannelLike(Protocol):
@@ -38,6 +40,10 @@ class ChannelLike(Protocol):
         timeout: float | None = None,
         wait_for_ready: bool = False,
     ) -> Message: ...
+
+    async def call_serialized(
+        self, service: str, method: str, request: Message, *, timeout: float | None = None
+    ) -> bytes | memoryview: ...
 
     async def recv_tensor(
         self, step_id: int, key: RendezvousKey, *, timeout: float | None = None
@@ -174,11 +180,12 @@ class RemoteWorker:
         for key, value in sends.items():
             named = full.send.add(name=key)
             write_tensor_proto(named.tensor, value)
-        response: Any = await self.call("RunGraph", full, timeout=timeout)
+        data = await self.channel.call_serialized(WORKER_SERVICE, "RunGraph", full, timeout=timeout)
+        recv, response = await _named_tensors(data, w.RunGraphResponse)
         _raise_body_error(response.status_code, response.status_error_message)
         if stats is not None:
             stats.dev_stats.extend(response.step_stats.dev_stats)
-        return {named.name: from_tensor_proto(named.tensor) for named in response.recv}
+        return dict(recv)
 
     async def recv_tensor(
         self, step_id: int, key: RendezvousKey, *, timeout: float | None = None
@@ -222,14 +229,14 @@ class RemoteMaster:
         for name, value in feeds.items():
             named = request.feed.add(name=name)
             write_tensor_proto(named.tensor, value)
-        response: Any = await self.call("RunStep", request, timeout=rpc_deadline(options))
+        data = await self.channel.call_serialized(
+            MASTER_SERVICE, "RunStep", request, timeout=rpc_deadline(options)
+        )
+        fetched, response = await _named_tensors(data, m.RunStepResponse)
         _raise_body_error(response.status_code, response.status_error_message)
         if metadata is not None:
             metadata.CopyFrom(response.metadata)
-        results = {}
-        for named in response.tensor:
-            results[canonical_tensor_name(named.name)] = from_tensor_proto(named.tensor)
-        return results
+        return {canonical_tensor_name(name): value for name, value in fetched}
 
     async def run_callable(self, handle: str, callable_handle: int, feeds: Sequence[Any]) -> list[Any]:
         request = m.RunCallableRequest(session_handle=handle, handle=callable_handle)
@@ -237,3 +244,27 @@ class RemoteMaster:
             write_tensor_proto(request.feed.add(), value)
         response: Any = await self.call("RunCallable", request)
         return [from_tensor_proto(t) for t in response.fetch]
+
+
+async def _named_tensors(
+    data: bytes | memoryview, message_class: type[MessageT]
+) -> tuple[list[tuple[str, Any]], MessageT]:
+    """A serialized RunStep or RunGraph response's tensors and the rest of the message.
+
+    Plain numeric tensors are numpy views over `data` (`wire.decode_named_tensor_response`);
+    a response with other tensors is parsed by protobuf, in a thread when it is large.
+    """
+    decoded = decode_named_tensor_response(data, message_class)
+    if decoded is not None:
+        return decoded
+
+    def parse() -> tuple[list[tuple[str, Any]], MessageT]:
+        response = cast(Any, message_class).FromString(data)  # protobuf takes a memoryview too
+        field = response.DESCRIPTOR.fields_by_number[1].name  # "tensor" or "recv"
+        named = [(item.name, from_tensor_proto(item.tensor)) for item in getattr(response, field)]
+        response.ClearField(field)
+        return named, response
+
+    if len(data) < ENCODE_IN_THREAD_BYTES:
+        return parse()
+    return await asyncio.to_thread(parse)

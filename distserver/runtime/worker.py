@@ -40,6 +40,7 @@ from distserver.runtime.executor import Executor, StepContext
 from distserver.runtime.push import PUSH_LIMIT_BYTES, worker_returns
 from distserver.runtime.rendezvous import RendezvousTable, StepRendezvous
 from distserver.tensors import tensor_nbytes, write_tensor_proto
+from distserver.wire import EncodedMessage, encode_named_tensor_response, encode_off_loop
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ class Worker:
         self._rendezvous = RendezvousTable(task_name, self._batched.fetch_soon if worker_client else None)
         # WorkerService method -> proto-in, proto-out handler. RecvTensor is the data
         # plane: transports serve it from `recv_tensor` (the task's tensor source).
-        self._handlers: dict[str, Callable[[Any], Awaitable[Message]]] = {
+        self._handlers: dict[str, Callable[[Any], Awaitable[Message | EncodedMessage]]] = {
             "GetStatus": self.get_status,
             "CreateWorkerSession": self.create_worker_session,
             "DeleteWorkerSession": self.delete_worker_session,
@@ -136,7 +137,7 @@ class Worker:
         """The thread pool kernels with large inputs run in."""
         return self._pool
 
-    def service_handlers(self) -> dict[str, Callable[[Any], Awaitable[Message]]]:
+    def service_handlers(self) -> dict[str, Callable[[Any], Awaitable[Message | EncodedMessage]]]:
         """WorkerService method name -> handler, for transports; `recv_tensor` is the tensor source."""
         return dict(self._handlers)
 
@@ -148,7 +149,8 @@ class Worker:
         handler = self._handlers.get(method)
         if handler is None:
             raise errors.UnimplementedError(f"WorkerService/{method} is not implemented by distserver")
-        return await handler(request)
+        response = await handler(request)
+        return response.parse() if isinstance(response, EncodedMessage) else response
 
     # -- control RPCs -------------------------------------------------------------
 
@@ -308,7 +310,7 @@ class Worker:
             raise
         return results
 
-    async def run_graph_rpc(self, request: w.RunGraphRequest) -> w.RunGraphResponse:
+    async def run_graph_rpc(self, request: w.RunGraphRequest) -> w.RunGraphResponse | EncodedMessage:
         response = w.RunGraphResponse()
         try:
             values = await decode_message_tensors(
@@ -317,9 +319,14 @@ class Worker:
             sends = dict(zip((named.name for named in request.send), values, strict=True))
             stats = response.step_stats if request.exec_opts.record_timeline else None
             results = await self.run_graph(request, sends, stats=stats)
-            for key, value in results.items():
-                named = response.recv.add(name=key)
-                write_tensor_proto(named.tensor, value)
+            # Written by hand: each value's bytes copied once, off the loop when large.
+            return await encode_off_loop(
+                w.RunGraphResponse,
+                encode_named_tensor_response,
+                list(results.items()),
+                b"" if stats is None else stats.SerializeToString(),
+                nbytes=sum(tensor_nbytes(value) for value in results.values()),
+            )
         except errors.OpError as exc:
             if not request.store_errors_in_response_body:
                 raise

@@ -115,6 +115,9 @@ class Channel(abc.ABC):
           returns the response message; it never waits for an unreachable peer
           longer than `timeout` (None: fail as soon as the peer is known to be
           unreachable, unless `wait_for_ready` is true).
+        * `call_serialized(...)` is `call` returning the response still serialized, for
+          callers that read its tensors themselves (`wire.decode_named_tensor_response`);
+          the default serializes what `call` parsed.
         * `recv_tensor(step_id, key, timeout=...)` fetches the value the peer's
           tensor source holds for `key` in step `step_id` and returns
           `(value, is_dead)` with `value` a numpy array (possibly a read-only view
@@ -135,6 +138,13 @@ class Channel(abc.ABC):
         timeout: float | None = None,
         wait_for_ready: bool = False,
     ) -> Message: ...
+
+    async def call_serialized(
+        self, service: str, method: str, request: Message, *, timeout: float | None = None
+    ) -> bytes | memoryview:
+        response = await self.call(service, method, request, timeout=timeout)
+        data: bytes = response.SerializeToString()
+        return data
 
     @abc.abstractmethod
     async def recv_tensor(

@@ -612,6 +612,19 @@ class GrpcChannel(Channel):
         self._call_bytes_received += response.ByteSize()
         return response
 
+    async def call_serialized(
+        self, service: str, method: str, request: Message, *, timeout: float | None = None
+    ) -> bytes | memoryview:
+        async with self._tracked(method):
+            payload = request.SerializeToString()
+            data = await self._call_framed(service, method, payload, timeout)
+            if data is None:
+                path = f"/{service}/{method}"
+                unary = self._channel.unary_unary(path, request_serializer=_raw, response_deserializer=_raw)
+                data = await unary(payload, timeout=timeout)
+        self._call_bytes_received += len(data)
+        return data
+
     async def _call_framed(
         self, service: str, method: str, payload: bytes, timeout: float | None
     ) -> bytes | memoryview | None:
