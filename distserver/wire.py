@@ -164,13 +164,17 @@ def encode_named_tensor_response(named: Sequence[tuple[str, Any]], field2: bytes
 _NAMED_RESPONSE_FIELDS = 100_000
 
 
-def decode_named_tensor_response(
+def decode_tensor_response(
     data: bytes | memoryview, message_class: type[MessageT]
 ) -> tuple[list[tuple[str, np.ndarray]], MessageT] | None:
-    """The reverse of `encode_named_tensor_response` for any `RunStepResponse` or
-    `RunGraphResponse`: field 1's tensors as (name, numpy view over `data`) pairs, and
-    every other field parsed by protobuf as `message_class` (status, metadata: small).
-    None when a tensor is not plain numeric content (protobuf must parse it all)."""
+    """The reverse of `encode_named_tensor_response` and `encode_run_callable_response`
+    for any `RunStepResponse`, `RunGraphResponse` or `RunCallableResponse`: field 1's
+    tensors as (name, numpy view over `data`) pairs (the name "" for RunCallable's bare
+    `TensorProto`s), and every other field parsed by protobuf as `message_class`
+    (status, metadata: small). None when a tensor is not plain numeric content
+    (protobuf must parse it all)."""
+    item_type = message_class.DESCRIPTOR.fields_by_number[1].message_type
+    named_items = item_type is not None and item_type.name == "NamedTensorProto"
     view = memoryview(data)
     pos = 0
     named: list[tuple[str, np.ndarray]] = []
@@ -187,7 +191,11 @@ def decode_named_tensor_response(
             if end > len(view):
                 raise errors.DataLossError("Truncated response")
             if field == 1:
-                item = _decode_named_tensor(data, view, pos, end)
+                item = (
+                    _decode_named_tensor(data, view, pos, end)
+                    if named_items
+                    else _unnamed(_decode_tensor(data, view, pos, end))
+                )
                 if item is None:
                     return None
                 named.append(item)
@@ -202,6 +210,10 @@ def decode_named_tensor_response(
     else:
         return None
     return named, message_class.FromString(b"".join(rest))
+
+
+def _unnamed(value: np.ndarray | None) -> tuple[str, np.ndarray] | None:
+    return None if value is None else ("", value)
 
 
 def _decode_named_tensor(

@@ -18,9 +18,9 @@ from distserver.tensors import ResourceHandle, from_tensor_proto, to_tensor_prot
 from distserver.wire import (
     TensorAssembler,
     chunk_tensor,
-    decode_named_tensor_response,
     decode_plain_recv_tensor_response,
     decode_recv_tensor_response,
+    decode_tensor_response,
     encode_named_tensor_response,
     encode_recv_tensor_response,
     encode_run_callable_response,
@@ -103,7 +103,7 @@ def test_named_tensor_responses_read_back_as_views_with_the_other_fields_parsed(
         data = encode_named_tensor_response(plain, field2.SerializeToString())
         # Status fields after the tensors, as a protobuf writer might put them.
         extra = message_class(status_code=3, status_error_message="bad").SerializeToString()
-        named, rest = decode_named_tensor_response(data + extra, message_class)
+        named, rest = decode_tensor_response(data + extra, message_class)
         assert [name for name, _ in named] == [name for name, _ in plain]
         for (_, got), (_, value) in zip(named, plain, strict=True):
             assert_same(got, value)
@@ -112,23 +112,23 @@ def test_named_tensor_responses_read_back_as_views_with_the_other_fields_parsed(
         assert not getattr(rest, tensors)
     big = np.arange(1 << 16, dtype=np.float32)
     received = bytearray(encode_named_tensor_response([("big:0", big)]))
-    ((_, got),), _ = decode_named_tensor_response(received, RunStepResponse)
+    ((_, got),), _ = decode_tensor_response(received, RunStepResponse)
     assert np.shares_memory(got, np.frombuffer(received, np.uint8))  # a view: no copy
     np.testing.assert_array_equal(got, big)
 
 
 def test_named_tensor_responses_protobuf_must_read_are_left_to_it():
     strings = [("s:0", np.array([b"a"], dtype=object))]
-    assert decode_named_tensor_response(encode_named_tensor_response(strings), RunStepResponse) is None
+    assert decode_tensor_response(encode_named_tensor_response(strings), RunStepResponse) is None
     typed = RunStepResponse()
     typed.tensor.add(name="x:0").tensor.CopyFrom(to_tensor_proto(np.float32(2.0)))
     typed.tensor[0].tensor.ClearField("tensor_content")
     typed.tensor[0].tensor.float_val.append(2.0)
-    assert decode_named_tensor_response(typed.SerializeToString(), RunStepResponse) is None
+    assert decode_tensor_response(typed.SerializeToString(), RunStepResponse) is None
     data = encode_named_tensor_response([("x:0", np.arange(100, dtype=np.float32))])
     for cut in (3, len(data) // 2, len(data) - 1):
         with pytest.raises(errors.DataLossError):
-            decode_named_tensor_response(data[:cut], RunStepResponse)
+            decode_tensor_response(data[:cut], RunStepResponse)
 
 
 def assert_same(got, value):
@@ -221,3 +221,22 @@ def test_property_round_trips(value, chunk):
     for message in chunk_tensor(value, False, chunk):
         assembler.add(message)
     np.testing.assert_array_equal(assembler.result()[0], value)
+
+
+def test_run_callable_responses_read_back_as_views():
+    values = [np.arange(6, dtype=np.float32).reshape(2, 3), np.int64(7), np.zeros((0,), np.float64)]
+    metadata = RunMetadata()
+    metadata.step_stats.dev_stats.add(device="/job:worker/replica:0/task:0/device:CPU:0")
+    data = (
+        bytearray(encode_run_callable_response(values))
+        + RunCallableResponse(metadata=metadata).SerializeToString()
+    )
+    fetched, rest = decode_tensor_response(data, RunCallableResponse)
+    assert [name for name, _ in fetched] == ["", "", ""]
+    for (_, got), value in zip(fetched, values, strict=True):
+        assert_same(got, value)
+    assert np.shares_memory(fetched[0][1], np.frombuffer(data, np.uint8))
+    assert rest.metadata == metadata
+    assert not rest.fetch
+    strings = encode_run_callable_response([np.array([b"x"], dtype=object)])
+    assert decode_tensor_response(strings, RunCallableResponse) is None

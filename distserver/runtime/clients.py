@@ -25,7 +25,7 @@ from distserver.protos.services import MASTER_SERVICE, TENSOR_SERVICE, WORKER_SE
 from distserver.runtime.batched_recv import decode_response
 from distserver.runtime.names import canonical_tensor_name
 from distserver.tensors import from_tensor_proto, write_tensor_proto
-from distserver.wire import ENCODE_IN_THREAD_BYTES, MessageT, decode_named_tensor_response
+from distserver.wire import ENCODE_IN_THREAD_BYTES, MessageT, decode_tensor_response
 
 
 class ChannelLike(Protocol):
@@ -242,26 +242,33 @@ class RemoteMaster:
         request = m.RunCallableRequest(session_handle=handle, handle=callable_handle)
         for value in feeds:
             write_tensor_proto(request.feed.add(), value)
-        response: Any = await self.call("RunCallable", request)
-        return [from_tensor_proto(t) for t in response.fetch]
+        data = await self.channel.call_serialized(MASTER_SERVICE, "RunCallable", request)
+        fetched, _ = await _named_tensors(data, m.RunCallableResponse)
+        return [value for _, value in fetched]
 
 
 async def _named_tensors(
     data: bytes | memoryview, message_class: type[MessageT]
 ) -> tuple[list[tuple[str, Any]], MessageT]:
-    """A serialized RunStep or RunGraph response's tensors and the rest of the message.
+    """A serialized RunStep, RunGraph or RunCallable response's tensors (RunCallable's
+    without names) and the rest of the message.
 
-    Plain numeric tensors are numpy views over `data` (`wire.decode_named_tensor_response`);
+    Plain numeric tensors are numpy views over `data` (`wire.decode_tensor_response`);
     a response with other tensors is parsed by protobuf, in a thread when it is large.
     """
-    decoded = decode_named_tensor_response(data, message_class)
+    decoded = decode_tensor_response(data, message_class)
     if decoded is not None:
         return decoded
 
     def parse() -> tuple[list[tuple[str, Any]], MessageT]:
         response = cast(Any, message_class).FromString(data)  # protobuf takes a memoryview too
-        field = response.DESCRIPTOR.fields_by_number[1].name  # "tensor" or "recv"
-        named = [(item.name, from_tensor_proto(item.tensor)) for item in getattr(response, field)]
+        field = response.DESCRIPTOR.fields_by_number[1].name  # "tensor", "recv" or "fetch"
+        named = [
+            (item.name, from_tensor_proto(item.tensor))
+            if hasattr(item, "tensor")
+            else ("", from_tensor_proto(item))
+            for item in getattr(response, field)
+        ]
         response.ClearField(field)
         return named, response
 

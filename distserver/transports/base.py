@@ -116,7 +116,7 @@ class Channel(abc.ABC):
           longer than `timeout` (None: fail as soon as the peer is known to be
           unreachable, unless `wait_for_ready` is true).
         * `call_serialized(...)` is `call` returning the response still serialized, for
-          callers that read its tensors themselves (`wire.decode_named_tensor_response`);
+          callers that read its tensors themselves (`wire.decode_tensor_response`);
           the default serializes what `call` parsed.
         * `recv_tensor(step_id, key, timeout=...)` fetches the value the peer's
           tensor source holds for `key` in step `step_id` and returns

@@ -82,6 +82,21 @@ async def connected(channel) -> None:
     raise AssertionError("the direct link did not come up")
 
 
+@contextlib.asynccontextmanager
+async def served(
+    peer: Peer, server_security: Security | None = None, client_security: Security | None = None
+):
+    """A listener for `peer` and a channel to it whose direct link is up; both closed after."""
+    listener = await start(peer, server_security)
+    channel = get_transport("grpc").connect(f"localhost:{listener.port}", security=client_security)
+    try:
+        await connected(channel)
+        yield listener, channel
+    finally:
+        await channel.close()
+        await listener.stop(1)
+
+
 def direct_port(listener) -> int:
     return listener._direct.port
 
@@ -98,10 +113,7 @@ async def test_calls_and_tensors_of_every_kind_ride_the_direct_path():
         "dead": (np.zeros(4, np.float32), True),
         "strided": (np.arange(20, dtype=np.float32)[::2], False),
     }
-    listener = await start(peer)
-    channel = get_transport("grpc").connect(f"localhost:{listener.port}")
-    try:
-        await connected(channel)
+    async with served(peer) as (_listener, channel):
         made = channel.direct_link.calls_made
         assert channel.statistics().data_path == "direct"
         for name, (value, is_dead) in peer.tensors.items():
@@ -112,17 +124,11 @@ async def test_calls_and_tensors_of_every_kind_ride_the_direct_path():
         calls = [channel.call(WORKER_SERVICE, "GetStatus", GetStatusRequest(), timeout=10) for _ in range(50)]
         assert len(await asyncio.gather(*calls)) == 50
         assert channel.direct_link.calls_made == made + len(peer.tensors) + 50
-    finally:
-        await channel.close()
-        await listener.stop(1)
 
 
 async def test_a_remote_error_a_deadline_and_a_cancelled_caller_behave_as_unary_calls():
     peer = Peer()
-    listener = await start(peer)
-    channel = get_transport("grpc").connect(f"localhost:{listener.port}")
-    try:
-        await connected(channel)
+    async with served(peer) as (_listener, channel):
 
         async def fail():
             raise errors.NotFoundError("no such thing here")
@@ -147,17 +153,11 @@ async def test_a_remote_error_a_deadline_and_a_cancelled_caller_behave_as_unary_
             await task
         await asyncio.wait_for(peer.cancelled.wait(), 10)
         assert channel.direct_link.connected  # none of that broke the connection
-    finally:
-        await channel.close()
-        await listener.stop(1)
 
 
 async def test_a_stopping_server_finishes_running_calls_and_refuses_new_ones():
     peer = Peer()
-    listener = await start(peer)
-    channel = get_transport("grpc").connect(f"localhost:{listener.port}")
-    try:
-        await connected(channel)
+    async with served(peer) as (listener, channel):
         peer.behaviour = lambda: asyncio.sleep(0.5)
         running = asyncio.ensure_future(channel.call(WORKER_SERVICE, "GetStatus", GetStatusRequest()))
         await asyncio.wait_for(peer.started.wait(), 10)
@@ -167,24 +167,17 @@ async def test_a_stopping_server_finishes_running_calls_and_refuses_new_ones():
         with pytest.raises(errors.UnavailableError):
             await channel.call(WORKER_SERVICE, "GetStatus", GetStatusRequest(), timeout=10)
         await stopping
-    finally:
-        await channel.close()
 
 
 async def test_a_peer_that_dies_fails_the_waiting_calls_unavailable():
     peer = Peer()
-    listener = await start(peer)
-    channel = get_transport("grpc").connect(f"localhost:{listener.port}")
-    try:
-        await connected(channel)
+    async with served(peer) as (listener, channel):
         peer.behaviour = lambda: asyncio.sleep(30)
         waiting = asyncio.ensure_future(channel.call(WORKER_SERVICE, "GetStatus", GetStatusRequest()))
         await asyncio.wait_for(peer.started.wait(), 10)
         await listener.stop(0)
         with pytest.raises(errors.UnavailableError, match=r"GetStatus to localhost:\d+ failed"):
             await asyncio.wait_for(waiting, 10)
-    finally:
-        await channel.close()
 
 
 async def test_a_silent_peer_fails_calls_within_the_keepalive_bounds():
@@ -314,10 +307,7 @@ async def test_the_direct_path_uses_tls_with_the_clusters_certificates(tmp_path,
     client = Security(str(certs.client_cert), str(certs.client_key), str(certs.ca_cert))
     peer = Peer()
     peer.tensors = {"t": (np.arange(5, dtype=np.float32), False)}
-    listener = await start(peer, server)
-    channel = get_transport("grpc").connect(f"localhost:{listener.port}", security=client)
-    try:
-        await connected(channel)
+    async with served(peer, server_security=server, client_security=client) as (listener, channel):
         got, _ = await channel.recv_tensor(1, key("t"), timeout=10)
         np.testing.assert_array_equal(got, np.arange(5, dtype=np.float32))
         # A plaintext connection to the TLS port gets nothing.
@@ -326,9 +316,6 @@ async def test_the_direct_path_uses_tls_with_the_clusters_certificates(tmp_path,
         with pytest.raises((ConnectionError, asyncio.IncompleteReadError)):
             await asyncio.wait_for(reader.readexactly(HEAD.size), 5)
         await shut(writer)
-    finally:
-        await channel.close()
-        await listener.stop(1)
 
 
 async def test_turned_off_the_channel_stays_on_grpc(monkeypatch):
@@ -398,10 +385,7 @@ async def test_connections_that_do_not_shake_hands_are_capped(monkeypatch):
 
 async def test_an_aborted_channel_cancels_its_waiting_direct_calls():
     peer = Peer()
-    listener = await start(peer)
-    channel = get_transport("grpc").connect(f"localhost:{listener.port}")
-    try:
-        await connected(channel)
+    async with served(peer) as (_listener, channel):
         peer.behaviour = lambda: asyncio.sleep(30)
         waiting = asyncio.ensure_future(channel.call(WORKER_SERVICE, "GetStatus", GetStatusRequest()))
         await asyncio.wait_for(peer.started.wait(), 10)
@@ -409,6 +393,3 @@ async def test_an_aborted_channel_cancels_its_waiting_direct_calls():
         with pytest.raises(errors.CancelledError, match="was cancelled"):
             await asyncio.wait_for(waiting, 10)
         await asyncio.wait_for(peer.cancelled.wait(), 10)  # the server let the handler go
-    finally:
-        await channel.close()
-        await listener.stop(1)
