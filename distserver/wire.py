@@ -176,40 +176,56 @@ def decode_tensor_response(
     item_type = message_class.DESCRIPTOR.fields_by_number[1].message_type
     named_items = item_type is not None and item_type.name == "NamedTensorProto"
     view = memoryview(data)
-    pos = 0
     named: list[tuple[str, np.ndarray]] = []
     rest: list[memoryview] = []
-    for _ in range(_NAMED_RESPONSE_FIELDS):
-        if pos >= len(view):
-            break
-        field_start = pos
-        key, pos = _read_varint(view, pos)
-        field, wire_type = key >> 3, key & 7
-        if wire_type == _LEN:
-            length, pos = _read_varint(view, pos)
-            end = pos + length
-            if end > len(view):
-                raise errors.DataLossError("Truncated response")
-            if field == 1:
+    try:
+        for field, wire_type, field_start, start, end in _fields(view, 0, len(view), _NAMED_RESPONSE_FIELDS):
+            if field == 1 and wire_type == _LEN:
                 item = (
-                    _decode_named_tensor(data, view, pos, end)
+                    _decode_named_tensor(data, view, start, end)
                     if named_items
-                    else _unnamed(_decode_tensor(data, view, pos, end))
+                    else _unnamed(_decode_tensor(data, view, start, end))
                 )
                 if item is None:
                     return None
                 named.append(item)
             else:
                 rest.append(view[field_start:end])
-            pos = end
-        elif wire_type == _VARINT:
-            _, pos = _read_varint(view, pos)
-            rest.append(view[field_start:pos])
-        else:
-            return None
-    else:
+    except _NotPlain:
         return None
     return named, message_class.FromString(b"".join(rest))
+
+
+class _NotPlain(Exception):
+    """A message has a field the hand decoders leave to protobuf (or too many fields)."""
+
+
+def _fields(view: memoryview, start: int, end: int, limit: int) -> Iterator[tuple[int, int, int, int, int]]:
+    """(field number, wire type, where the field starts, where its value starts, where it
+    ends) of each field of view[start:end]: a length-delimited value is its bytes, a
+    varint its encoding. Raises `_NotPlain` for other wire types or more than `limit`
+    fields (the decoders run on the event loop), DataLossError for a field cut short."""
+    pos = start
+    for _ in range(limit):
+        if pos >= end:
+            return
+        field_start = pos
+        key, pos = _read_varint(view, pos)
+        wire_type = key & 7
+        if wire_type == _LEN:
+            length, pos = _read_varint(view, pos)
+            if pos + length > end:
+                raise errors.DataLossError("A tensor response is cut short")
+            yield key >> 3, wire_type, field_start, pos, pos + length
+            pos += length
+        elif wire_type == _VARINT:
+            _, value_end = _read_varint(view, pos)
+            yield key >> 3, wire_type, field_start, pos, value_end
+            pos = value_end
+        else:
+            raise _NotPlain
+    if pos < end:
+        raise _NotPlain
 
 
 def _unnamed(value: np.ndarray | None) -> tuple[str, np.ndarray] | None:
@@ -220,21 +236,18 @@ def _decode_named_tensor(
     data: bytes | memoryview, view: memoryview, start: int, end: int
 ) -> tuple[str, np.ndarray] | None:
     """A `NamedTensorProto` at view[start:end] with plain numeric content, else None."""
-    pos = start
     name = b""
     tensor: tuple[int, int] | None = None
-    while pos < end:
-        key, pos = _read_varint(view, pos)
-        if key & 7 != _LEN:
-            return None
-        length, pos = _read_varint(view, pos)
-        if pos + length > end:
-            raise errors.DataLossError("Truncated named tensor")
-        if key >> 3 == 1:
-            name = bytes(view[pos : pos + length])
-        elif key >> 3 == 2:
-            tensor = (pos, pos + length)
-        pos += length
+    try:
+        for field, wire_type, _, value_start, value_end in _fields(view, start, end, _PLAIN_FIELDS):
+            if wire_type != _LEN:
+                return None
+            if field == 1:
+                name = bytes(view[value_start:value_end])
+            elif field == 2:
+                tensor = (value_start, value_end)
+    except _NotPlain:
+        return None
     if tensor is None:
         return None
     value = _decode_tensor(data, view, *tensor)
@@ -298,29 +311,16 @@ def decode_plain_recv_tensor_response(data: bytes | memoryview) -> tuple[np.ndar
     """`decode_recv_tensor_response` of numeric content, a view over `data` whatever its
     size (cheap enough for the event loop); None when protobuf must parse it."""
     view = memoryview(data)
-    pos = 0
     tensor: tuple[int, int] | None = None
     is_dead = False
-    for _ in range(_PLAIN_FIELDS):
-        if pos >= len(view):
-            break
-        key, pos = _read_varint(view, pos)
-        field, wire_type = key >> 3, key & 7
-        if wire_type == _LEN:
-            length, pos = _read_varint(view, pos)
-            if pos + length > len(view):
-                raise errors.DataLossError("Truncated tensor response")
-            if field == 1:
-                tensor = (pos, pos + length)
-            pos += length
-        elif wire_type == _VARINT:
-            number, pos = _read_varint(view, pos)
-            if field == 2:
-                is_dead = bool(number)
-        else:
-            return None
-    else:
-        return None  # more fields than a plain response has
+    try:
+        for field, wire_type, _, start, end in _fields(view, 0, len(view), _PLAIN_FIELDS):
+            if field == 1 and wire_type == _LEN:
+                tensor = (start, end)
+            elif field == 2 and wire_type == _VARINT:
+                is_dead = bool(_read_varint(view, start)[0])
+    except _NotPlain:
+        return None
     if tensor is None:
         return None
     value = _decode_tensor(data, view, *tensor)
@@ -330,32 +330,19 @@ def decode_plain_recv_tensor_response(data: bytes | memoryview) -> tuple[np.ndar
 
 
 def _decode_tensor(data: bytes | memoryview, view: memoryview, start: int, end: int) -> np.ndarray | None:
-    pos = start
+    """The `TensorProto` at view[start:end] as a numpy view over `data` when its content is
+    plain (`tensor_content`), else None."""
     header = bytearray()
     content: tuple[int, int] | None = None
-    for _ in range(_PLAIN_FIELDS):
-        if pos >= end:
-            break
-        field_start = pos
-        key, pos = _read_varint(view, pos)
-        field, wire_type = key >> 3, key & 7
-        if wire_type == _LEN:
-            length, pos = _read_varint(view, pos)
-            if pos + length > end:
-                raise errors.DataLossError("Truncated tensor")
-            if field == 4:
-                content = (pos, length)
-            elif field == 2 and length <= _PLAIN_HEADER_BYTES:
-                header += view[field_start : pos + length]
+    try:
+        for field, wire_type, field_start, value_start, value_end in _fields(view, start, end, _PLAIN_FIELDS):
+            if wire_type == _VARINT or (field == 2 and value_end - value_start <= _PLAIN_HEADER_BYTES):
+                header += view[field_start:value_end]
+            elif field == 4:
+                content = (value_start, value_end - value_start)
             else:
                 return None  # typed *_val fields, strings, ...: let protobuf read them
-            pos += length
-        elif wire_type == _VARINT:
-            _, pos = _read_varint(view, pos)
-            header += view[field_start:pos]
-        else:
-            return None
-    else:
+    except _NotPlain:
         return None
     if len(header) > _PLAIN_HEADER_BYTES:
         return None

@@ -28,6 +28,7 @@ the remote handler raised comes back as the same class with the same message.
 from __future__ import annotations
 
 import abc
+import asyncio
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
@@ -49,6 +50,27 @@ ServiceHandler = Mapping[str, Callable[[Any], Awaitable[Any]]]
 TensorSource = Callable[[int, RendezvousKey], Awaitable[tuple[Any, bool]]]
 
 MessageT = TypeVar("MessageT", bound=Message)
+T = TypeVar("T")
+
+
+async def wait_for_answer(
+    future: asyncio.Future[T], timeout: float | None, give_up: Callable[[], None], deadline_message: str
+) -> T:
+    """A call's answer (`future`), within `timeout`: when it passes, `give_up()` (tell the
+    peer to cancel) and raise DeadlineExceededError(`deadline_message`); a cancelled
+    caller gives up too. A DeadlineExceededError the answer itself carries passes as is."""
+    timer = asyncio.timeout(timeout)
+    try:
+        async with timer:
+            return await future
+    except TimeoutError:
+        if not timer.expired():
+            raise  # the remote handler's own DeadlineExceededError
+        give_up()
+        raise errors.DeadlineExceededError(deadline_message) from None
+    except asyncio.CancelledError:
+        give_up()
+        raise
 
 
 def parse_request(request_cls: type[MessageT], data: bytes | memoryview) -> MessageT:

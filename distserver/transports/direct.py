@@ -67,6 +67,7 @@ import grpc.aio
 
 from distserver import call_deadline, errors
 from distserver.security import TOKEN_METADATA_KEY, Security
+from distserver.transports.base import wait_for_answer
 
 logger = logging.getLogger(__name__)
 
@@ -648,7 +649,6 @@ class _ClientConnection(_Connection):
             self._schedule_watch()
         self._waiting[call_id] = future
         encoded_path = path.encode()
-        timer = asyncio.timeout(timeout)
         try:
             self.send(
                 CALL,
@@ -657,17 +657,12 @@ class _ClientConnection(_Connection):
                 encoded_path,
                 payload,
             )
-            async with timer:
-                return await future
-        except TimeoutError:
-            if not timer.expired():
-                raise
-            self._cancel(call_id)
-            message = f"{method} to {self._target} failed: Deadline Exceeded"
-            raise errors.DeadlineExceededError(message) from None
-        except asyncio.CancelledError:
-            self._cancel(call_id)
-            raise
+            return await wait_for_answer(
+                future,
+                timeout,
+                lambda: self._cancel(call_id),
+                f"{method} to {self._target} failed: Deadline Exceeded",
+            )
         finally:
             self._waiting.pop(call_id, None)
 
