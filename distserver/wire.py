@@ -248,9 +248,7 @@ def _decode_named_tensor(
                 tensor = (value_start, value_end)
     except _NotPlain:
         return None
-    if tensor is None:
-        return None
-    value = _decode_tensor(data, view, *tensor)
+    value = _tensor_at(data, view, tensor)
     if value is None:
         return None
     try:
@@ -321,12 +319,12 @@ def decode_plain_recv_tensor_response(data: bytes | memoryview) -> tuple[np.ndar
                 is_dead = bool(_read_varint(view, start)[0])
     except _NotPlain:
         return None
-    if tensor is None:
-        return None
-    value = _decode_tensor(data, view, *tensor)
-    if value is None:
-        return None
-    return value, is_dead
+    value = _tensor_at(data, view, tensor)
+    return None if value is None else (value, is_dead)
+
+
+def _tensor_at(data: bytes | memoryview, view: memoryview, span: tuple[int, int] | None) -> np.ndarray | None:
+    return None if span is None else _decode_tensor(data, view, *span)
 
 
 def _decode_tensor(data: bytes | memoryview, view: memoryview, start: int, end: int) -> np.ndarray | None:

@@ -97,6 +97,22 @@ async def served(
         await listener.stop(1)
 
 
+async def running_call(peer: Peer, channel, seconds: float) -> asyncio.Future:
+    """A GetStatus call whose handler has started and takes `seconds`."""
+    peer.behaviour = lambda: asyncio.sleep(seconds)
+    call = asyncio.ensure_future(channel.call(WORKER_SERVICE, "GetStatus", GetStatusRequest()))
+    await asyncio.wait_for(peer.started.wait(), 10)
+    return call
+
+
+async def direct_link_comes_up(listener, security: Security | None = None) -> None:
+    channel = get_transport("grpc").connect(f"localhost:{listener.port}", security=security)
+    try:
+        await connected(channel)
+    finally:
+        await channel.close()
+
+
 def direct_port(listener) -> int:
     return listener._direct.port
 
@@ -158,9 +174,7 @@ async def test_a_remote_error_a_deadline_and_a_cancelled_caller_behave_as_unary_
 async def test_a_stopping_server_finishes_running_calls_and_refuses_new_ones():
     peer = Peer()
     async with served(peer) as (listener, channel):
-        peer.behaviour = lambda: asyncio.sleep(0.5)
-        running = asyncio.ensure_future(channel.call(WORKER_SERVICE, "GetStatus", GetStatusRequest()))
-        await asyncio.wait_for(peer.started.wait(), 10)
+        running = await running_call(peer, channel, seconds=0.5)
         stopping = asyncio.ensure_future(listener.stop(10))
         await asyncio.sleep(0.05)
         assert isinstance(await running, GetStatusResponse)  # answered within the grace
@@ -172,9 +186,7 @@ async def test_a_stopping_server_finishes_running_calls_and_refuses_new_ones():
 async def test_a_peer_that_dies_fails_the_waiting_calls_unavailable():
     peer = Peer()
     async with served(peer) as (listener, channel):
-        peer.behaviour = lambda: asyncio.sleep(30)
-        waiting = asyncio.ensure_future(channel.call(WORKER_SERVICE, "GetStatus", GetStatusRequest()))
-        await asyncio.wait_for(peer.started.wait(), 10)
+        waiting = await running_call(peer, channel, seconds=30)
         await listener.stop(0)
         with pytest.raises(errors.UnavailableError, match=r"GetStatus to localhost:\d+ failed"):
             await asyncio.wait_for(waiting, 10)
@@ -287,13 +299,7 @@ async def test_hostile_clients_are_cut_off_before_anything_is_allocated(monkeypa
             await shut(writer)
         assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before < 200_000  # KiB
         # The server still serves a proper client.
-        channel = get_transport("grpc").connect(
-            f"localhost:{listener.port}", security=Security(token="sesame")
-        )
-        try:
-            await connected(channel)
-        finally:
-            await channel.close()
+        await direct_link_comes_up(listener, Security(token="sesame"))
     finally:
         await listener.stop(1)
 
@@ -374,11 +380,7 @@ async def test_connections_that_do_not_shake_hands_are_capped(monkeypatch):
         for writer in writers:
             await shut(writer)
         await asyncio.sleep(0.1)
-        channel = get_transport("grpc").connect(f"localhost:{listener.port}")
-        try:
-            await connected(channel)
-        finally:
-            await channel.close()
+        await direct_link_comes_up(listener)
     finally:
         await listener.stop(1)
 
@@ -386,9 +388,7 @@ async def test_connections_that_do_not_shake_hands_are_capped(monkeypatch):
 async def test_an_aborted_channel_cancels_its_waiting_direct_calls():
     peer = Peer()
     async with served(peer) as (_listener, channel):
-        peer.behaviour = lambda: asyncio.sleep(30)
-        waiting = asyncio.ensure_future(channel.call(WORKER_SERVICE, "GetStatus", GetStatusRequest()))
-        await asyncio.wait_for(peer.started.wait(), 10)
+        waiting = await running_call(peer, channel, seconds=30)
         channel.abort()
         with pytest.raises(errors.CancelledError, match="was cancelled"):
             await asyncio.wait_for(waiting, 10)
