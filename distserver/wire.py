@@ -148,11 +148,14 @@ def length_delimited(field: int, parts: list[Part]) -> list[Part]:
 def encode_named_tensor_response(named: Sequence[tuple[str, Any]], field2: bytes = b"") -> bytes:
     """A serialized `RunStepResponse` or `RunGraphResponse` (both have their tensors as
     `NamedTensorProto`s in field 1 and a message in field 2): each (name, value) as a
-    `NamedTensorProto`, then `field2` (a serialized `RunMetadata` or `StepStats`) when
+    `NamedTensorProto` (a value None: the name alone, as RecvTensors marks a value to
+    fetch separately), then `field2` (a serialized `RunMetadata` or `StepStats`) when
     not empty."""
     parts: list[Part] = []
     for name, value in named:
-        item = [*length_delimited(1, [name.encode()]), *length_delimited(2, tensor_proto_parts(value))]
+        item = length_delimited(1, [name.encode()])
+        if value is not None:
+            item += length_delimited(2, tensor_proto_parts(value))
         parts += length_delimited(1, item)
     if field2:
         parts += length_delimited(2, [field2])
@@ -165,24 +168,25 @@ _NAMED_RESPONSE_FIELDS = 100_000
 
 
 def decode_tensor_response(
-    data: bytes | memoryview, message_class: type[MessageT]
-) -> tuple[list[tuple[str, np.ndarray]], MessageT] | None:
+    data: bytes | memoryview, message_class: type[MessageT], *, missing_ok: bool = False
+) -> tuple[list[tuple[str, np.ndarray | None]], MessageT] | None:
     """The reverse of `encode_named_tensor_response` and `encode_run_callable_response`
     for any `RunStepResponse`, `RunGraphResponse` or `RunCallableResponse`: field 1's
     tensors as (name, numpy view over `data`) pairs (the name "" for RunCallable's bare
     `TensorProto`s), and every other field parsed by protobuf as `message_class`
     (status, metadata: small). None when a tensor is not plain numeric content
-    (protobuf must parse it all)."""
+    (protobuf must parse it all). With `missing_ok`, a `NamedTensorProto` without a
+    tensor gives (name, None) (RecvTensors: fetch it separately)."""
     item_type = message_class.DESCRIPTOR.fields_by_number[1].message_type
     named_items = item_type is not None and item_type.name == "NamedTensorProto"
     view = memoryview(data)
-    named: list[tuple[str, np.ndarray]] = []
+    named: list[tuple[str, np.ndarray | None]] = []
     rest: list[memoryview] = []
     try:
         for field, wire_type, field_start, start, end in _fields(view, 0, len(view), _NAMED_RESPONSE_FIELDS):
             if field == 1 and wire_type == _LEN:
                 item = (
-                    _decode_named_tensor(data, view, start, end)
+                    _decode_named_tensor(data, view, start, end, missing_ok)
                     if named_items
                     else _unnamed(_decode_tensor(data, view, start, end))
                 )
@@ -228,13 +232,13 @@ def _fields(view: memoryview, start: int, end: int, limit: int) -> Iterator[tupl
         raise _NotPlain
 
 
-def _unnamed(value: np.ndarray | None) -> tuple[str, np.ndarray] | None:
+def _unnamed(value: np.ndarray | None) -> tuple[str, np.ndarray | None] | None:
     return None if value is None else ("", value)
 
 
 def _decode_named_tensor(
-    data: bytes | memoryview, view: memoryview, start: int, end: int
-) -> tuple[str, np.ndarray] | None:
+    data: bytes | memoryview, view: memoryview, start: int, end: int, missing_ok: bool
+) -> tuple[str, np.ndarray | None] | None:
     """A `NamedTensorProto` at view[start:end] with plain numeric content, else None."""
     name = b""
     tensor: tuple[int, int] | None = None
@@ -249,7 +253,7 @@ def _decode_named_tensor(
     except _NotPlain:
         return None
     value = _tensor_at(data, view, tensor)
-    if value is None:
+    if value is None and not (missing_ok and tensor is None):
         return None
     try:
         return name.decode(), value

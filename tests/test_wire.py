@@ -240,3 +240,15 @@ def test_run_callable_responses_read_back_as_views():
     assert not rest.fetch
     strings = encode_run_callable_response([np.array([b"x"], dtype=object)])
     assert decode_tensor_response(strings, RunCallableResponse) is None
+
+
+def test_a_name_without_a_tensor_is_a_value_to_fetch_separately_only_where_allowed():
+    # RecvTensors answers mark a value the receiver fetches on its own with the name alone.
+    data = encode_named_tensor_response([("a", np.arange(3, dtype=np.int32)), ("b", None)])
+    parsed = RunGraphResponse.FromString(data)
+    assert [n.name for n in parsed.recv] == ["a", "b"]
+    assert not parsed.recv[1].HasField("tensor")
+    named, _ = decode_tensor_response(data, RunGraphResponse, missing_ok=True)
+    assert named[1] == ("b", None)
+    np.testing.assert_array_equal(named[0][1], [0, 1, 2])
+    assert decode_tensor_response(data, RunGraphResponse) is None  # elsewhere protobuf decides

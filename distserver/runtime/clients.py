@@ -22,7 +22,6 @@ from distserver.protos import worker_pb2 as w
 from distserver.protos.config_pb2 import RunMetadata, RunOptions
 from distserver.protos.debug_pb2 import StepStats
 from distserver.protos.services import MASTER_SERVICE, TENSOR_SERVICE, WORKER_SERVICE
-from distserver.runtime.batched_recv import decode_response
 from distserver.runtime.names import canonical_tensor_name
 from distserver.tensors import from_tensor_proto, write_tensor_proto
 from distserver.wire import ENCODE_IN_THREAD_BYTES, MessageT, decode_tensor_response
@@ -196,8 +195,9 @@ class RemoteWorker:
         self, step_id: int, keys: list[str], *, timeout: float | None = None
     ) -> dict[str, Any]:
         request = w.RunGraphRequest(step_id=step_id, recv_key=keys)
-        response: Any = await self.channel.call(TENSOR_SERVICE, "RecvTensors", request, timeout=timeout)
-        return decode_response(response)
+        data = await self.channel.call_serialized(TENSOR_SERVICE, "RecvTensors", request, timeout=timeout)
+        values, _ = await _named_tensors(data, w.RunGraphResponse, missing_ok=True)
+        return dict(values)  # a value None: FETCH_SEPARATELY
 
 
 class RemoteMaster:
@@ -248,27 +248,30 @@ class RemoteMaster:
 
 
 async def _named_tensors(
-    data: bytes | memoryview, message_class: type[MessageT]
+    data: bytes | memoryview, message_class: type[MessageT], *, missing_ok: bool = False
 ) -> tuple[list[tuple[str, Any]], MessageT]:
     """A serialized RunStep, RunGraph or RunCallable response's tensors (RunCallable's
     without names) and the rest of the message.
 
     Plain numeric tensors are numpy views over `data` (`wire.decode_tensor_response`);
     a response with other tensors is parsed by protobuf, in a thread when it is large.
+    `missing_ok`: a name without a tensor gives None (RecvTensors: fetch it separately).
     """
-    decoded = decode_tensor_response(data, message_class)
+    decoded = decode_tensor_response(data, message_class, missing_ok=missing_ok)
     if decoded is not None:
         return decoded
+
+    def value(item: Any) -> tuple[str, Any]:
+        if not hasattr(item, "tensor"):  # RunCallable's bare TensorProto
+            return "", from_tensor_proto(item)
+        if missing_ok and not item.HasField("tensor"):
+            return item.name, None
+        return item.name, from_tensor_proto(item.tensor)
 
     def parse() -> tuple[list[tuple[str, Any]], MessageT]:
         response = cast(Any, message_class).FromString(data)  # protobuf takes a memoryview too
         field = response.DESCRIPTOR.fields_by_number[1].name  # "tensor", "recv" or "fetch"
-        named = [
-            (item.name, from_tensor_proto(item.tensor))
-            if hasattr(item, "tensor")
-            else ("", from_tensor_proto(item))
-            for item in getattr(response, field)
-        ]
+        named = [value(item) for item in getattr(response, field)]
         response.ClearField(field)
         return named, response
 
