@@ -34,17 +34,23 @@ import numpy as np
 from google.protobuf.message import Message
 
 from distserver import errors
+from distserver.protos.named_tensor_pb2 import NamedTensorProto
 from distserver.protos.tensor_pb2 import TensorProto
-from distserver.protos.worker_pb2 import RecvTensorResponse
+from distserver.protos.worker_pb2 import RecvTensorResponse, RunGraphResponse
 from distserver.tensors import (
     as_numpy_dtype,
     from_tensor_proto,
     shape_from_proto,
     shape_to_proto,
     to_tensor_proto,
+    write_tensor_proto,
 )
 
 MessageT = TypeVar("MessageT", bound=Message)
+
+# Tensors below this size are encoded and decoded by protobuf's C code (faster for them,
+# and their one copy is cheap); from this size by hand, as views (no copy).
+HAND_ENCODED_BYTES = 16 << 10
 
 _LEN = 2  # protobuf wire type of length-delimited fields
 _VARINT = 0
@@ -101,11 +107,41 @@ def _bytes_view(array: np.ndarray) -> memoryview:
     return view
 
 
+# Serialized TensorProto headers (dtype and shape) by (dtype, shape), and the reverse:
+# a step sends and receives the same few shapes over and over. Bounded: cleared when full.
+_HEADER_CACHE_SIZE = 4096
+_headers: dict[tuple[np.dtype[Any], tuple[int, ...]], bytes] = {}
+_header_meanings: dict[bytes, tuple[np.dtype[Any], tuple[int, ...]] | None] = {}
+
+
 def _header(value: np.ndarray) -> bytes:
-    header = TensorProto()
-    header.dtype = to_tensor_proto(np.zeros((), value.dtype)).dtype
-    header.tensor_shape.CopyFrom(shape_to_proto(value.shape))
-    return header.SerializeToString()
+    key = (value.dtype, value.shape)
+    found = _headers.get(key)
+    if found is None:
+        header = TensorProto()
+        header.dtype = to_tensor_proto(np.zeros((), value.dtype)).dtype
+        header.tensor_shape.CopyFrom(shape_to_proto(value.shape))
+        found = header.SerializeToString()
+        if len(_headers) >= _HEADER_CACHE_SIZE:
+            _headers.clear()
+        _headers[key] = found
+    return found
+
+
+def _header_meaning(header: bytes) -> tuple[np.dtype[Any], tuple[int, ...]] | None:
+    """(dtype, shape) of a serialized TensorProto header; None when it is not plain."""
+    if header in _header_meanings:
+        return _header_meanings[header]
+    proto = TensorProto.FromString(header)
+    dtype = as_numpy_dtype(proto.dtype)
+    static_shape = shape_from_proto(proto.tensor_shape)
+    meaning = None
+    if dtype.kind != "O" and static_shape is not None and all(d is not None for d in static_shape):
+        meaning = dtype, tuple(int(d or 0) for d in static_shape)
+    if len(_header_meanings) >= _HEADER_CACHE_SIZE:
+        _header_meanings.clear()
+    _header_meanings[header] = meaning
+    return meaning
 
 
 def encode_recv_tensor_response(value: Any, is_dead: bool = False) -> bytes:
@@ -152,11 +188,20 @@ def encode_named_tensor_response(named: Sequence[tuple[str, Any]], field2: bytes
     fetch separately), then `field2` (a serialized `RunMetadata` or `StepStats`) when
     not empty."""
     parts: list[Part] = []
+    small = RunGraphResponse()  # small items in a row, built by protobuf's C code
     for name, value in named:
+        if value is not None and not (isinstance(value, np.ndarray) and value.nbytes >= HAND_ENCODED_BYTES):
+            write_tensor_proto(small.recv.add(name=name).tensor, value)
+            continue
+        if small.recv:
+            parts.append(small.SerializeToString())  # field 1 items, as RunStepResponse's too
+            small.Clear()
         item = length_delimited(1, [name.encode()])
         if value is not None:
             item += length_delimited(2, tensor_proto_parts(value))
         parts += length_delimited(1, item)
+    if small.recv:
+        parts.append(small.SerializeToString())
     if field2:
         parts += length_delimited(2, [field2])
     return b"".join(parts)
@@ -186,7 +231,9 @@ def decode_tensor_response(
         for field, wire_type, field_start, start, end in _fields(view, 0, len(view), _NAMED_RESPONSE_FIELDS):
             if field == 1 and wire_type == _LEN:
                 item = (
-                    _decode_named_tensor(data, view, start, end, missing_ok)
+                    _decode_small_item(view[start:end], named_items, missing_ok)
+                    if end - start < HAND_ENCODED_BYTES
+                    else _decode_named_tensor(data, view, start, end, missing_ok)
                     if named_items
                     else _unnamed(_decode_tensor(data, view, start, end))
                 )
@@ -230,6 +277,16 @@ def _fields(view: memoryview, start: int, end: int, limit: int) -> Iterator[tupl
             raise _NotPlain
     if pos < end:
         raise _NotPlain
+
+
+def _decode_small_item(item: memoryview, named: bool, missing_ok: bool) -> tuple[str, Any] | None:
+    """A small field-1 item by protobuf's C code (a NamedTensorProto, or a bare TensorProto)."""
+    if not named:
+        return "", from_tensor_proto(TensorProto.FromString(bytes(item)))
+    parsed = NamedTensorProto.FromString(bytes(item))
+    if not parsed.HasField("tensor"):
+        return (parsed.name, None) if missing_ok else None
+    return parsed.name, from_tensor_proto(parsed.tensor)
 
 
 def _unnamed(value: np.ndarray | None) -> tuple[str, np.ndarray | None] | None:
@@ -348,14 +405,10 @@ def _decode_tensor(data: bytes | memoryview, view: memoryview, start: int, end: 
         return None
     if len(header) > _PLAIN_HEADER_BYTES:
         return None
-    proto = TensorProto.FromString(bytes(header))
-    dtype = as_numpy_dtype(proto.dtype)
-    if dtype.kind == "O":
+    meaning = _header_meaning(bytes(header))
+    if meaning is None:
         return None
-    static_shape = shape_from_proto(proto.tensor_shape)
-    if static_shape is None or any(d is None for d in static_shape):
-        return None
-    shape = tuple(int(d or 0) for d in static_shape)
+    dtype, shape = meaning
     count = math.prod(shape)
     if content is None:
         return np.zeros(shape, dtype) if count == 0 else None

@@ -118,14 +118,20 @@ def test_named_tensor_responses_read_back_as_views_with_the_other_fields_parsed(
 
 
 def test_named_tensor_responses_protobuf_must_read_are_left_to_it():
-    strings = [("s:0", np.array([b"a"], dtype=object))]
-    assert decode_tensor_response(encode_named_tensor_response(strings), RunStepResponse) is None
+    # A large tensor that is not plain memory: the whole answer goes to protobuf.
+    big_strings = [("s:0", np.array([b"x" * 20_000], dtype=object))]
+    assert decode_tensor_response(encode_named_tensor_response(big_strings), RunStepResponse) is None
+    # Small items are read by protobuf in place, whatever their form: strings, typed fields.
+    small_strings = [("s:0", np.array([b"a", b""], dtype=object))]
+    ((_, got),), _ = decode_tensor_response(encode_named_tensor_response(small_strings), RunStepResponse)
+    assert list(got) == [b"a", b""]
     typed = RunStepResponse()
-    typed.tensor.add(name="x:0").tensor.CopyFrom(to_tensor_proto(np.float32(2.0)))
+    typed.tensor.add(name="x:0").tensor.CopyFrom(to_tensor_proto(np.zeros(3, np.float32)))
     typed.tensor[0].tensor.ClearField("tensor_content")
     typed.tensor[0].tensor.float_val.append(2.0)
-    assert decode_tensor_response(typed.SerializeToString(), RunStepResponse) is None
-    data = encode_named_tensor_response([("x:0", np.arange(100, dtype=np.float32))])
+    ((_, got),), _ = decode_tensor_response(typed.SerializeToString(), RunStepResponse)
+    np.testing.assert_array_equal(got, [2.0, 2.0, 2.0])
+    data = encode_named_tensor_response([("x:0", np.arange(10_000, dtype=np.float32))])
     for cut in (3, len(data) // 2, len(data) - 1):
         with pytest.raises(errors.DataLossError):
             decode_tensor_response(data[:cut], RunStepResponse)
@@ -224,7 +230,7 @@ def test_property_round_trips(value, chunk):
 
 
 def test_run_callable_responses_read_back_as_views():
-    values = [np.arange(6, dtype=np.float32).reshape(2, 3), np.int64(7), np.zeros((0,), np.float64)]
+    values = [np.arange(6000, dtype=np.float32).reshape(2, 3000), np.int64(7), np.zeros((0,), np.float64)]
     metadata = RunMetadata()
     metadata.step_stats.dev_stats.add(device="/job:worker/replica:0/task:0/device:CPU:0")
     data = (
@@ -238,7 +244,7 @@ def test_run_callable_responses_read_back_as_views():
     assert np.shares_memory(fetched[0][1], np.frombuffer(data, np.uint8))
     assert rest.metadata == metadata
     assert not rest.fetch
-    strings = encode_run_callable_response([np.array([b"x"], dtype=object)])
+    strings = encode_run_callable_response([np.array([b"x" * 20_000], dtype=object)])
     assert decode_tensor_response(strings, RunCallableResponse) is None
 
 

@@ -257,9 +257,10 @@ async def _named_tensors(
     a response with other tensors is parsed by protobuf, in a thread when it is large.
     `missing_ok`: a name without a tensor gives None (RecvTensors: fetch it separately).
     """
-    decoded = decode_tensor_response(data, message_class, missing_ok=missing_ok)
-    if decoded is not None:
-        return decoded
+    if len(data) >= ENCODE_IN_THREAD_BYTES:  # below, protobuf is as fast and copies little
+        decoded = decode_tensor_response(data, message_class, missing_ok=missing_ok)
+        if decoded is not None:
+            return decoded
 
     def value(item: Any) -> tuple[str, Any]:
         if not hasattr(item, "tensor"):  # RunCallable's bare TensorProto
