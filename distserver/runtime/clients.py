@@ -253,8 +253,9 @@ async def _named_tensors(
     """A serialized RunStep, RunGraph or RunCallable response's tensors (RunCallable's
     without names) and the rest of the message.
 
-    Plain numeric tensors are numpy views over `data` (`wire.decode_tensor_response`);
-    a response with other tensors is parsed by protobuf, in a thread when it is large.
+    In an answer of 1 MiB or more, plain numeric tensors of 16 KiB or more are numpy
+    views over `data` (`wire.decode_tensor_response`); smaller answers, and answers
+    with large tensors of other kinds, are parsed by protobuf (in a thread when large).
     `missing_ok`: a name without a tensor gives None (RecvTensors: fetch it separately).
     """
     if len(data) >= ENCODE_IN_THREAD_BYTES:  # below, protobuf is as fast and copies little
