@@ -9,7 +9,7 @@ Large tensors gain too: a receiver reads the bytes straight into the buffer that
 becomes the array.
 
 How: every server of a gRPC-based transport also listens on a second TCP port
-(`DirectServer`, same host, a free port), announced over gRPC by
+(`DirectServer`, same host, a free port bound on first use), announced over gRPC by
 `/distserver.Direct/Endpoint` (so it needs the cluster's token and TLS like any call).
 A channel's first call to a distserver peer asks for it in the background (`DirectLink`)
 and, once connected, sends its MasterService/WorkerService/EagerService calls and
@@ -460,39 +460,56 @@ class _ServerConnection(_Connection):
 
 
 class DirectServer:
-    """The direct port of one task: accepts connections and serves their calls with `serve_call`."""
+    """The direct port of one task: accepts connections and serves their calls with `serve_call`.
 
-    def __init__(self, serve_call: CallServer, security: Security | None) -> None:
+    The port is bound when a peer first asks for it (`announcement`), on a free port of
+    `address`'s host ("localhost": every loopback address): a task holds no second port
+    until a peer wants one, and cannot take a port that was picked for a task started
+    after it (a cluster's ports are often chosen up front, from the free ones).
+    """
+
+    def __init__(self, address: str, serve_call: CallServer, security: Security | None) -> None:
         self.serve_call = serve_call
+        self._address = address
         self._security = security
         self._servers: list[asyncio.AbstractServer] = []
+        self._binding: asyncio.Lock | None = None
+        self._bind_failed = False
         self.connections: set[_ServerConnection] = set()
         self.draining = False
         self.port = 0
 
-    @classmethod
-    async def start(cls, address: str, serve_call: CallServer, security: Security | None) -> DirectServer:
-        """Listen on a free port of `address`'s host ("localhost": every loopback address)."""
-        server = cls(serve_call, security)
-        context = _server_ssl_context(security)
+    async def _listen(self) -> None:
+        context = _server_ssl_context(self._security)
         loop = asyncio.get_running_loop()
-        try:
-            for sock in _listening_sockets(address):
-                server.port = sock.getsockname()[1]
-                server._servers.append(
-                    await loop.create_server(lambda: _ServerConnection(server), sock=sock, ssl=context)
-                )
-        except BaseException:
-            await server.close(0)
-            raise
-        return server
+        for sock in _listening_sockets(self._address):
+            self.port = sock.getsockname()[1]
+            self._servers.append(
+                await loop.create_server(lambda: _ServerConnection(self), sock=sock, ssl=context)
+            )
 
     def admits(self, token_value: bytes) -> bool:
         if self._security is None:
             return True
         return self._security.admits(((TOKEN_METADATA_KEY, token_value),))
 
-    def announcement(self) -> bytes:
+    async def announcement(self) -> bytes | None:
+        """What `/distserver.Direct/Endpoint` answers (the port, bound now if it is not
+        yet); None when the port cannot be bound or the server is stopping."""
+        if self._binding is None:
+            self._binding = asyncio.Lock()
+        async with self._binding:
+            if not self._servers and not self._bind_failed and not self.draining:
+                try:
+                    await self._listen()
+                except OSError as exc:
+                    self._bind_failed = True
+                    for server in self._servers:
+                        server.close()
+                    self._servers.clear()
+                    logger.warning("no direct path for %s (%s): peers use gRPC alone", self._address, exc)
+        if not self._servers or self.draining:
+            return None
         return json.dumps({"port": self.port, "version": VERSION}).encode()
 
     def drain(self) -> None:
@@ -577,10 +594,11 @@ def endpoint_handler(server: Callable[[], DirectServer | None]) -> Any:
 
     async def endpoint(request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
         direct = server()
-        if direct is None or direct.draining:
+        announcement = None if direct is None else await direct.announcement()
+        if announcement is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this task serves no direct path")
-        assert direct is not None
-        return direct.announcement()
+        assert announcement is not None
+        return announcement
 
     return grpc.method_handlers_generic_handler(
         ENDPOINT_SERVICE,

@@ -782,7 +782,7 @@ async def serve(
         _log_unexpected,
     )
     server.add_generic_rpc_handlers((calls.rpc_handler(),))
-    direct_server = await _start_direct_server(address, calls, tensors, security)
+    direct_server = _direct_server(address, calls, tensors, security)
     server.add_generic_rpc_handlers((direct.endpoint_handler(lambda: direct_server),))
     for service, handler in services.items():
         rpc_handlers = {}
@@ -817,22 +817,18 @@ async def serve(
     return GrpcListener(server, port, calls, direct_server)
 
 
-async def _start_direct_server(
+def _direct_server(
     address: str,
     calls: call_stream.CallStreamServer,
     tensors: TensorHandOver | None,
     security: Security | None,
 ) -> direct.DirectServer | None:
-    """The direct port beside the gRPC one (`direct`); None when it is off or cannot bind."""
+    """The direct port beside the gRPC one (`direct`, bound on first use); None when off."""
     if not direct.enabled():
         return None
     recv_tensor = None if tensors is None else _direct_recv_tensor(tensors)
     serve_call = direct.call_server(calls.dispatch, recv_tensor, f"/{WORKER_SERVICE}/RecvTensor")
-    try:
-        return await direct.DirectServer.start(address, serve_call, security)
-    except OSError as exc:
-        logger.warning("no direct path for %s (%s): peers use gRPC alone", address, exc)
-        return None
+    return direct.DirectServer(address, serve_call, security)
 
 
 def _direct_recv_tensor(hand_over: TensorHandOver) -> Callable[[memoryview], Awaitable[list[Any]]]:

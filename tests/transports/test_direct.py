@@ -113,7 +113,9 @@ async def direct_link_comes_up(listener, security: Security | None = None) -> No
         await channel.close()
 
 
-def direct_port(listener) -> int:
+async def direct_port(listener) -> int:
+    """The listener's direct port (bound on its first announcement)."""
+    assert await listener._direct.announcement() is not None
     return listener._direct.port
 
 
@@ -273,7 +275,7 @@ async def test_hostile_clients_are_cut_off_before_anything_is_allocated(monkeypa
     monkeypatch.setattr(direct, "HANDSHAKE_TIMEOUT", 0.3)
     peer = Peer()
     listener = await start(peer, Security(token="sesame"))
-    port = direct_port(listener)
+    port = await direct_port(listener)
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     try:
         # A call before the HELLO; a 1 TiB HELLO; garbage; silence: each connection is closed.
@@ -317,7 +319,7 @@ async def test_the_direct_path_uses_tls_with_the_clusters_certificates(tmp_path,
         got, _ = await channel.recv_tensor(1, key("t"), timeout=10)
         np.testing.assert_array_equal(got, np.arange(5, dtype=np.float32))
         # A plaintext connection to the TLS port gets nothing.
-        reader, writer = await raw_connection(direct_port(listener))
+        reader, writer = await raw_connection(await direct_port(listener))
         writer.write(hello())
         with pytest.raises((ConnectionError, asyncio.IncompleteReadError)):
             await asyncio.wait_for(reader.readexactly(HEAD.size), 5)
@@ -371,9 +373,9 @@ async def test_connections_that_do_not_shake_hands_are_capped(monkeypatch):
     writers = []
     try:
         for _ in range(3):
-            reader, writer = await raw_connection(direct_port(listener))
+            reader, writer = await raw_connection(await direct_port(listener))
             writers.append(writer)
-        reader, writer = await raw_connection(direct_port(listener))
+        reader, writer = await raw_connection(await direct_port(listener))
         writers.append(writer)
         assert await closed_by_peer(reader) == b""  # the fourth is cut at once
         # Admitted connections do not count: a client still gets in once the others are gone.
@@ -393,3 +395,15 @@ async def test_an_aborted_channel_cancels_its_waiting_direct_calls():
         with pytest.raises(errors.CancelledError, match="was cancelled"):
             await asyncio.wait_for(waiting, 10)
         await asyncio.wait_for(peer.cancelled.wait(), 10)  # the server let the handler go
+
+
+async def test_the_direct_port_is_bound_only_when_a_peer_asks_for_it():
+    # Ports a cluster picked up front stay free for the tasks started after this one.
+    peer = Peer()
+    listener = await start(peer)
+    try:
+        assert listener._direct.port == 0
+        await direct_link_comes_up(listener)
+        assert listener._direct.port not in (0, listener.port)
+    finally:
+        await listener.stop(1)
