@@ -99,6 +99,7 @@ _UNSENT_LIMIT = 64 << 20
 _JOIN_BYTES = 64 << 10
 _WRITE_SLICE = 1 << 20
 _SCRATCH_BYTES = 256 << 10
+_CLOSE_WAIT = 1.0  # seconds a stopping server waits for its listening sockets to close
 
 
 def enabled() -> bool:
@@ -456,7 +457,7 @@ class _ServerConnection(_Connection):
         for task in running:
             task.cancel()
         await asyncio.gather(*running, return_exceptions=True)
-        self.close()
+        self.abort("the server stopped")  # not close(): a peer that does not read would hold it
 
 
 class DirectServer:
@@ -531,7 +532,10 @@ class DirectServer:
         await asyncio.gather(*(c.cancel_running() for c in list(self.connections)), return_exceptions=True)
         for server in self._servers:
             server.close()
-            await server.wait_closed()
+            # Bounded: some event loops wait for every connection here, and two tasks
+            # stopping together each hold a connection to the other.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(server.wait_closed(), _CLOSE_WAIT)
 
 
 def _listening_sockets(address: str) -> list[socket.socket]:
