@@ -39,8 +39,7 @@ from distserver.runtime.counters import StepCounters
 from distserver.runtime.executor import Executor, StepContext
 from distserver.runtime.push import PUSH_LIMIT_BYTES, worker_returns
 from distserver.runtime.rendezvous import RendezvousTable, StepRendezvous
-from distserver.tensors import tensor_nbytes
-from distserver.wire import EncodedMessage, encode_named_tensor_response, encode_off_loop
+from distserver.tensors import tensor_nbytes, write_tensor_proto
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +105,7 @@ class Worker:
         self._rendezvous = RendezvousTable(task_name, self._batched.fetch_soon if worker_client else None)
         # WorkerService method -> proto-in, proto-out handler. RecvTensor is the data
         # plane: transports serve it from `recv_tensor` (the task's tensor source).
-        self._handlers: dict[str, Callable[[Any], Awaitable[Message | EncodedMessage]]] = {
+        self._handlers: dict[str, Callable[[Any], Awaitable[Message]]] = {
             "GetStatus": self.get_status,
             "CreateWorkerSession": self.create_worker_session,
             "DeleteWorkerSession": self.delete_worker_session,
@@ -137,7 +136,7 @@ class Worker:
         """The thread pool kernels with large inputs run in."""
         return self._pool
 
-    def service_handlers(self) -> dict[str, Callable[[Any], Awaitable[Message | EncodedMessage]]]:
+    def service_handlers(self) -> dict[str, Callable[[Any], Awaitable[Message]]]:
         """WorkerService method name -> handler, for transports; `recv_tensor` is the tensor source."""
         return dict(self._handlers)
 
@@ -149,8 +148,7 @@ class Worker:
         handler = self._handlers.get(method)
         if handler is None:
             raise errors.UnimplementedError(f"WorkerService/{method} is not implemented by distserver")
-        response = await handler(request)
-        return response.parse() if isinstance(response, EncodedMessage) else response
+        return await handler(request)
 
     # -- control RPCs -------------------------------------------------------------
 
@@ -310,7 +308,7 @@ class Worker:
             raise
         return results
 
-    async def run_graph_rpc(self, request: w.RunGraphRequest) -> w.RunGraphResponse | EncodedMessage:
+    async def run_graph_rpc(self, request: w.RunGraphRequest) -> w.RunGraphResponse:
         response = w.RunGraphResponse()
         try:
             values = await decode_message_tensors(
@@ -319,14 +317,9 @@ class Worker:
             sends = dict(zip((named.name for named in request.send), values, strict=True))
             stats = response.step_stats if request.exec_opts.record_timeline else None
             results = await self.run_graph(request, sends, stats=stats)
-            # Written by hand: each value's bytes copied once, off the loop when large.
-            return await encode_off_loop(
-                w.RunGraphResponse,
-                encode_named_tensor_response,
-                list(results.items()),
-                b"" if stats is None else stats.SerializeToString(),
-                nbytes=sum(tensor_nbytes(value) for value in results.values()),
-            )
+            for key, value in results.items():
+                named = response.recv.add(name=key)
+                write_tensor_proto(named.tensor, value)
         except errors.OpError as exc:
             if not request.store_errors_in_response_body:
                 raise
@@ -337,23 +330,13 @@ class Worker:
 
     # -- RecvTensor ---------------------------------------------------------------
 
-    def tensor_handlers(self) -> dict[str, Callable[[Any], Awaitable[Message | EncodedMessage]]]:
+    def tensor_handlers(self) -> dict[str, Callable[[Any], Awaitable[Message]]]:
         """TENSOR_SERVICE method name -> handler (distserver peers' batched receives)."""
         return {"RecvTensors": self.recv_tensors_rpc}
 
-    async def recv_tensors_rpc(self, request: w.RunGraphRequest) -> EncodedMessage:
+    async def recv_tensors_rpc(self, request: w.RunGraphRequest) -> w.RunGraphResponse:
         """Some of the values of `request.recv_key` this task sent in `request.step_id`:
-        those sent by the time the first one is (`batched_recv.answer`), written by hand
-        (a key whose value is to be fetched separately: a name without a tensor)."""
-        values = await self._batched_values(request)
-        return await encode_off_loop(
-            w.RunGraphResponse,
-            encode_named_tensor_response,
-            list(values.items()),
-            nbytes=sum(tensor_nbytes(value) for value in values.values() if value is not None),
-        )
-
-    async def _batched_values(self, request: w.RunGraphRequest) -> dict[str, Any]:
+        those sent by the time the first one is (`batched_recv.answer`)."""
         if not request.recv_key or len(request.recv_key) > batched_recv.MAX_BATCH_KEYS:
             raise errors.InvalidArgumentError(
                 f"RecvTensors asks for {len(request.recv_key)} keys; ask for 1 to "
@@ -366,10 +349,13 @@ class Worker:
         values = await batched_recv.answer(
             self._rendezvous.find_or_create(step_id), keys, self._batched_value_bytes
         )
+        response = w.RunGraphResponse()
         for text, value in values.items():
+            named = response.recv.add(name=text)
             if value is not batched_recv.FETCH_SEPARATELY:
+                write_tensor_proto(named.tensor, value)
                 self._rendezvous.served(step_id, parse_rendezvous_key(text))
-        return values
+        return response
 
     def _batch_call(self, task: str) -> batched_recv.BatchCall:
         assert self._worker_client is not None
@@ -385,7 +371,8 @@ class Worker:
     ) -> dict[str, Any]:
         """`WorkerClient.recv_tensors` in process."""
         async with asyncio.timeout(timeout):
-            return await self._batched_values(w.RunGraphRequest(step_id=step_id, recv_key=keys))
+            response = await self.recv_tensors_rpc(w.RunGraphRequest(step_id=step_id, recv_key=keys))
+        return batched_recv.decode_response(response)
 
     def _check_source(self, key: RendezvousKey) -> None:
         """Raise unless `key` names a value this task (this incarnation) sends."""
