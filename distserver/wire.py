@@ -7,12 +7,14 @@ several times on each side. These functions produce and read the very same bytes
 
     RecvTensorResponse:  field 1 (tensor: TensorProto) | field 2 (is_dead) | ...
     RunStepResponse:     field 1 (NamedTensorProto: name (1), tensor (2)), ... | field 2 (metadata)
+    RunGraphResponse:    field 1 (NamedTensorProto), ... | field 2 (step_stats) | 5, 6 (status)
     RunCallableResponse: field 1 (TensorProto), ...
     TensorProto:         dtype (1), tensor_shape (2) ... then tensor_content (4)
 
 The content is written after a small header built with protobuf (joining the parts
-copies it once; a master's fetch answers are served as an `EncodedMessage`), and a
-RecvTensor answer is read back as a numpy view over the received buffer (no copy).
+copies it once; fetch and RunGraph answers are served as an `EncodedMessage`, encoded
+off the event loop when large: `encode_off_loop`), and RecvTensor, RunStep and RunGraph
+answers are read back as numpy views over the received buffer (no copy).
 Tensors that are not plain memory (strings, resources, variants) go through protobuf.
 
 The chunked form (`chunk_tensor` / `TensorAssembler`) carries one tensor as a stream
@@ -22,24 +24,33 @@ the rest hold content only. It has no size limit, unlike one protobuf message (2
 
 from __future__ import annotations
 
+import asyncio
 import math
 import struct
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 from google.protobuf.message import Message
 
 from distserver import errors
+from distserver.protos.named_tensor_pb2 import NamedTensorProto
 from distserver.protos.tensor_pb2 import TensorProto
-from distserver.protos.worker_pb2 import RecvTensorResponse
+from distserver.protos.worker_pb2 import RecvTensorResponse, RunGraphResponse
 from distserver.tensors import (
     as_numpy_dtype,
     from_tensor_proto,
     shape_from_proto,
     shape_to_proto,
     to_tensor_proto,
+    write_tensor_proto,
 )
+
+MessageT = TypeVar("MessageT", bound=Message)
+
+# Tensors below this size are encoded and decoded by protobuf's C code (faster for them,
+# and their one copy is cheap); from this size by hand, as views (no copy).
+HAND_ENCODED_BYTES = 16 << 10
 
 _LEN = 2  # protobuf wire type of length-delimited fields
 _VARINT = 0
@@ -96,19 +107,55 @@ def _bytes_view(array: np.ndarray) -> memoryview:
     return view
 
 
+# Serialized TensorProto headers (dtype and shape) by (dtype, shape), and the reverse:
+# a step sends and receives the same few shapes over and over. Bounded: cleared when full.
+_HEADER_CACHE_SIZE = 4096
+_headers: dict[tuple[np.dtype[Any], tuple[int, ...]], bytes] = {}
+_header_meanings: dict[bytes, tuple[np.dtype[Any], tuple[int, ...]] | None] = {}
+
+
 def _header(value: np.ndarray) -> bytes:
-    header = TensorProto()
-    header.dtype = to_tensor_proto(np.zeros((), value.dtype)).dtype
-    header.tensor_shape.CopyFrom(shape_to_proto(value.shape))
-    return header.SerializeToString()
+    key = (value.dtype, value.shape)
+    found = _headers.get(key)
+    if found is None:
+        header = TensorProto()
+        header.dtype = to_tensor_proto(np.zeros((), value.dtype)).dtype
+        header.tensor_shape.CopyFrom(shape_to_proto(value.shape))
+        found = header.SerializeToString()
+        if len(_headers) >= _HEADER_CACHE_SIZE:
+            _headers.clear()
+        _headers[key] = found
+    return found
+
+
+def _header_meaning(header: bytes) -> tuple[np.dtype[Any], tuple[int, ...]] | None:
+    """(dtype, shape) of a serialized TensorProto header; None when it is not plain."""
+    if header in _header_meanings:
+        return _header_meanings[header]
+    proto = TensorProto.FromString(header)
+    dtype = as_numpy_dtype(proto.dtype)
+    static_shape = shape_from_proto(proto.tensor_shape)
+    meaning = None
+    if dtype.kind != "O" and static_shape is not None and all(d is not None for d in static_shape):
+        meaning = dtype, tuple(int(d or 0) for d in static_shape)
+    if len(_header_meanings) >= _HEADER_CACHE_SIZE:
+        _header_meanings.clear()
+    _header_meanings[header] = meaning
+    return meaning
 
 
 def encode_recv_tensor_response(value: Any, is_dead: bool = False) -> bytes:
     """The serialized `RecvTensorResponse` carrying `value` (one copy of the content)."""
+    return b"".join(recv_tensor_response_parts(value, is_dead))
+
+
+def recv_tensor_response_parts(value: Any, is_dead: bool = False) -> list[Part]:
+    """`encode_recv_tensor_response` in parts to join or write one after another: a
+    numeric array's content is a view of the array."""
     parts = length_delimited(1, tensor_proto_parts(value))
     if is_dead:
         parts.append(_RESPONSE_IS_DEAD)
-    return b"".join(parts)
+    return parts
 
 
 Part = bytes | memoryview
@@ -134,16 +181,141 @@ def length_delimited(field: int, parts: list[Part]) -> list[Part]:
     return [encode_varint((field << 3) | _LEN), encode_varint(size), *parts]
 
 
-def encode_run_step_response(fetched: Sequence[tuple[str, Any]], metadata: bytes = b"") -> bytes:
-    """A serialized `RunStepResponse`: each (name, value) as a `NamedTensorProto` (field 1),
-    then `metadata` (a serialized `RunMetadata`, field 2) when not empty."""
+def encode_named_tensor_response(named: Sequence[tuple[str, Any]], field2: bytes = b"") -> bytes:
+    """A serialized `RunStepResponse` or `RunGraphResponse` (both have their tensors as
+    `NamedTensorProto`s in field 1 and a message in field 2): each (name, value) as a
+    `NamedTensorProto` (a value None: the name alone, as RecvTensors marks a value to
+    fetch separately), then `field2` (a serialized `RunMetadata` or `StepStats`) when
+    not empty."""
     parts: list[Part] = []
-    for name, value in fetched:
-        named = [*length_delimited(1, [name.encode()]), *length_delimited(2, tensor_proto_parts(value))]
-        parts += length_delimited(1, named)
-    if metadata:
-        parts += length_delimited(2, [metadata])
+    small = RunGraphResponse()  # small items in a row, built by protobuf's C code
+    for name, value in named:
+        if value is not None and not (isinstance(value, np.ndarray) and value.nbytes >= HAND_ENCODED_BYTES):
+            write_tensor_proto(small.recv.add(name=name).tensor, value)
+            continue
+        if small.recv:
+            parts.append(small.SerializeToString())  # field 1 items, as RunStepResponse's too
+            small.Clear()
+        item = length_delimited(1, [name.encode()])
+        if value is not None:
+            item += length_delimited(2, tensor_proto_parts(value))
+        parts += length_delimited(1, item)
+    if small.recv:
+        parts.append(small.SerializeToString())
+    if field2:
+        parts += length_delimited(2, [field2])
     return b"".join(parts)
+
+
+# A response with more top-level fields than this is left to protobuf (the loop below
+# is Python: a peer must not make it spin).
+_NAMED_RESPONSE_FIELDS = 100_000
+
+
+def decode_tensor_response(
+    data: bytes | memoryview, message_class: type[MessageT], *, missing_ok: bool = False
+) -> tuple[list[tuple[str, np.ndarray | None]], MessageT] | None:
+    """The reverse of `encode_named_tensor_response` and `encode_run_callable_response`
+    for any `RunStepResponse`, `RunGraphResponse` or `RunCallableResponse`: field 1's
+    tensors as (name, numpy view over `data`) pairs (the name "" for RunCallable's bare
+    `TensorProto`s), and every other field parsed by protobuf as `message_class`
+    (status, metadata: small). None when a tensor is not plain numeric content
+    (protobuf must parse it all). With `missing_ok`, a `NamedTensorProto` without a
+    tensor gives (name, None) (RecvTensors: fetch it separately)."""
+    item_type = message_class.DESCRIPTOR.fields_by_number[1].message_type
+    named_items = item_type is not None and item_type.name == "NamedTensorProto"
+    view = memoryview(data)
+    named: list[tuple[str, np.ndarray | None]] = []
+    rest: list[memoryview] = []
+    try:
+        for field, wire_type, field_start, start, end in _fields(view, 0, len(view), _NAMED_RESPONSE_FIELDS):
+            if field == 1 and wire_type == _LEN:
+                item = (
+                    _decode_small_item(view[start:end], named_items, missing_ok)
+                    if end - start < HAND_ENCODED_BYTES
+                    else _decode_named_tensor(data, view, start, end, missing_ok)
+                    if named_items
+                    else _unnamed(_decode_tensor(data, view, start, end))
+                )
+                if item is None:
+                    return None
+                named.append(item)
+            else:
+                rest.append(view[field_start:end])
+    except _NotPlain:
+        return None
+    return named, message_class.FromString(b"".join(rest))
+
+
+class _NotPlain(Exception):
+    """A message has a field the hand decoders leave to protobuf (or too many fields)."""
+
+
+def _fields(view: memoryview, start: int, end: int, limit: int) -> Iterator[tuple[int, int, int, int, int]]:
+    """(field number, wire type, where the field starts, where its value starts, where it
+    ends) of each field of view[start:end]: a length-delimited value is its bytes, a
+    varint its encoding. Raises `_NotPlain` for other wire types or more than `limit`
+    fields (the decoders run on the event loop), DataLossError for a field cut short."""
+    pos = start
+    for _ in range(limit):
+        if pos >= end:
+            return
+        field_start = pos
+        key, pos = _read_varint(view, pos)
+        wire_type = key & 7
+        if wire_type == _LEN:
+            length, pos = _read_varint(view, pos)
+            if pos + length > end:
+                raise errors.DataLossError("A tensor response is cut short")
+            yield key >> 3, wire_type, field_start, pos, pos + length
+            pos += length
+        elif wire_type == _VARINT:
+            _, value_end = _read_varint(view, pos)
+            yield key >> 3, wire_type, field_start, pos, value_end
+            pos = value_end
+        else:
+            raise _NotPlain
+    if pos < end:
+        raise _NotPlain
+
+
+def _decode_small_item(item: memoryview, named: bool, missing_ok: bool) -> tuple[str, Any] | None:
+    """A small field-1 item by protobuf's C code (a NamedTensorProto, or a bare TensorProto)."""
+    if not named:
+        return "", from_tensor_proto(TensorProto.FromString(bytes(item)))
+    parsed = NamedTensorProto.FromString(bytes(item))
+    if not parsed.HasField("tensor"):
+        return (parsed.name, None) if missing_ok else None
+    return parsed.name, from_tensor_proto(parsed.tensor)
+
+
+def _unnamed(value: np.ndarray | None) -> tuple[str, np.ndarray | None] | None:
+    return None if value is None else ("", value)
+
+
+def _decode_named_tensor(
+    data: bytes | memoryview, view: memoryview, start: int, end: int, missing_ok: bool
+) -> tuple[str, np.ndarray | None] | None:
+    """A `NamedTensorProto` at view[start:end] with plain numeric content, else None."""
+    name = b""
+    tensor: tuple[int, int] | None = None
+    try:
+        for field, wire_type, _, value_start, value_end in _fields(view, start, end, _PLAIN_FIELDS):
+            if wire_type != _LEN:
+                return None
+            if field == 1:
+                name = bytes(view[value_start:value_end])
+            elif field == 2:
+                tensor = (value_start, value_end)
+    except _NotPlain:
+        return None
+    value = _tensor_at(data, view, tensor)
+    if value is None and not (missing_ok and tensor is None):
+        return None
+    try:
+        return name.decode(), value
+    except UnicodeDecodeError:
+        return None
 
 
 def encode_run_callable_response(values: Sequence[Any]) -> bytes:
@@ -171,6 +343,19 @@ class EncodedMessage:
         return self.message_class.FromString(self.data)
 
 
+ENCODE_IN_THREAD_BYTES = 1 << 20
+
+
+async def encode_off_loop(
+    message_class: type[Message], encode: Callable[..., bytes], *args: Any, nbytes: int
+) -> EncodedMessage:
+    """`encode(*args)` as an `EncodedMessage` of `message_class`, in a thread when the
+    tensors it copies (`nbytes`) are large."""
+    if nbytes < ENCODE_IN_THREAD_BYTES:
+        return EncodedMessage(encode(*args), message_class)
+    return EncodedMessage(await asyncio.to_thread(encode, *args), message_class)
+
+
 def decode_recv_tensor_response(data: bytes) -> tuple[np.ndarray, bool]:
     """The (value, is_dead) of a serialized `RecvTensorResponse`.
 
@@ -181,77 +366,49 @@ def decode_recv_tensor_response(data: bytes) -> tuple[np.ndarray, bool]:
     return _decode_with_protobuf(data) if decoded is None else decoded
 
 
-def decode_plain_recv_tensor_response(data: bytes) -> tuple[np.ndarray, bool] | None:
+def decode_plain_recv_tensor_response(data: bytes | memoryview) -> tuple[np.ndarray, bool] | None:
     """`decode_recv_tensor_response` of numeric content, a view over `data` whatever its
     size (cheap enough for the event loop); None when protobuf must parse it."""
     view = memoryview(data)
-    pos = 0
     tensor: tuple[int, int] | None = None
     is_dead = False
-    for _ in range(_PLAIN_FIELDS):
-        if pos >= len(view):
-            break
-        key, pos = _read_varint(view, pos)
-        field, wire_type = key >> 3, key & 7
-        if wire_type == _LEN:
-            length, pos = _read_varint(view, pos)
-            if pos + length > len(view):
-                raise errors.DataLossError("Truncated tensor response")
-            if field == 1:
-                tensor = (pos, pos + length)
-            pos += length
-        elif wire_type == _VARINT:
-            number, pos = _read_varint(view, pos)
-            if field == 2:
-                is_dead = bool(number)
-        else:
-            return None
-    else:
-        return None  # more fields than a plain response has
-    if tensor is None:
+    try:
+        for field, wire_type, _, start, end in _fields(view, 0, len(view), _PLAIN_FIELDS):
+            if field == 1 and wire_type == _LEN:
+                tensor = (start, end)
+            elif field == 2 and wire_type == _VARINT:
+                is_dead = bool(_read_varint(view, start)[0])
+    except _NotPlain:
         return None
-    value = _decode_tensor(data, view, *tensor)
-    if value is None:
-        return None
-    return value, is_dead
+    value = _tensor_at(data, view, tensor)
+    return None if value is None else (value, is_dead)
 
 
-def _decode_tensor(data: bytes, view: memoryview, start: int, end: int) -> np.ndarray | None:
-    pos = start
+def _tensor_at(data: bytes | memoryview, view: memoryview, span: tuple[int, int] | None) -> np.ndarray | None:
+    return None if span is None else _decode_tensor(data, view, *span)
+
+
+def _decode_tensor(data: bytes | memoryview, view: memoryview, start: int, end: int) -> np.ndarray | None:
+    """The `TensorProto` at view[start:end] as a numpy view over `data` when its content is
+    plain (`tensor_content`), else None."""
     header = bytearray()
     content: tuple[int, int] | None = None
-    for _ in range(_PLAIN_FIELDS):
-        if pos >= end:
-            break
-        field_start = pos
-        key, pos = _read_varint(view, pos)
-        field, wire_type = key >> 3, key & 7
-        if wire_type == _LEN:
-            length, pos = _read_varint(view, pos)
-            if field == 4:
-                content = (pos, length)
-            elif field == 2 and length <= _PLAIN_HEADER_BYTES:
-                header += view[field_start : pos + length]
+    try:
+        for field, wire_type, field_start, value_start, value_end in _fields(view, start, end, _PLAIN_FIELDS):
+            if wire_type == _VARINT or (field == 2 and value_end - value_start <= _PLAIN_HEADER_BYTES):
+                header += view[field_start:value_end]
+            elif field == 4:
+                content = (value_start, value_end - value_start)
             else:
                 return None  # typed *_val fields, strings, ...: let protobuf read them
-            pos += length
-        elif wire_type == _VARINT:
-            _, pos = _read_varint(view, pos)
-            header += view[field_start:pos]
-        else:
-            return None
-    else:
+    except _NotPlain:
         return None
     if len(header) > _PLAIN_HEADER_BYTES:
         return None
-    proto = TensorProto.FromString(bytes(header))
-    dtype = as_numpy_dtype(proto.dtype)
-    if dtype.kind == "O":
+    meaning = _header_meaning(bytes(header))
+    if meaning is None:
         return None
-    static_shape = shape_from_proto(proto.tensor_shape)
-    if static_shape is None or any(d is None for d in static_shape):
-        return None
-    shape = tuple(int(d or 0) for d in static_shape)
+    dtype, shape = meaning
     count = math.prod(shape)
     if content is None:
         return np.zeros(shape, dtype) if count == 0 else None

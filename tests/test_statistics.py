@@ -114,7 +114,7 @@ def test_counters_and_metrics_match_a_known_workload(python_env, protocol):
             finally:
                 proc.kill()
 
-    data_path = "verbs" if protocol == "grpc+verbs" else "grpc"
+    data_path = "verbs" if protocol == "grpc+verbs" else "direct"
     assert status.returncode == 0, status.stderr
     assert f"  steps: {STEPS + 1} ok, 0 in flight, failed: InvalidArgumentError 1;" in status.stdout
     assert f"  optimizer updates: {STEPS} in place, 0 into new arrays" in status.stdout

@@ -11,17 +11,19 @@ from hypothesis.extra import numpy as hnp
 
 from distserver import errors
 from distserver.protos.config_pb2 import RunMetadata
+from distserver.protos.debug_pb2 import StepStats
 from distserver.protos.master_pb2 import RunCallableResponse, RunStepResponse
-from distserver.protos.worker_pb2 import RecvTensorResponse
+from distserver.protos.worker_pb2 import RecvTensorResponse, RunGraphResponse
 from distserver.tensors import ResourceHandle, from_tensor_proto, to_tensor_proto
 from distserver.wire import (
     TensorAssembler,
     chunk_tensor,
     decode_plain_recv_tensor_response,
     decode_recv_tensor_response,
+    decode_tensor_response,
+    encode_named_tensor_response,
     encode_recv_tensor_response,
     encode_run_callable_response,
-    encode_run_step_response,
 )
 
 DTYPES = [
@@ -78,7 +80,7 @@ def test_fetch_responses_built_by_hand_are_what_protobuf_reads():
     metadata = RunMetadata()
     metadata.step_stats.dev_stats.add(device="/job:worker/replica:0/task:0/device:CPU:0")
     for extra in (b"", metadata.SerializeToString()):
-        step = RunStepResponse.FromString(encode_run_step_response(fetched, extra))
+        step = RunStepResponse.FromString(encode_named_tensor_response(fetched, extra))
         assert [named.name for named in step.tensor] == [name for name, _ in fetched]
         assert step.metadata == (metadata if extra else RunMetadata())
         for named, (_, value) in zip(step.tensor, fetched, strict=True):
@@ -86,7 +88,53 @@ def test_fetch_responses_built_by_hand_are_what_protobuf_reads():
     called = RunCallableResponse.FromString(encode_run_callable_response([v for _, v in fetched]))
     for proto, (_, value) in zip(called.fetch, fetched, strict=True):
         assert_same(from_tensor_proto(proto), value)
-    assert RunStepResponse.FromString(encode_run_step_response([])) == RunStepResponse()
+    assert RunStepResponse.FromString(encode_named_tensor_response([])) == RunStepResponse()
+
+
+def test_named_tensor_responses_read_back_as_views_with_the_other_fields_parsed():
+    plain = [(f"t{i}:0", v) for i, v in enumerate(values()) if np.asarray(v).dtype != object]
+    stats = StepStats()
+    stats.dev_stats.add(device="/job:ps/replica:0/task:0/device:CPU:0")
+    metadata = RunMetadata(step_stats=stats)
+    for message_class, field2, tensors in (
+        (RunGraphResponse, stats, "recv"),
+        (RunStepResponse, metadata, "tensor"),
+    ):
+        data = encode_named_tensor_response(plain, field2.SerializeToString())
+        # Status fields after the tensors, as a protobuf writer might put them.
+        extra = message_class(status_code=3, status_error_message="bad").SerializeToString()
+        named, rest = decode_tensor_response(data + extra, message_class)
+        assert [name for name, _ in named] == [name for name, _ in plain]
+        for (_, got), (_, value) in zip(named, plain, strict=True):
+            assert_same(got, value)
+        assert (rest.status_code, rest.status_error_message) == (3, "bad")
+        assert rest.ListFields()[0][1] == field2
+        assert not getattr(rest, tensors)
+    big = np.arange(1 << 16, dtype=np.float32)
+    received = bytearray(encode_named_tensor_response([("big:0", big)]))
+    ((_, got),), _ = decode_tensor_response(received, RunStepResponse)
+    assert np.shares_memory(got, np.frombuffer(received, np.uint8))  # a view: no copy
+    np.testing.assert_array_equal(got, big)
+
+
+def test_named_tensor_responses_protobuf_must_read_are_left_to_it():
+    # A large tensor that is not plain memory: the whole answer goes to protobuf.
+    big_strings = [("s:0", np.array([b"x" * 20_000], dtype=object))]
+    assert decode_tensor_response(encode_named_tensor_response(big_strings), RunStepResponse) is None
+    # Small items are read by protobuf in place, whatever their form: strings, typed fields.
+    small_strings = [("s:0", np.array([b"a", b""], dtype=object))]
+    ((_, got),), _ = decode_tensor_response(encode_named_tensor_response(small_strings), RunStepResponse)
+    assert list(got) == [b"a", b""]
+    typed = RunStepResponse()
+    typed.tensor.add(name="x:0").tensor.CopyFrom(to_tensor_proto(np.zeros(3, np.float32)))
+    typed.tensor[0].tensor.ClearField("tensor_content")
+    typed.tensor[0].tensor.float_val.append(2.0)
+    ((_, got),), _ = decode_tensor_response(typed.SerializeToString(), RunStepResponse)
+    np.testing.assert_array_equal(got, [2.0, 2.0, 2.0])
+    data = encode_named_tensor_response([("x:0", np.arange(10_000, dtype=np.float32))])
+    for cut in (3, len(data) // 2, len(data) - 1):
+        with pytest.raises(errors.DataLossError):
+            decode_tensor_response(data[:cut], RunStepResponse)
 
 
 def assert_same(got, value):
@@ -179,3 +227,34 @@ def test_property_round_trips(value, chunk):
     for message in chunk_tensor(value, False, chunk):
         assembler.add(message)
     np.testing.assert_array_equal(assembler.result()[0], value)
+
+
+def test_run_callable_responses_read_back_as_views():
+    values = [np.arange(6000, dtype=np.float32).reshape(2, 3000), np.int64(7), np.zeros((0,), np.float64)]
+    metadata = RunMetadata()
+    metadata.step_stats.dev_stats.add(device="/job:worker/replica:0/task:0/device:CPU:0")
+    data = (
+        bytearray(encode_run_callable_response(values))
+        + RunCallableResponse(metadata=metadata).SerializeToString()
+    )
+    fetched, rest = decode_tensor_response(data, RunCallableResponse)
+    assert [name for name, _ in fetched] == ["", "", ""]
+    for (_, got), value in zip(fetched, values, strict=True):
+        assert_same(got, value)
+    assert np.shares_memory(fetched[0][1], np.frombuffer(data, np.uint8))
+    assert rest.metadata == metadata
+    assert not rest.fetch
+    strings = encode_run_callable_response([np.array([b"x" * 20_000], dtype=object)])
+    assert decode_tensor_response(strings, RunCallableResponse) is None
+
+
+def test_a_name_without_a_tensor_is_a_value_to_fetch_separately_only_where_allowed():
+    # RecvTensors answers mark a value the receiver fetches on its own with the name alone.
+    data = encode_named_tensor_response([("a", np.arange(3, dtype=np.int32)), ("b", None)])
+    parsed = RunGraphResponse.FromString(data)
+    assert [n.name for n in parsed.recv] == ["a", "b"]
+    assert not parsed.recv[1].HasField("tensor")
+    named, _ = decode_tensor_response(data, RunGraphResponse, missing_ok=True)
+    assert named[1] == ("b", None)
+    np.testing.assert_array_equal(named[0][1], [0, 1, 2])
+    assert decode_tensor_response(data, RunGraphResponse) is None  # elsewhere protobuf decides

@@ -88,13 +88,19 @@ from distserver.transports import grpc as _grpc
 _counts = collections.Counter()
 _dumps = [0]
 _call, _recv = _grpc.GrpcChannel.call, _grpc.GrpcChannel.recv_tensor
+_call_serialized = getattr(_grpc.GrpcChannel, "call_serialized", None)  # trees before it lack it
 async def call(self, service, method, *args, **kwargs):
     _counts[method] += 1
     return await _call(self, service, method, *args, **kwargs)
+async def call_serialized(self, service, method, *args, **kwargs):
+    _counts[method] += 1
+    return await _call_serialized(self, service, method, *args, **kwargs)
 async def recv_tensor(self, *args, **kwargs):
     _counts["RecvTensor"] += 1
     return await _recv(self, *args, **kwargs)
 _grpc.GrpcChannel.call, _grpc.GrpcChannel.recv_tensor = call, recv_tensor
+if _call_serialized is not None:
+    _grpc.GrpcChannel.call_serialized = call_serialized
 def _dump(signum, frame):
     _dumps[0] += 1
     path = os.path.join(os.environ["DISTSERVER_BENCH_COUNTS"], f"{os.getpid()}.json")

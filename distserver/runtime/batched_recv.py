@@ -41,10 +41,9 @@ from typing import Any
 
 from distserver import errors
 from distserver.devices import RendezvousKey
-from distserver.protos import worker_pb2 as w
 from distserver.runtime.push import PUSH_LIMIT_BYTES
 from distserver.runtime.rendezvous import StepRendezvous
-from distserver.tensors import from_tensor_proto, tensor_nbytes
+from distserver.tensors import tensor_nbytes
 
 logger = logging.getLogger(__name__)
 
@@ -93,14 +92,6 @@ async def answer(
             ready[key.text] = value
             budget -= nbytes
     return ready
-
-
-def decode_response(response: w.RunGraphResponse) -> dict[str, Any]:
-    """A RecvTensors response as `answer` made it: key text -> value or `FETCH_SEPARATELY`."""
-    return {
-        named.name: from_tensor_proto(named.tensor) if named.tensor.dtype else FETCH_SEPARATELY
-        for named in response.recv
-    }
 
 
 @dataclass

@@ -9,8 +9,9 @@ and from protos and turn errors reported in response bodies back into OpErrors.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from google.protobuf.message import Message
 
@@ -21,9 +22,9 @@ from distserver.protos import worker_pb2 as w
 from distserver.protos.config_pb2 import RunMetadata, RunOptions
 from distserver.protos.debug_pb2 import StepStats
 from distserver.protos.services import MASTER_SERVICE, TENSOR_SERVICE, WORKER_SERVICE
-from distserver.runtime.batched_recv import decode_response
 from distserver.runtime.names import canonical_tensor_name
 from distserver.tensors import from_tensor_proto, write_tensor_proto
+from distserver.wire import ENCODE_IN_THREAD_BYTES, MessageT, decode_tensor_response
 
 
 class ChannelLike(Protocol):
@@ -38,6 +39,10 @@ class ChannelLike(Protocol):
         timeout: float | None = None,
         wait_for_ready: bool = False,
     ) -> Message: ...
+
+    async def call_serialized(
+        self, service: str, method: str, request: Message, *, timeout: float | None = None
+    ) -> bytes | memoryview: ...
 
     async def recv_tensor(
         self, step_id: int, key: RendezvousKey, *, timeout: float | None = None
@@ -174,11 +179,12 @@ class RemoteWorker:
         for key, value in sends.items():
             named = full.send.add(name=key)
             write_tensor_proto(named.tensor, value)
-        response: Any = await self.call("RunGraph", full, timeout=timeout)
+        data = await self.channel.call_serialized(WORKER_SERVICE, "RunGraph", full, timeout=timeout)
+        recv, response = await _named_tensors(data, w.RunGraphResponse)
         _raise_body_error(response.status_code, response.status_error_message)
         if stats is not None:
             stats.dev_stats.extend(response.step_stats.dev_stats)
-        return {named.name: from_tensor_proto(named.tensor) for named in response.recv}
+        return dict(recv)
 
     async def recv_tensor(
         self, step_id: int, key: RendezvousKey, *, timeout: float | None = None
@@ -189,8 +195,9 @@ class RemoteWorker:
         self, step_id: int, keys: list[str], *, timeout: float | None = None
     ) -> dict[str, Any]:
         request = w.RunGraphRequest(step_id=step_id, recv_key=keys)
-        response: Any = await self.channel.call(TENSOR_SERVICE, "RecvTensors", request, timeout=timeout)
-        return decode_response(response)
+        data = await self.channel.call_serialized(TENSOR_SERVICE, "RecvTensors", request, timeout=timeout)
+        values, _ = await _named_tensors(data, w.RunGraphResponse, missing_ok=True)
+        return dict(values)  # a value None: FETCH_SEPARATELY
 
 
 class RemoteMaster:
@@ -222,18 +229,54 @@ class RemoteMaster:
         for name, value in feeds.items():
             named = request.feed.add(name=name)
             write_tensor_proto(named.tensor, value)
-        response: Any = await self.call("RunStep", request, timeout=rpc_deadline(options))
+        data = await self.channel.call_serialized(
+            MASTER_SERVICE, "RunStep", request, timeout=rpc_deadline(options)
+        )
+        fetched, response = await _named_tensors(data, m.RunStepResponse)
         _raise_body_error(response.status_code, response.status_error_message)
         if metadata is not None:
             metadata.CopyFrom(response.metadata)
-        results = {}
-        for named in response.tensor:
-            results[canonical_tensor_name(named.name)] = from_tensor_proto(named.tensor)
-        return results
+        return {canonical_tensor_name(name): value for name, value in fetched}
 
     async def run_callable(self, handle: str, callable_handle: int, feeds: Sequence[Any]) -> list[Any]:
         request = m.RunCallableRequest(session_handle=handle, handle=callable_handle)
         for value in feeds:
             write_tensor_proto(request.feed.add(), value)
-        response: Any = await self.call("RunCallable", request)
-        return [from_tensor_proto(t) for t in response.fetch]
+        data = await self.channel.call_serialized(MASTER_SERVICE, "RunCallable", request)
+        fetched, _ = await _named_tensors(data, m.RunCallableResponse)
+        return [value for _, value in fetched]
+
+
+async def _named_tensors(
+    data: bytes | memoryview, message_class: type[MessageT], *, missing_ok: bool = False
+) -> tuple[list[tuple[str, Any]], MessageT]:
+    """A serialized RunStep, RunGraph or RunCallable response's tensors (RunCallable's
+    without names) and the rest of the message.
+
+    In an answer of 1 MiB or more, plain numeric tensors of 16 KiB or more are numpy
+    views over `data` (`wire.decode_tensor_response`); smaller answers, and answers
+    with large tensors of other kinds, are parsed by protobuf (in a thread when large).
+    `missing_ok`: a name without a tensor gives None (RecvTensors: fetch it separately).
+    """
+    if len(data) >= ENCODE_IN_THREAD_BYTES:  # below, protobuf is as fast and copies little
+        decoded = decode_tensor_response(data, message_class, missing_ok=missing_ok)
+        if decoded is not None:
+            return decoded
+
+    def value(item: Any) -> tuple[str, Any]:
+        if not hasattr(item, "tensor"):  # RunCallable's bare TensorProto
+            return "", from_tensor_proto(item)
+        if missing_ok and not item.HasField("tensor"):
+            return item.name, None
+        return item.name, from_tensor_proto(item.tensor)
+
+    def parse() -> tuple[list[tuple[str, Any]], MessageT]:
+        response = cast(Any, message_class).FromString(data)  # protobuf takes a memoryview too
+        field = response.DESCRIPTOR.fields_by_number[1].name  # "tensor", "recv" or "fetch"
+        named = [value(item) for item in getattr(response, field)]
+        response.ClearField(field)
+        return named, response
+
+    if len(data) < ENCODE_IN_THREAD_BYTES:
+        return parse()
+    return await asyncio.to_thread(parse)

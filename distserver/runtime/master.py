@@ -44,7 +44,12 @@ from distserver.runtime.names import canonical_tensor_name
 from distserver.runtime.plan import build_plan, import_graph
 from distserver.runtime.worker import Worker
 from distserver.tensors import as_datatype, tensor_nbytes
-from distserver.wire import EncodedMessage, encode_run_callable_response, encode_run_step_response
+from distserver.wire import (
+    EncodedMessage,
+    encode_named_tensor_response,
+    encode_off_loop,
+    encode_run_callable_response,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +62,6 @@ DEFAULT_SESSION_GC_SECONDS = 3600.0
 _WAITING_LOG_INTERVAL = 10.0
 # Fetched values of this many bytes or more are encoded in a thread (as the executor
 # moves a kernel of this size off the loop, `executor.OFFLOAD_BYTES`).
-ENCODE_IN_THREAD_BYTES = 1 << 20
 _STEP_ID_MASK = ((1 << 56) - 1) | (1 << 56)
 
 
@@ -669,9 +673,9 @@ class Master:
                 response.metadata,
             )
             fetched = [(name, results[canonical_tensor_name(name)]) for name in dict.fromkeys(request.fetch)]
-            return await _encoded(
+            return await encode_off_loop(
                 m.RunStepResponse,
-                encode_run_step_response,
+                encode_named_tensor_response,
                 fetched,
                 response.metadata.SerializeToString(),
                 nbytes=sum(tensor_nbytes(value) for _, value in fetched),
@@ -728,7 +732,7 @@ class Master:
     async def run_callable_rpc(self, request: m.RunCallableRequest) -> EncodedMessage:
         feeds = await decode_message_tensors(request.feed, what="a RunCallable request")
         values = await self.run_callable(request.session_handle, request.handle, feeds)
-        return await _encoded(
+        return await encode_off_loop(
             m.RunCallableResponse,
             encode_run_callable_response,
             values,
@@ -755,16 +759,6 @@ def _datatype(value: Any) -> int:
         if not isinstance(value, np.ndarray)
         else as_datatype(value.dtype)
     )
-
-
-async def _encoded(
-    message_class: type[Message], encode: Callable[..., bytes], *args: Any, nbytes: int
-) -> EncodedMessage:
-    """A response whose fetched values are encoded by hand (each tensor's bytes copied
-    once, see `wire`), in a thread when they are large."""
-    if nbytes < ENCODE_IN_THREAD_BYTES:
-        return EncodedMessage(encode(*args), message_class)
-    return EncodedMessage(await asyncio.to_thread(encode, *args), message_class)
 
 
 async def _quietly(coro: Any) -> None:

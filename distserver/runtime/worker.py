@@ -39,7 +39,8 @@ from distserver.runtime.counters import StepCounters
 from distserver.runtime.executor import Executor, StepContext
 from distserver.runtime.push import PUSH_LIMIT_BYTES, worker_returns
 from distserver.runtime.rendezvous import RendezvousTable, StepRendezvous
-from distserver.tensors import tensor_nbytes, write_tensor_proto
+from distserver.tensors import tensor_nbytes
+from distserver.wire import EncodedMessage, encode_named_tensor_response, encode_off_loop
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ class Worker:
         self._rendezvous = RendezvousTable(task_name, self._batched.fetch_soon if worker_client else None)
         # WorkerService method -> proto-in, proto-out handler. RecvTensor is the data
         # plane: transports serve it from `recv_tensor` (the task's tensor source).
-        self._handlers: dict[str, Callable[[Any], Awaitable[Message]]] = {
+        self._handlers: dict[str, Callable[[Any], Awaitable[Message | EncodedMessage]]] = {
             "GetStatus": self.get_status,
             "CreateWorkerSession": self.create_worker_session,
             "DeleteWorkerSession": self.delete_worker_session,
@@ -136,7 +137,7 @@ class Worker:
         """The thread pool kernels with large inputs run in."""
         return self._pool
 
-    def service_handlers(self) -> dict[str, Callable[[Any], Awaitable[Message]]]:
+    def service_handlers(self) -> dict[str, Callable[[Any], Awaitable[Message | EncodedMessage]]]:
         """WorkerService method name -> handler, for transports; `recv_tensor` is the tensor source."""
         return dict(self._handlers)
 
@@ -148,7 +149,8 @@ class Worker:
         handler = self._handlers.get(method)
         if handler is None:
             raise errors.UnimplementedError(f"WorkerService/{method} is not implemented by distserver")
-        return await handler(request)
+        response = await handler(request)
+        return response.parse() if isinstance(response, EncodedMessage) else response
 
     # -- control RPCs -------------------------------------------------------------
 
@@ -308,7 +310,7 @@ class Worker:
             raise
         return results
 
-    async def run_graph_rpc(self, request: w.RunGraphRequest) -> w.RunGraphResponse:
+    async def run_graph_rpc(self, request: w.RunGraphRequest) -> w.RunGraphResponse | EncodedMessage:
         response = w.RunGraphResponse()
         try:
             values = await decode_message_tensors(
@@ -317,9 +319,14 @@ class Worker:
             sends = dict(zip((named.name for named in request.send), values, strict=True))
             stats = response.step_stats if request.exec_opts.record_timeline else None
             results = await self.run_graph(request, sends, stats=stats)
-            for key, value in results.items():
-                named = response.recv.add(name=key)
-                write_tensor_proto(named.tensor, value)
+            # Written by hand: each value's bytes copied once, off the loop when large.
+            return await encode_off_loop(
+                w.RunGraphResponse,
+                encode_named_tensor_response,
+                list(results.items()),
+                b"" if stats is None else stats.SerializeToString(),
+                nbytes=sum(tensor_nbytes(value) for value in results.values()),
+            )
         except errors.OpError as exc:
             if not request.store_errors_in_response_body:
                 raise
@@ -330,13 +337,23 @@ class Worker:
 
     # -- RecvTensor ---------------------------------------------------------------
 
-    def tensor_handlers(self) -> dict[str, Callable[[Any], Awaitable[Message]]]:
+    def tensor_handlers(self) -> dict[str, Callable[[Any], Awaitable[Message | EncodedMessage]]]:
         """TENSOR_SERVICE method name -> handler (distserver peers' batched receives)."""
         return {"RecvTensors": self.recv_tensors_rpc}
 
-    async def recv_tensors_rpc(self, request: w.RunGraphRequest) -> w.RunGraphResponse:
+    async def recv_tensors_rpc(self, request: w.RunGraphRequest) -> EncodedMessage:
         """Some of the values of `request.recv_key` this task sent in `request.step_id`:
-        those sent by the time the first one is (`batched_recv.answer`)."""
+        those sent by the time the first one is (`batched_recv.answer`), written by hand
+        (a key whose value is to be fetched separately: a name without a tensor)."""
+        values = await self._batched_values(request)
+        return await encode_off_loop(
+            w.RunGraphResponse,
+            encode_named_tensor_response,
+            list(values.items()),
+            nbytes=sum(tensor_nbytes(value) for value in values.values() if value is not None),
+        )
+
+    async def _batched_values(self, request: w.RunGraphRequest) -> dict[str, Any]:
         if not request.recv_key or len(request.recv_key) > batched_recv.MAX_BATCH_KEYS:
             raise errors.InvalidArgumentError(
                 f"RecvTensors asks for {len(request.recv_key)} keys; ask for 1 to "
@@ -349,13 +366,10 @@ class Worker:
         values = await batched_recv.answer(
             self._rendezvous.find_or_create(step_id), keys, self._batched_value_bytes
         )
-        response = w.RunGraphResponse()
         for text, value in values.items():
-            named = response.recv.add(name=text)
             if value is not batched_recv.FETCH_SEPARATELY:
-                write_tensor_proto(named.tensor, value)
                 self._rendezvous.served(step_id, parse_rendezvous_key(text))
-        return response
+        return values
 
     def _batch_call(self, task: str) -> batched_recv.BatchCall:
         assert self._worker_client is not None
@@ -371,8 +385,7 @@ class Worker:
     ) -> dict[str, Any]:
         """`WorkerClient.recv_tensors` in process."""
         async with asyncio.timeout(timeout):
-            response = await self.recv_tensors_rpc(w.RunGraphRequest(step_id=step_id, recv_key=keys))
-        return batched_recv.decode_response(response)
+            return await self._batched_values(w.RunGraphRequest(step_id=step_id, recv_key=keys))
 
     def _check_source(self, key: RendezvousKey) -> None:
         """Raise unless `key` names a value this task (this incarnation) sends."""

@@ -28,6 +28,7 @@ the remote handler raised comes back as the same class with the same message.
 from __future__ import annotations
 
 import abc
+import asyncio
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
@@ -49,6 +50,27 @@ ServiceHandler = Mapping[str, Callable[[Any], Awaitable[Any]]]
 TensorSource = Callable[[int, RendezvousKey], Awaitable[tuple[Any, bool]]]
 
 MessageT = TypeVar("MessageT", bound=Message)
+T = TypeVar("T")
+
+
+async def wait_for_answer(
+    future: asyncio.Future[T], timeout: float | None, give_up: Callable[[], None], deadline_message: str
+) -> T:
+    """A call's answer (`future`), within `timeout`: when it passes, `give_up()` (tell the
+    peer to cancel) and raise DeadlineExceededError(`deadline_message`); a cancelled
+    caller gives up too. A DeadlineExceededError the answer itself carries passes as is."""
+    timer = asyncio.timeout(timeout)
+    try:
+        async with timer:
+            return await future
+    except TimeoutError:
+        if not timer.expired():
+            raise  # the remote handler's own DeadlineExceededError
+        give_up()
+        raise errors.DeadlineExceededError(deadline_message) from None
+    except asyncio.CancelledError:
+        give_up()
+        raise
 
 
 def parse_request(request_cls: type[MessageT], data: bytes | memoryview) -> MessageT:
@@ -115,6 +137,9 @@ class Channel(abc.ABC):
           returns the response message; it never waits for an unreachable peer
           longer than `timeout` (None: fail as soon as the peer is known to be
           unreachable, unless `wait_for_ready` is true).
+        * `call_serialized(...)` is `call` returning the response still serialized, for
+          callers that read its tensors themselves (`wire.decode_tensor_response`);
+          the default serializes what `call` parsed.
         * `recv_tensor(step_id, key, timeout=...)` fetches the value the peer's
           tensor source holds for `key` in step `step_id` and returns
           `(value, is_dead)` with `value` a numpy array (possibly a read-only view
@@ -135,6 +160,13 @@ class Channel(abc.ABC):
         timeout: float | None = None,
         wait_for_ready: bool = False,
     ) -> Message: ...
+
+    async def call_serialized(
+        self, service: str, method: str, request: Message, *, timeout: float | None = None
+    ) -> bytes | memoryview:
+        response = await self.call(service, method, request, timeout=timeout)
+        data: bytes = response.SerializeToString()
+        return data
 
     @abc.abstractmethod
     async def recv_tensor(

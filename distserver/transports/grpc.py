@@ -5,9 +5,11 @@ unlimited), `SO_REUSEPORT` is off so a port in use is an error rather than a sil
 second listener, and proxies from the environment are ignored (cluster traffic is
 always direct).
 
-Between distserver tasks, MasterService and WorkerService calls ride one long-lived
-stream per channel (`distserver.transports.call_stream`); TensorFlow peers, and calls
-that must wait for the peer or carry more than 4 MiB, use the unary methods.
+Between distserver tasks, calls and RecvTensor ride a direct TCP connection beside
+gRPC once it is up (`distserver.transports.direct`); until then MasterService and
+WorkerService calls ride one long-lived stream per channel
+(`distserver.transports.call_stream`). TensorFlow peers, and calls that must wait for
+the peer or carry more than 4 MiB, use the unary methods.
 
 A channel is a gRPC control connection plus a pluggable `TensorPath`, its data plane
 (the split tensorpipe makes between a pipe's control connection and its data
@@ -53,7 +55,7 @@ from distserver.protos.services import SERVICES, STREAMING_METHODS, WORKER_SERVI
 from distserver.protos.worker_pb2 import RecvTensorRequest
 from distserver.security import Security
 from distserver.tensors import tensor_nbytes
-from distserver.transports import call_stream
+from distserver.transports import call_stream, direct
 from distserver.transports.base import (
     Channel,
     ChannelStatistics,
@@ -70,6 +72,7 @@ from distserver.wire import (
     decode_recv_tensor_response,
     encode_recv_tensor_response,
     is_plain,
+    recv_tensor_response_parts,
 )
 
 logger = logging.getLogger(__name__)
@@ -309,10 +312,17 @@ def _unimplemented(service: str, method: str) -> Callable[[Any], Awaitable[Messa
 
 
 class GrpcListener(Listener):
-    def __init__(self, server: grpc.aio.Server, port: int, calls: call_stream.CallStreamServer) -> None:
+    def __init__(
+        self,
+        server: grpc.aio.Server,
+        port: int,
+        calls: call_stream.CallStreamServer,
+        direct_server: direct.DirectServer | None,
+    ) -> None:
         self._server = server
         self._port = port
         self._calls = calls
+        self._direct = direct_server
         self._started = False
         self._stopped = False
 
@@ -335,7 +345,10 @@ class GrpcListener(Listener):
             return
         self._stopped = True
         self._calls.drain()  # call streams never end by themselves: the grace would always run out
-        await self._server.stop(grace)
+        if self._direct is None:
+            await self._server.stop(grace)
+        else:
+            await asyncio.gather(self._server.stop(grace), self._direct.close(grace))
 
 
 class TensorPath(abc.ABC):
@@ -379,7 +392,8 @@ class GrpcTensorPath(TensorPath):
     name so later steps go straight to the stream.
     """
 
-    def __init__(self, channel: grpc.aio.Channel) -> None:
+    def __init__(self, channel: grpc.aio.Channel, direct_link: direct.DirectLink | None = None) -> None:
+        self._direct = direct_link
         self._unary = channel.unary_unary(
             f"/{WORKER_SERVICE}/RecvTensor", request_serializer=_serialize, response_deserializer=_raw
         )
@@ -390,6 +404,10 @@ class GrpcTensorPath(TensorPath):
 
     async def recv_tensor(self, step_id: int, key: RendezvousKey, timeout: float | None) -> tuple[Any, bool]:
         request = RecvTensorRequest(step_id=step_id, rendezvous_key=key.text)
+        if self._direct is not None:
+            data = await self._direct.call(WORKER_SERVICE, "RecvTensor", request.SerializeToString(), timeout)
+            if data is not None:
+                return await _decode_recv_tensor_response(data)
         if key.tensor_name in self._streamed:
             return await self._recv_stream(request, timeout)
         call = self._unary(request, timeout=timeout, metadata=((_STREAM_ABOVE_KEY, str(STREAM_THRESHOLD)),))
@@ -400,17 +418,25 @@ class GrpcTensorPath(TensorPath):
                 self._streamed.clear()
             self._streamed.add(key.tensor_name)
             return await self._recv_stream(request, timeout)
-        decoded = decode_plain_recv_tensor_response(data)  # a view: no thread needed
-        if decoded is not None:
-            return decoded
-        result: tuple[Any, bool] = await _in_thread_if_large(len(data), decode_recv_tensor_response, data)
-        return result
+        return await _decode_recv_tensor_response(data)
+
+    @property
+    def data_path(self) -> str:
+        return "direct" if self._direct is not None and self._direct.connected else "grpc"
 
     async def _recv_stream(self, request: RecvTensorRequest, timeout: float | None) -> tuple[Any, bool]:
         assembler = TensorAssembler()
         async for message in self._chunks(request, timeout=timeout):
             assembler.add(message)
         return assembler.result()
+
+
+async def _decode_recv_tensor_response(data: bytes | memoryview) -> tuple[Any, bool]:
+    decoded = decode_plain_recv_tensor_response(data)  # a view: no thread needed
+    if decoded is not None:
+        return decoded
+    result: tuple[Any, bool] = await _in_thread_if_large(len(data), decode_recv_tensor_response, data)
+    return result
 
 
 def open_channel(
@@ -456,19 +482,20 @@ def _token_interceptors(metadata: tuple[tuple[str, str], ...]) -> list[Any]:
     return [UnaryUnary(), UnaryStream(), StreamStream()]
 
 
-# Makes a channel's tensor path from its gRPC connection and target address.
-TensorPathFactory = Callable[[grpc.aio.Channel, str], TensorPath]
+# Makes a channel's tensor path from its gRPC connection, target address and direct link.
+TensorPathFactory = Callable[[grpc.aio.Channel, str, direct.DirectLink], TensorPath]
 
 
-def _grpc_tensor_path(channel: grpc.aio.Channel, target: str) -> TensorPath:
-    return GrpcTensorPath(channel)
+def _grpc_tensor_path(channel: grpc.aio.Channel, target: str, direct_link: direct.DirectLink) -> TensorPath:
+    return GrpcTensorPath(channel, direct_link)
 
 
 class GrpcChannel(Channel):
     """A gRPC control connection to one task plus a tensor path (`GrpcTensorPath` by default).
 
     A control call goes, in order of preference, over the tensor path (when it
-    carries calls), the call stream (distserver peers), or a unary call.
+    carries calls), the direct connection or the call stream (distserver peers), or
+    a unary call.
     """
 
     def __init__(
@@ -482,7 +509,10 @@ class GrpcChannel(Channel):
         self._channel = open_channel(address, security)
         self._callables: dict[tuple[str, str], Any] = {}
         self._tensor_path_factory = tensor_path
-        self._tensors = tensor_path(self._channel, address)
+        self._direct = direct.DirectLink(
+            self._direct_endpoint, address, security, (KEEPALIVE_MS / 1000, KEEPALIVE_TIMEOUT_MS / 1000)
+        )
+        self._tensors = tensor_path(self._channel, address, self._direct)
         self._retired: list[asyncio.Future[None]] = []  # closing: what `_to_foreign_peer` replaced
         self._unproven_streams = 0  # call streams that broke before the peer ever answered
         self._calls: call_stream.CallStream | None = call_stream.CallStream(
@@ -504,6 +534,17 @@ class GrpcChannel(Channel):
     def tensor_path(self) -> TensorPath:
         """This channel's data plane."""
         return self._tensors
+
+    @property
+    def direct_link(self) -> direct.DirectLink:
+        """This channel's direct connection to a distserver peer (`direct`)."""
+        return self._direct
+
+    async def _direct_endpoint(self, request: bytes, timeout: float) -> bytes:
+        path = f"/{direct.ENDPOINT_SERVICE}/{direct.ENDPOINT_METHOD}"
+        endpoint = self._channel.unary_unary(path, request_serializer=_raw, response_deserializer=_raw)
+        reply: bytes = await endpoint(request, timeout=timeout)
+        return reply
 
     def _callable(self, service: str, method: str) -> Any:
         key = (service, method)
@@ -571,11 +612,27 @@ class GrpcChannel(Channel):
         self._call_bytes_received += response.ByteSize()
         return response
 
+    async def call_serialized(
+        self, service: str, method: str, request: Message, *, timeout: float | None = None
+    ) -> bytes | memoryview:
+        async with self._tracked(method):
+            payload = request.SerializeToString()
+            data = await self._call_framed(service, method, payload, timeout)
+            if data is None:
+                path = f"/{service}/{method}"
+                unary = self._channel.unary_unary(path, request_serializer=_raw, response_deserializer=_raw)
+                data = await unary(payload, timeout=timeout)
+        self._call_bytes_received += len(data)
+        return data
+
     async def _call_framed(
         self, service: str, method: str, payload: bytes, timeout: float | None
     ) -> bytes | memoryview | None:
-        """The serialized response over the tensor path or the call stream; None: make a unary call."""
+        """The serialized response over the tensor path, the direct connection or the call
+        stream; None: make a unary call."""
         data = await self._tensors.carry_call(service, method, payload, timeout)
+        if data is None:
+            data = await self._direct.call(service, method, payload, timeout)
         if data is not None or self._calls is None or len(payload) > _STREAMED_CALL_BYTES:
             return data
         try:
@@ -594,6 +651,7 @@ class GrpcChannel(Channel):
     def _stream_is_unsupported(self) -> None:
         if self._calls is not None:  # the first call to learn it (others may be in flight)
             self._calls = None  # not a distserver peer: unary calls from now on
+            self._direct.unsupported = "a TensorFlow peer"
             self._to_foreign_peer()
 
     def _to_foreign_peer(self) -> None:
@@ -605,7 +663,7 @@ class GrpcChannel(Channel):
         old_channel, old_path = self._channel, self._tensors
         self._channel = open_channel(self.target, self._security, keepalive=False)
         self._callables.clear()
-        self._tensors = self._tensor_path_factory(self._channel, self.target)
+        self._tensors = self._tensor_path_factory(self._channel, self.target, self._direct)
 
         async def retire() -> None:
             try:
@@ -646,6 +704,7 @@ class GrpcChannel(Channel):
         try:
             await self._tensors.close()
         finally:
+            await self._direct.close()
             if self._calls is not None:
                 await self._calls.close()
             await self._channel.close(grace=None)
@@ -723,6 +782,8 @@ async def serve(
         _log_unexpected,
     )
     server.add_generic_rpc_handlers((calls.rpc_handler(),))
+    direct_server = _direct_server(address, calls, tensors, security)
+    server.add_generic_rpc_handlers((direct.endpoint_handler(lambda: direct_server),))
     for service, handler in services.items():
         rpc_handlers = {}
         for method, (request_cls, _) in SERVICES[service].items():
@@ -750,8 +811,37 @@ async def serve(
         port = _bind(server, address, _server_credentials(security))
     except errors.UnknownError:
         await server.stop(None)
+        if direct_server is not None:
+            await direct_server.close(None)
         raise
-    return GrpcListener(server, port, calls)
+    return GrpcListener(server, port, calls, direct_server)
+
+
+def _direct_server(
+    address: str,
+    calls: call_stream.CallStreamServer,
+    tensors: TensorHandOver | None,
+    security: Security | None,
+) -> direct.DirectServer | None:
+    """The direct port beside the gRPC one (`direct`, bound on first use); None when off."""
+    if not direct.enabled():
+        return None
+    recv_tensor = None if tensors is None else _direct_recv_tensor(tensors)
+    serve_call = direct.call_server(calls.dispatch, recv_tensor, f"/{WORKER_SERVICE}/RecvTensor")
+    return direct.DirectServer(address, serve_call, security)
+
+
+def _direct_recv_tensor(hand_over: TensorHandOver) -> Callable[[memoryview], Awaitable[list[Any]]]:
+    async def recv_tensor(payload: memoryview) -> list[Any]:
+        request = parse_request(RecvTensorRequest, payload)
+        key = parse_rendezvous_key(request.rendezvous_key)
+        value, is_dead = await hand_over.fetch(request.step_id, key)
+        # Plain arrays are sent from their own memory; anything else is serialized first.
+        nbytes = 0 if is_plain(value) and value.flags.c_contiguous else tensor_nbytes(value)
+        parts: list[Any] = await _in_thread_if_large(nbytes, recv_tensor_response_parts, value, is_dead)
+        return parts
+
+    return recv_tensor
 
 
 def _bind(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None) -> int:

@@ -15,6 +15,12 @@ from distserver.testing import free_ports
 from distserver.transports import call_stream, get_transport
 
 
+@pytest.fixture(autouse=True)
+def grpc_only(monkeypatch):
+    """These tests are about gRPC's own paths: the direct connection stays off."""
+    monkeypatch.setenv("DISTSERVER_DIRECT", "0")
+
+
 async def serve(handler):
     """A "grpc" listener whose MasterService.ListDevices is `handler`, on a free port."""
     address = f"localhost:{free_ports(1)[0]}"

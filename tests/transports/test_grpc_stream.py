@@ -21,6 +21,13 @@ from distserver.transports import get_transport
 from distserver.transports import grpc as grpc_transport
 from distserver.wire import chunk_tensor
 
+
+@pytest.fixture(autouse=True)
+def grpc_only(monkeypatch):
+    """These tests are about gRPC's own paths: the direct connection stays off."""
+    monkeypatch.setenv("DISTSERVER_DIRECT", "0")
+
+
 SRC = "/job:ps/replica:0/task:0/device:CPU:0"
 DST = "/job:worker/replica:0/task:0/device:CPU:0"
 CHUNK = grpc_transport.CHUNK_BYTES

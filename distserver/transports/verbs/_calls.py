@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from distserver import errors
+from distserver.transports.base import wait_for_answer
 from distserver.transports.verbs import _wire as wire
 from distserver.transports.verbs._qp import QueuePair
 
@@ -70,19 +71,11 @@ class QueuePairCalls:
         self.made += 1
         future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         self._waiting[call_id] = (future, [])
-        timer = asyncio.timeout(timeout)
         try:
             self._qp.send_nowait(wire.encode_call(call_id, path, payload))
-            async with timer:
-                return await future
-        except TimeoutError:
-            if not timer.expired():
-                raise  # the remote handler's own DeadlineExceededError
-            self._cancel(call_id)
-            raise errors.DeadlineExceededError(f"{name} failed: Deadline Exceeded") from None
-        except asyncio.CancelledError:
-            self._cancel(call_id)
-            raise
+            return await wait_for_answer(
+                future, timeout, lambda: self._cancel(call_id), f"{name} failed: Deadline Exceeded"
+            )
         finally:
             self._waiting.pop(call_id, None)
 

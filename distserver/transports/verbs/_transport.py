@@ -51,6 +51,7 @@ from distserver.transports.base import (
     Transport,
     parse_request,
 )
+from distserver.transports.direct import DirectLink
 from distserver.transports.grpc import (
     GrpcChannel,
     GrpcListener,
@@ -113,10 +114,12 @@ class VerbsTensorPath(TensorPath):
     Its queue pair also carries the channel's WorkerService calls (`carry_call`).
     """
 
-    def __init__(self, channel: grpc.aio.Channel, target: str, *, strict: bool) -> None:
+    def __init__(
+        self, channel: grpc.aio.Channel, target: str, direct_link: DirectLink, *, strict: bool
+    ) -> None:
         self._target = target
         self._strict = strict
-        self._grpc = GrpcTensorPath(channel)
+        self._grpc = GrpcTensorPath(channel, direct_link)
         self._get_endpoint = channel.unary_unary(
             f"/{ENDPOINT_SERVICE}/{ENDPOINT_METHOD}", request_serializer=_raw, response_deserializer=_raw
         )
@@ -294,7 +297,9 @@ class VerbsTransport(Transport):
     def connect(self, address: str, *, security: Security | None = None) -> Channel:
         strict = self.strict
         return GrpcChannel(
-            address, lambda channel, target: VerbsTensorPath(channel, target, strict=strict), security
+            address,
+            lambda channel, target, direct_link: VerbsTensorPath(channel, target, direct_link, strict=strict),
+            security,
         )
 
 
