@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +13,21 @@ import pytest
 from distserver.testing import LocalCluster
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _ctrl_c_reaches_subprocesses() -> Iterator[None]:
+    """A suite started in the background by a non-interactive shell (`... &`) inherits
+    SIGINT ignored, and so would every process it starts: the tests that press Ctrl-C
+    in a subprocess would wait for an exit that never comes. Give SIGINT Python's
+    handler here (a caught signal is reset to its default in a child, an ignored one
+    stays ignored)."""
+    previous = signal.getsignal(signal.SIGINT)
+    if previous == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    if previous == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, previous)
 
 
 @pytest.fixture
