@@ -137,6 +137,10 @@ def build_model(
     return Model(train_step, batch_loss, global_step.value(), x, labels, loss, accuracy, init)
 
 
+# Steps scheduled ahead of the one being waited for.
+SCHEDULE_AHEAD = 1000
+
+
 def train(
     cluster: Mapping[str, Sequence[str]],
     data: Data,
@@ -184,15 +188,20 @@ def train(
         done = 0
         while done < steps:
             chunk = min(log_every, steps - done)
-            values = [coordinator.schedule([model.train_step, model.batch_loss]) for _ in range(chunk)]
             losses = []
-            for finished, value in enumerate(values, start=done + 1):
-                losses.append(float(value.fetch()[1]))
-                if on_progress is not None:
-                    on_progress(finished)  # while the rest of the chunk runs
+            # Scheduled a window at a time: memory stays bounded however many steps run.
+            for start in range(0, chunk, SCHEDULE_AHEAD):
+                values = [
+                    coordinator.schedule([model.train_step, model.batch_loss])
+                    for _ in range(min(SCHEDULE_AHEAD, chunk - start))
+                ]
+                for finished, value in enumerate(values, start=done + start + 1):
+                    losses.append(float(value.fetch()[1]))
+                    if on_progress is not None:
+                        on_progress(finished)  # while the rest of the window runs
+                ran_on.update(value.worker for value in values if value.worker is not None)
+                rescheduled += sum(value.attempts - 1 for value in values)
             coordinator.join()
-            ran_on.update(value.worker for value in values if value.worker is not None)
-            rescheduled += sum(value.attempts - 1 for value in values)
             done += chunk
             global_step = int(coordinator.schedule(model.global_step).fetch())
             loss, accuracy = evaluate()
