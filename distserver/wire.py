@@ -6,16 +6,22 @@ several times on each side. These functions produce and read the very same bytes
 (a valid `RecvTensorResponse`, so any TensorFlow peer parses them) by hand:
 
     RecvTensorResponse:  field 1 (tensor: TensorProto) | field 2 (is_dead) | ...
-    RunStepResponse:     field 1 (NamedTensorProto: name (1), tensor (2)), ... | field 2 (metadata)
+    RunStepRequest:      field 2 (feed: NamedTensorProto: name (1), tensor (2)), ... | others
+    RunCallableRequest:  field 3 (feed: TensorProto), ... | others
+    RunGraphRequest:     field 3 (send: NamedTensorProto), ... | others
+    RunStepResponse:     field 1 (NamedTensorProto), ... | field 2 (metadata)
     RunGraphResponse:    field 1 (NamedTensorProto), ... | field 2 (step_stats) | 5, 6 (status)
     RunCallableResponse: field 1 (TensorProto), ...
     TensorProto:         dtype (1), tensor_shape (2) ... then tensor_content (4)
 
 The content is written after a small header built with protobuf (joining the parts
-copies it once; fetch and RunGraph answers are served as an `EncodedMessage`, encoded
-off the event loop when large: `encode_off_loop`), and RecvTensor, RunStep and RunGraph
-answers are read back as numpy views over the received buffer (no copy).
-Tensors that are not plain memory (strings, resources, variants) go through protobuf.
+copies it once; requests and answers carrying tensors are sent as an `EncodedMessage`,
+encoded off the event loop when large: `encode_off_loop`), and read back as numpy
+views over the received buffer (no copy): RecvTensor answers always, the other six
+messages from 1 MiB (`decode_tensor_message`; the transports' `parse_handler_request` gives
+handlers such requests as a `TensorRequest`). A view keeps the whole received
+message alive as long as it lives. Tensors that are not plain memory (strings,
+resources, variants) go through protobuf.
 
 The chunked form (`chunk_tensor` / `TensorAssembler`) carries one tensor as a stream
 of messages: the first holds a length-prefixed header and the start of the content,
@@ -27,8 +33,8 @@ from __future__ import annotations
 import asyncio
 import math
 import struct
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypeVar
+from collections.abc import Iterator, Sequence
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import numpy as np
 from google.protobuf.message import Message
@@ -36,12 +42,14 @@ from google.protobuf.message import Message
 from distserver import errors
 from distserver.protos.named_tensor_pb2 import NamedTensorProto
 from distserver.protos.tensor_pb2 import TensorProto
-from distserver.protos.worker_pb2 import RecvTensorResponse, RunGraphResponse
+from distserver.protos.worker_pb2 import RecvTensorResponse
 from distserver.tensors import (
+    DecodeBudget,
     as_numpy_dtype,
     from_tensor_proto,
     shape_from_proto,
     shape_to_proto,
+    tensor_nbytes,
     to_tensor_proto,
     write_tensor_proto,
 )
@@ -79,7 +87,9 @@ def _read_varint(data: memoryview, pos: int) -> tuple[int, int]:
     result = shift = 0
     while True:
         if pos >= len(data):
-            raise errors.DataLossError("Truncated varint in a tensor response")
+            raise errors.DataLossError("Truncated varint in a tensor message")
+        if shift > 63:  # a varint has at most 10 bytes
+            raise errors.DataLossError("A varint of more than 10 bytes in a tensor message")
         byte = data[pos]
         pos += 1
         result |= (byte & 0x7F) << shift
@@ -181,57 +191,104 @@ def length_delimited(field: int, parts: list[Part]) -> list[Part]:
     return [encode_varint((field << 3) | _LEN), encode_varint(size), *parts]
 
 
-def encode_named_tensor_response(named: Sequence[tuple[str, Any]], field2: bytes = b"") -> bytes:
-    """A serialized `RunStepResponse` or `RunGraphResponse` (both have their tensors as
-    `NamedTensorProto`s in field 1 and a message in field 2): each (name, value) as a
-    `NamedTensorProto` (a value None: the name alone, as RecvTensors marks a value to
-    fetch separately), then `field2` (a serialized `RunMetadata` or `StepStats`) when
-    not empty."""
-    parts: list[Part] = []
-    small = RunGraphResponse()  # small items in a row, built by protobuf's C code
-    for name, value in named:
+# The repeated tensor field of each message `encode_tensor_message` and
+# `decode_tensor_message` handle: NamedTensorProtos, or RunCallable's bare TensorProtos.
+_TENSOR_FIELDS = {
+    "RunStepRequest": "feed",
+    "RunCallableRequest": "feed",
+    "RunGraphRequest": "send",
+    "RunStepResponse": "tensor",
+    "RunCallableResponse": "fetch",
+    "RunGraphResponse": "recv",
+}
+
+
+class TensorField(NamedTuple):
+    """A message's repeated tensor field: its name and number, and whether its items are
+    `NamedTensorProto`s (else bare `TensorProto`s)."""
+
+    name: str
+    number: int
+    named: bool
+
+
+def tensor_field(message_class: type[Message]) -> TensorField | None:
+    """The repeated tensor field of a RunStep, RunCallable or RunGraph request or
+    response; None for other messages."""
+    descriptor = message_class.DESCRIPTOR
+    name = _TENSOR_FIELDS.get(descriptor.name)
+    if name is None:
+        return None
+    field = descriptor.fields_by_name[name]
+    return TensorField(name, field.number, field.message_type is NamedTensorProto.DESCRIPTOR)
+
+
+def encode_tensor_message(message: Message, values: Sequence[Any]) -> bytes:
+    """`message` (its tensor field empty: `tensor_field`) serialized with `values` added
+    to that field: (name, value) pairs for `NamedTensorProto`s (a value None: the name
+    alone, as RecvTensors marks a value to fetch separately), bare values for
+    RunCallable's `TensorProto`s. Plain numeric arrays of `HAND_ENCODED_BYTES` or more
+    are written by hand, their bytes copied once (by the join); smaller values by
+    protobuf's C code, in runs."""
+    field = tensor_field(type(message))
+    if field is None:
+        raise TypeError(f"{type(message).__name__} has no tensor field to encode")
+    named = field.named
+    parts: list[Part] = [message.SerializeToString()]
+    small = type(message)()  # small values in a row, serialized together
+    for item in values:
+        name, value = item if named else ("", item)
         if value is not None and not (isinstance(value, np.ndarray) and value.nbytes >= HAND_ENCODED_BYTES):
-            write_tensor_proto(small.recv.add(name=name).tensor, value)
+            items: Any = getattr(small, field.name)
+            write_tensor_proto(items.add(name=name).tensor if named else items.add(), value)
             continue
-        if small.recv:
-            parts.append(small.SerializeToString())  # field 1 items, as RunStepResponse's too
+        if small.ByteSize():
+            parts.append(small.SerializeToString())
             small.Clear()
-        item = length_delimited(1, [name.encode()])
-        if value is not None:
-            item += length_delimited(2, tensor_proto_parts(value))
-        parts += length_delimited(1, item)
-    if small.recv:
+        tensor = [] if value is None else tensor_proto_parts(value)
+        if named:
+            tensor = length_delimited(1, [name.encode()]) + (length_delimited(2, tensor) if tensor else [])
+        parts += length_delimited(field.number, tensor)
+    if small.ByteSize():
         parts.append(small.SerializeToString())
-    if field2:
-        parts += length_delimited(2, [field2])
     return b"".join(parts)
 
 
-# A response with more top-level fields than this is left to protobuf (the loop below
+# A message with more top-level fields than this is left to protobuf (the loop below
 # is Python: a peer must not make it spin).
-_NAMED_RESPONSE_FIELDS = 100_000
+_TENSOR_MESSAGE_FIELDS = 10_000
 
 
-def decode_tensor_response(
-    data: bytes | memoryview, message_class: type[MessageT], *, missing_ok: bool = False
+def decode_tensor_message(
+    data: bytes | memoryview, message_class: type[MessageT], *, missing_ok: bool = False, what: str = ""
 ) -> tuple[list[tuple[str, np.ndarray | None]], MessageT] | None:
-    """The reverse of `encode_named_tensor_response` and `encode_run_callable_response`
-    for any `RunStepResponse`, `RunGraphResponse` or `RunCallableResponse`: field 1's
-    tensors as (name, numpy view over `data`) pairs (the name "" for RunCallable's bare
-    `TensorProto`s), and every other field parsed by protobuf as `message_class`
-    (status, metadata: small). None when a tensor is not plain numeric content
-    (protobuf must parse it all). With `missing_ok`, a `NamedTensorProto` without a
-    tensor gives (name, None) (RecvTensors: fetch it separately)."""
-    item_type = message_class.DESCRIPTOR.fields_by_number[1].message_type
-    named_items = item_type is not None and item_type.name == "NamedTensorProto"
+    """The reverse of `encode_tensor_message`, for any message `tensor_field` knows: its
+    tensors as (name, value) pairs (the name "" for RunCallable's bare `TensorProto`s),
+    plain numeric ones of `HAND_ENCODED_BYTES` or more as numpy views over `data`
+    (read-only when `data` is), smaller ones decoded by protobuf (charged to one
+    `DecodeBudget` named `what`), and every other field parsed by protobuf as
+    `message_class` (handles, options, status, metadata: small). None when a large
+    tensor is not plain numeric content, or the message has too many fields: protobuf
+    must parse it all. With `missing_ok`, a `NamedTensorProto` without a tensor gives
+    (name, None) (RecvTensors: fetch it separately).
+
+    Raises:
+        DataLossError: a field or a tensor's content is cut short, or the content does
+            not match its dtype and shape.
+    """
+    field = tensor_field(message_class)
+    if field is None:
+        raise TypeError(f"{message_class.__name__} has no tensor field to decode")
+    named_items = field.named
+    budget = DecodeBudget(what=what or f"a {message_class.__name__}")
     view = memoryview(data)
     named: list[tuple[str, np.ndarray | None]] = []
     rest: list[memoryview] = []
     try:
-        for field, wire_type, field_start, start, end in _fields(view, 0, len(view), _NAMED_RESPONSE_FIELDS):
-            if field == 1 and wire_type == _LEN:
+        for number, wire_type, field_start, start, end in _fields(view, 0, len(view), _TENSOR_MESSAGE_FIELDS):
+            if number == field.number and wire_type == _LEN:
                 item = (
-                    _decode_small_item(view[start:end], named_items, missing_ok)
+                    _decode_small_item(view[start:end], named_items, missing_ok, budget)
                     if end - start < HAND_ENCODED_BYTES
                     else _decode_named_tensor(data, view, start, end, missing_ok)
                     if named_items
@@ -266,7 +323,7 @@ def _fields(view: memoryview, start: int, end: int, limit: int) -> Iterator[tupl
         if wire_type == _LEN:
             length, pos = _read_varint(view, pos)
             if pos + length > end:
-                raise errors.DataLossError("A tensor response is cut short")
+                raise errors.DataLossError("A tensor message is cut short")
             yield key >> 3, wire_type, field_start, pos, pos + length
             pos += length
         elif wire_type == _VARINT:
@@ -279,14 +336,16 @@ def _fields(view: memoryview, start: int, end: int, limit: int) -> Iterator[tupl
         raise _NotPlain
 
 
-def _decode_small_item(item: memoryview, named: bool, missing_ok: bool) -> tuple[str, Any] | None:
-    """A small field-1 item by protobuf's C code (a NamedTensorProto, or a bare TensorProto)."""
+def _decode_small_item(
+    item: memoryview, named: bool, missing_ok: bool, budget: DecodeBudget
+) -> tuple[str, Any] | None:
+    """A small tensor-field item by protobuf's C code (a NamedTensorProto, or a bare TensorProto)."""
     if not named:
-        return "", from_tensor_proto(TensorProto.FromString(bytes(item)))
+        return "", from_tensor_proto(TensorProto.FromString(bytes(item)), budget=budget)
     parsed = NamedTensorProto.FromString(bytes(item))
     if not parsed.HasField("tensor"):
         return (parsed.name, None) if missing_ok else None
-    return parsed.name, from_tensor_proto(parsed.tensor)
+    return parsed.name, from_tensor_proto(parsed.tensor, budget=budget)
 
 
 def _unnamed(value: np.ndarray | None) -> tuple[str, np.ndarray | None] | None:
@@ -318,17 +377,9 @@ def _decode_named_tensor(
         return None
 
 
-def encode_run_callable_response(values: Sequence[Any]) -> bytes:
-    """A serialized `RunCallableResponse`: each value a `TensorProto` (field 1)."""
-    parts: list[Part] = []
-    for value in values:
-        parts += length_delimited(1, tensor_proto_parts(value))
-    return b"".join(parts)
-
-
 class EncodedMessage:
-    """A response message already serialized (by the encoders above: each tensor's bytes
-    copied once), which the transports send as it is (`SerializeToString`)."""
+    """A message already serialized (by the encoders above: each tensor's bytes copied
+    once), which the transports send as it is (`SerializeToString`)."""
 
     __slots__ = ("data", "message_class")
 
@@ -346,14 +397,30 @@ class EncodedMessage:
 ENCODE_IN_THREAD_BYTES = 1 << 20
 
 
-async def encode_off_loop(
-    message_class: type[Message], encode: Callable[..., bytes], *args: Any, nbytes: int
-) -> EncodedMessage:
-    """`encode(*args)` as an `EncodedMessage` of `message_class`, in a thread when the
-    tensors it copies (`nbytes`) are large."""
+async def encode_off_loop(message: Message, values: Sequence[Any]) -> EncodedMessage:
+    """`encode_tensor_message(message, values)` as an `EncodedMessage`, in a thread when
+    the tensors it copies come to `ENCODE_IN_THREAD_BYTES` or more (nobody may change
+    `message` or `values` meanwhile)."""
+    field = tensor_field(type(message))
+    named = field is not None and field.named
+    tensors = (value for _, value in values) if named else iter(values)
+    nbytes = sum(tensor_nbytes(value) for value in tensors if value is not None)
     if nbytes < ENCODE_IN_THREAD_BYTES:
-        return EncodedMessage(encode(*args), message_class)
-    return EncodedMessage(await asyncio.to_thread(encode, *args), message_class)
+        return EncodedMessage(encode_tensor_message(message, values), type(message))
+    return EncodedMessage(await asyncio.to_thread(encode_tensor_message, message, values), type(message))
+
+
+class TensorRequest(Generic[MessageT]):
+    """A request whose tensors `decode_tensor_message` read (large ones as views over
+    the received bytes): `message` without them, and `tensors` as (name, value) pairs.
+    The transports' `parse_request` gives handlers large RunStep, RunCallable and
+    RunGraph requests this way."""
+
+    __slots__ = ("message", "tensors")
+
+    def __init__(self, message: MessageT, tensors: list[tuple[str, Any]]) -> None:
+        self.message = message
+        self.tensors = tensors
 
 
 def decode_recv_tensor_response(data: bytes) -> tuple[np.ndarray, bool]:

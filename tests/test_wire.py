@@ -20,10 +20,9 @@ from distserver.wire import (
     chunk_tensor,
     decode_plain_recv_tensor_response,
     decode_recv_tensor_response,
-    decode_tensor_response,
-    encode_named_tensor_response,
+    decode_tensor_message,
     encode_recv_tensor_response,
-    encode_run_callable_response,
+    encode_tensor_message,
 )
 
 DTYPES = [
@@ -79,16 +78,18 @@ def test_fetch_responses_built_by_hand_are_what_protobuf_reads():
     fetched = [(f"t{i}:0", value) for i, value in enumerate(values())]
     metadata = RunMetadata()
     metadata.step_stats.dev_stats.add(device="/job:worker/replica:0/task:0/device:CPU:0")
-    for extra in (b"", metadata.SerializeToString()):
-        step = RunStepResponse.FromString(encode_named_tensor_response(fetched, extra))
+    for message in (RunStepResponse(), RunStepResponse(metadata=metadata)):
+        step = RunStepResponse.FromString(encode_tensor_message(message, fetched))
         assert [named.name for named in step.tensor] == [name for name, _ in fetched]
-        assert step.metadata == (metadata if extra else RunMetadata())
+        assert step.metadata == message.metadata
         for named, (_, value) in zip(step.tensor, fetched, strict=True):
             assert_same(from_tensor_proto(named.tensor), value)
-    called = RunCallableResponse.FromString(encode_run_callable_response([v for _, v in fetched]))
+    called = RunCallableResponse.FromString(
+        encode_tensor_message(RunCallableResponse(), [v for _, v in fetched])
+    )
     for proto, (_, value) in zip(called.fetch, fetched, strict=True):
         assert_same(from_tensor_proto(proto), value)
-    assert RunStepResponse.FromString(encode_named_tensor_response([])) == RunStepResponse()
+    assert RunStepResponse.FromString(encode_tensor_message(RunStepResponse(), [])) == RunStepResponse()
 
 
 def test_named_tensor_responses_read_back_as_views_with_the_other_fields_parsed():
@@ -96,14 +97,15 @@ def test_named_tensor_responses_read_back_as_views_with_the_other_fields_parsed(
     stats = StepStats()
     stats.dev_stats.add(device="/job:ps/replica:0/task:0/device:CPU:0")
     metadata = RunMetadata(step_stats=stats)
-    for message_class, field2, tensors in (
-        (RunGraphResponse, stats, "recv"),
-        (RunStepResponse, metadata, "tensor"),
+    for message, field2, tensors in (
+        (RunGraphResponse(step_stats=stats), stats, "recv"),
+        (RunStepResponse(metadata=metadata), metadata, "tensor"),
     ):
-        data = encode_named_tensor_response(plain, field2.SerializeToString())
+        message_class = type(message)
+        data = encode_tensor_message(message, plain)
         # Status fields after the tensors, as a protobuf writer might put them.
         extra = message_class(status_code=3, status_error_message="bad").SerializeToString()
-        named, rest = decode_tensor_response(data + extra, message_class)
+        named, rest = decode_tensor_message(data + extra, message_class)
         assert [name for name, _ in named] == [name for name, _ in plain]
         for (_, got), (_, value) in zip(named, plain, strict=True):
             assert_same(got, value)
@@ -111,8 +113,8 @@ def test_named_tensor_responses_read_back_as_views_with_the_other_fields_parsed(
         assert rest.ListFields()[0][1] == field2
         assert not getattr(rest, tensors)
     big = np.arange(1 << 16, dtype=np.float32)
-    received = bytearray(encode_named_tensor_response([("big:0", big)]))
-    ((_, got),), _ = decode_tensor_response(received, RunStepResponse)
+    received = bytearray(encode_tensor_message(RunStepResponse(), [("big:0", big)]))
+    ((_, got),), _ = decode_tensor_message(received, RunStepResponse)
     assert np.shares_memory(got, np.frombuffer(received, np.uint8))  # a view: no copy
     np.testing.assert_array_equal(got, big)
 
@@ -120,21 +122,25 @@ def test_named_tensor_responses_read_back_as_views_with_the_other_fields_parsed(
 def test_named_tensor_responses_protobuf_must_read_are_left_to_it():
     # A large tensor that is not plain memory: the whole answer goes to protobuf.
     big_strings = [("s:0", np.array([b"x" * 20_000], dtype=object))]
-    assert decode_tensor_response(encode_named_tensor_response(big_strings), RunStepResponse) is None
+    assert (
+        decode_tensor_message(encode_tensor_message(RunStepResponse(), big_strings), RunStepResponse) is None
+    )
     # Small items are read by protobuf in place, whatever their form: strings, typed fields.
     small_strings = [("s:0", np.array([b"a", b""], dtype=object))]
-    ((_, got),), _ = decode_tensor_response(encode_named_tensor_response(small_strings), RunStepResponse)
+    ((_, got),), _ = decode_tensor_message(
+        encode_tensor_message(RunStepResponse(), small_strings), RunStepResponse
+    )
     assert list(got) == [b"a", b""]
     typed = RunStepResponse()
     typed.tensor.add(name="x:0").tensor.CopyFrom(to_tensor_proto(np.zeros(3, np.float32)))
     typed.tensor[0].tensor.ClearField("tensor_content")
     typed.tensor[0].tensor.float_val.append(2.0)
-    ((_, got),), _ = decode_tensor_response(typed.SerializeToString(), RunStepResponse)
+    ((_, got),), _ = decode_tensor_message(typed.SerializeToString(), RunStepResponse)
     np.testing.assert_array_equal(got, [2.0, 2.0, 2.0])
-    data = encode_named_tensor_response([("x:0", np.arange(10_000, dtype=np.float32))])
+    data = encode_tensor_message(RunStepResponse(), [("x:0", np.arange(10_000, dtype=np.float32))])
     for cut in (3, len(data) // 2, len(data) - 1):
         with pytest.raises(errors.DataLossError):
-            decode_tensor_response(data[:cut], RunStepResponse)
+            decode_tensor_message(data[:cut], RunStepResponse)
 
 
 def assert_same(got, value):
@@ -234,27 +240,106 @@ def test_run_callable_responses_read_back_as_views():
     metadata = RunMetadata()
     metadata.step_stats.dev_stats.add(device="/job:worker/replica:0/task:0/device:CPU:0")
     data = (
-        bytearray(encode_run_callable_response(values))
+        bytearray(encode_tensor_message(RunCallableResponse(), values))
         + RunCallableResponse(metadata=metadata).SerializeToString()
     )
-    fetched, rest = decode_tensor_response(data, RunCallableResponse)
+    fetched, rest = decode_tensor_message(data, RunCallableResponse)
     assert [name for name, _ in fetched] == ["", "", ""]
     for (_, got), value in zip(fetched, values, strict=True):
         assert_same(got, value)
     assert np.shares_memory(fetched[0][1], np.frombuffer(data, np.uint8))
     assert rest.metadata == metadata
     assert not rest.fetch
-    strings = encode_run_callable_response([np.array([b"x" * 20_000], dtype=object)])
-    assert decode_tensor_response(strings, RunCallableResponse) is None
+    strings = encode_tensor_message(RunCallableResponse(), [np.array([b"x" * 20_000], dtype=object)])
+    assert decode_tensor_message(strings, RunCallableResponse) is None
 
 
 def test_a_name_without_a_tensor_is_a_value_to_fetch_separately_only_where_allowed():
     # RecvTensors answers mark a value the receiver fetches on its own with the name alone.
-    data = encode_named_tensor_response([("a", np.arange(3, dtype=np.int32)), ("b", None)])
+    data = encode_tensor_message(RunGraphResponse(), [("a", np.arange(3, dtype=np.int32)), ("b", None)])
     parsed = RunGraphResponse.FromString(data)
     assert [n.name for n in parsed.recv] == ["a", "b"]
     assert not parsed.recv[1].HasField("tensor")
-    named, _ = decode_tensor_response(data, RunGraphResponse, missing_ok=True)
+    named, _ = decode_tensor_message(data, RunGraphResponse, missing_ok=True)
     assert named[1] == ("b", None)
     np.testing.assert_array_equal(named[0][1], [0, 1, 2])
-    assert decode_tensor_response(data, RunGraphResponse) is None  # elsewhere protobuf decides
+    assert decode_tensor_message(data, RunGraphResponse) is None  # elsewhere protobuf decides
+
+
+def test_requests_with_tensors_built_by_hand_are_what_protobuf_reads_and_read_back_as_views():
+    # RunStep, RunCallable and RunGraph requests: a TensorFlow master or worker parses
+    # them with protobuf; a distserver one reads their large tensors as views.
+    from distserver.protos.master_pb2 import RunCallableRequest, RunStepRequest
+    from distserver.protos.worker_pb2 import RunGraphRequest
+
+    big = np.arange(1 << 18, dtype=np.float32).reshape(512, 512)
+    small = [v for v in values() if np.asarray(v).dtype != object]
+    step = RunStepRequest(session_handle="s", fetch=["y:0"], target=["train"])
+    step.options.timeout_in_ms = 5
+    graph = RunGraphRequest(graph_handle="g", step_id=7, recv_key=["k"])
+    graph.exec_opts.record_timeline = True
+    for message, items in (
+        (step, [("big:0", big)] + [(f"x{i}:0", v) for i, v in enumerate(small)]),
+        (graph, [(f"x{i}", v) for i, v in enumerate(small)] + [("big", big)]),
+        (RunCallableRequest(session_handle="s", handle=3), [*small, big]),
+    ):
+        data = bytearray(encode_tensor_message(message, items))
+        parsed = type(message).FromString(data)
+        field = {"RunGraphRequest": "send"}.get(type(message).__name__, "feed")
+        by_protobuf = getattr(parsed, field)
+        parsed.ClearField(field)
+        assert parsed == message
+        decoded, rest = decode_tensor_message(data, type(message))
+        assert rest == message
+        expected = items if isinstance(items[0], tuple) else [("", v) for v in items]
+        assert len(decoded) == len(by_protobuf) == len(expected)
+        for (name, got), (want_name, value), proto in zip(decoded, expected, by_protobuf, strict=True):
+            assert name == want_name
+            assert_same(got, value)
+            assert_same(from_tensor_proto(getattr(proto, "tensor", proto)), value)
+        (got_big,) = [v for _, v in decoded if v.nbytes == big.nbytes]
+        assert np.shares_memory(got_big, np.frombuffer(data, np.uint8))
+
+
+def test_a_large_request_reaches_its_handler_as_views_and_bad_ones_are_invalid_arguments():
+    from distserver.protos.master_pb2 import RunStepRequest
+    from distserver.protos.worker_pb2 import RecvTensorRequest
+    from distserver.transports.base import parse_handler_request
+    from distserver.wire import TensorRequest
+
+    big = np.ones(1 << 18, np.float32)  # 1 MiB: from this size requests are read by hand
+    request = RunStepRequest(session_handle="s", fetch=["y:0"])
+    data = encode_tensor_message(request, [("x:0", big)])
+    parsed = parse_handler_request(RunStepRequest, data)
+    assert isinstance(parsed, TensorRequest)
+    assert parsed.message == request
+    ((name, value),) = parsed.tensors
+    assert name == "x:0"
+    assert np.shares_memory(value, np.frombuffer(data, np.uint8))
+    assert not value.flags.writeable  # a view of the received bytes
+    # Small requests and messages without tensors: protobuf, as before.
+    small = parse_handler_request(RunStepRequest, encode_tensor_message(request, [("x:0", big[:4])]))
+    assert isinstance(small, RunStepRequest)
+    assert small.feed[0].name == "x:0"
+    other = RecvTensorRequest(rendezvous_key="k" * (2 << 20)).SerializeToString()
+    assert parse_handler_request(RecvTensorRequest, other).rendezvous_key == "k" * (2 << 20)
+    # A request cut short, or with a varint longer than 10 bytes: INVALID_ARGUMENT, at once.
+    for bad in (data[: len(data) // 2], b"\x12" + b"\xff" * (2 << 20)):
+        with pytest.raises(errors.InvalidArgumentError, match="Could not parse the RunStepRequest"):
+            parse_handler_request(RunStepRequest, bad)
+
+
+def test_small_tensors_in_a_hand_read_request_are_charged_to_its_budget():
+    # A small item claiming a huge shape (a typed field TensorFlow pads): refused before
+    # anything is allocated, as protobuf-parsed requests are.
+    from distserver.protos.master_pb2 import RunStepRequest
+    from distserver.transports.base import parse_handler_request
+
+    request = RunStepRequest()
+    padded = request.feed.add(name="pad:0").tensor
+    padded.dtype = 1  # DT_FLOAT
+    padded.tensor_shape.dim.add(size=1 << 40)
+    padded.float_val.append(1.0)
+    data = encode_tensor_message(request, [("big:0", np.ones(1 << 18, np.float32))])
+    with pytest.raises(errors.ResourceExhaustedError):
+        parse_handler_request(RunStepRequest, data)

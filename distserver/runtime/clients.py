@@ -23,8 +23,14 @@ from distserver.protos.config_pb2 import RunMetadata, RunOptions
 from distserver.protos.debug_pb2 import StepStats
 from distserver.protos.services import MASTER_SERVICE, TENSOR_SERVICE, WORKER_SERVICE
 from distserver.runtime.names import canonical_tensor_name
-from distserver.tensors import from_tensor_proto, write_tensor_proto
-from distserver.wire import ENCODE_IN_THREAD_BYTES, MessageT, decode_tensor_response
+from distserver.tensors import from_tensor_proto
+from distserver.wire import (
+    ENCODE_IN_THREAD_BYTES,
+    EncodedMessage,
+    MessageT,
+    decode_tensor_message,
+    encode_off_loop,
+)
 
 
 class ChannelLike(Protocol):
@@ -41,7 +47,7 @@ class ChannelLike(Protocol):
     ) -> Message: ...
 
     async def call_serialized(
-        self, service: str, method: str, request: Message, *, timeout: float | None = None
+        self, service: str, method: str, request: Message | EncodedMessage, *, timeout: float | None = None
     ) -> bytes | memoryview: ...
 
     async def recv_tensor(
@@ -176,10 +182,8 @@ class RemoteWorker:
         full.CopyFrom(request)
         full.store_errors_in_response_body = True
         full.exec_opts.record_timeline = stats is not None
-        for key, value in sends.items():
-            named = full.send.add(name=key)
-            write_tensor_proto(named.tensor, value)
-        data = await self.channel.call_serialized(WORKER_SERVICE, "RunGraph", full, timeout=timeout)
+        encoded = await encode_off_loop(full, list(sends.items()))
+        data = await self.channel.call_serialized(WORKER_SERVICE, "RunGraph", encoded, timeout=timeout)
         recv, response = await _named_tensors(data, w.RunGraphResponse)
         _raise_body_error(response.status_code, response.status_error_message)
         if stats is not None:
@@ -226,11 +230,9 @@ class RemoteMaster:
         )
         if options is not None:
             request.options.CopyFrom(options)
-        for name, value in feeds.items():
-            named = request.feed.add(name=name)
-            write_tensor_proto(named.tensor, value)
+        encoded = await encode_off_loop(request, list(feeds.items()))
         data = await self.channel.call_serialized(
-            MASTER_SERVICE, "RunStep", request, timeout=rpc_deadline(options)
+            MASTER_SERVICE, "RunStep", encoded, timeout=rpc_deadline(options)
         )
         fetched, response = await _named_tensors(data, m.RunStepResponse)
         _raise_body_error(response.status_code, response.status_error_message)
@@ -240,9 +242,8 @@ class RemoteMaster:
 
     async def run_callable(self, handle: str, callable_handle: int, feeds: Sequence[Any]) -> list[Any]:
         request = m.RunCallableRequest(session_handle=handle, handle=callable_handle)
-        for value in feeds:
-            write_tensor_proto(request.feed.add(), value)
-        data = await self.channel.call_serialized(MASTER_SERVICE, "RunCallable", request)
+        encoded = await encode_off_loop(request, list(feeds))
+        data = await self.channel.call_serialized(MASTER_SERVICE, "RunCallable", encoded)
         fetched, _ = await _named_tensors(data, m.RunCallableResponse)
         return [value for _, value in fetched]
 
@@ -254,12 +255,12 @@ async def _named_tensors(
     without names) and the rest of the message.
 
     In an answer of 1 MiB or more, plain numeric tensors of 16 KiB or more are numpy
-    views over `data` (`wire.decode_tensor_response`); smaller answers, and answers
+    views over `data` (`wire.decode_tensor_message`); smaller answers, and answers
     with large tensors of other kinds, are parsed by protobuf (in a thread when large).
     `missing_ok`: a name without a tensor gives None (RecvTensors: fetch it separately).
     """
     if len(data) >= ENCODE_IN_THREAD_BYTES:  # below, protobuf is as fast and copies little
-        decoded = decode_tensor_response(data, message_class, missing_ok=missing_ok)
+        decoded = decode_tensor_message(data, message_class, missing_ok=missing_ok)
         if decoded is not None:
             return decoded
 

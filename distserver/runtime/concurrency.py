@@ -7,11 +7,15 @@ import asyncio
 from collections.abc import Awaitable, Iterable, Sequence
 from typing import Any, TypeVar
 
+from google.protobuf.message import Message
+
 from distserver import errors
 from distserver.protos.tensor_pb2 import TensorProto
 from distserver.tensors import decode_elements, decode_tensors
+from distserver.wire import TensorRequest, tensor_field
 
 T = TypeVar("T")
+MessageT = TypeVar("MessageT", bound=Message)
 
 # Decoding more elements one by one than this (typed fields, padding) takes long
 # enough (~1 ms and up) to stall every other call of the task: it runs in a thread.
@@ -23,6 +27,23 @@ async def decode_message_tensors(protos: Sequence[TensorProto], *, what: str) ->
     if decode_elements(protos) > INLINE_DECODE_ELEMENTS:
         return await asyncio.to_thread(decode_tensors, protos, what=what)
     return decode_tensors(protos, what=what)
+
+
+async def request_tensors(
+    request: MessageT | TensorRequest[MessageT], *, what: str
+) -> tuple[MessageT, list[tuple[str, Any]]]:
+    """A RunStep, RunCallable or RunGraph request's message and its tensors as (name,
+    value) pairs (the name "" for RunCallable's bare `TensorProto`s): as the transport
+    read them (`wire.TensorRequest`), else decoded from protobuf here."""
+    if isinstance(request, TensorRequest):
+        return request.message, request.tensors
+    field = tensor_field(type(request))
+    assert field is not None, type(request).__name__
+    items: Any = getattr(request, field.name)
+    if field.named:
+        values = await decode_message_tensors([item.tensor for item in items], what=what)
+        return request, list(zip((item.name for item in items), values, strict=True))
+    return request, [("", value) for value in await decode_message_tensors(items, what=what)]
 
 
 def first_error(group: BaseExceptionGroup[Any]) -> BaseException:

@@ -35,21 +35,15 @@ from distserver.protos.device_attributes_pb2 import DeviceAttributes
 from distserver.protos.function_pb2 import FunctionDef
 from distserver.protos.graph_pb2 import GraphDef
 from distserver.protos.node_def_pb2 import NodeDef
-from distserver.protos.tensor_pb2 import TensorProto
 from distserver.runtime.clients import WorkerClient
-from distserver.runtime.concurrency import decode_message_tensors, gather_all
+from distserver.runtime.concurrency import gather_all, request_tensors
 from distserver.runtime.counters import StepCounters
 from distserver.runtime.functions import function_attrs, index_library
 from distserver.runtime.names import canonical_tensor_name
 from distserver.runtime.plan import build_plan, import_graph
 from distserver.runtime.worker import Worker
-from distserver.tensors import as_datatype, tensor_nbytes
-from distserver.wire import (
-    EncodedMessage,
-    encode_named_tensor_response,
-    encode_off_loop,
-    encode_run_callable_response,
-)
+from distserver.tensors import as_datatype
+from distserver.wire import EncodedMessage, TensorRequest, encode_off_loop
 
 logger = logging.getLogger(__name__)
 
@@ -652,36 +646,32 @@ class Master:
         response = await handler(request)
         return response.parse() if isinstance(response, EncodedMessage) else response
 
-    async def run_step_rpc(self, request: m.RunStepRequest) -> m.RunStepResponse | EncodedMessage:
+    async def run_step_rpc(
+        self, request: m.RunStepRequest | TensorRequest[m.RunStepRequest]
+    ) -> m.RunStepResponse | EncodedMessage:
         response = m.RunStepResponse()
+        message = request.message if isinstance(request, TensorRequest) else request
         try:
-            if request.partial_run_handle:
+            if message.partial_run_handle:
                 raise errors.UnimplementedError("Partial runs are not supported by distserver")
-            fed: dict[str, TensorProto] = {}
-            for named in request.feed:
-                if named.name in fed:
-                    raise errors.InvalidArgumentError(f"Duplicated feeds: {named.name}")
-                fed[named.name] = named.tensor
-            values = await decode_message_tensors(list(fed.values()), what="a RunStep request")
-            feeds = dict(zip(fed, values, strict=True))
+            message, fed = await request_tensors(request, what="a RunStep request")
+            feeds: dict[str, Any] = {}
+            for name, value in fed:
+                if name in feeds:
+                    raise errors.InvalidArgumentError(f"Duplicated feeds: {name}")
+                feeds[name] = value
             results = await self.run_step(
-                request.session_handle,
+                message.session_handle,
                 feeds,
-                list(request.fetch),
-                list(request.target),
-                request.options,
+                list(message.fetch),
+                list(message.target),
+                message.options,
                 response.metadata,
             )
-            fetched = [(name, results[canonical_tensor_name(name)]) for name in dict.fromkeys(request.fetch)]
-            return await encode_off_loop(
-                m.RunStepResponse,
-                encode_named_tensor_response,
-                fetched,
-                response.metadata.SerializeToString(),
-                nbytes=sum(tensor_nbytes(value) for _, value in fetched),
-            )
+            fetched = [(name, results[canonical_tensor_name(name)]) for name in dict.fromkeys(message.fetch)]
+            return await encode_off_loop(response, fetched)
         except errors.OpError as exc:
-            if not request.store_errors_in_response_body:
+            if not message.store_errors_in_response_body:
                 raise
             del response.tensor[:]
             response.ClearField("metadata")
@@ -729,15 +719,12 @@ class Master:
         )
         return [results[canonical_tensor_name(f)] for f in spec.fetches]
 
-    async def run_callable_rpc(self, request: m.RunCallableRequest) -> EncodedMessage:
-        feeds = await decode_message_tensors(request.feed, what="a RunCallable request")
-        values = await self.run_callable(request.session_handle, request.handle, feeds)
-        return await encode_off_loop(
-            m.RunCallableResponse,
-            encode_run_callable_response,
-            values,
-            nbytes=sum(tensor_nbytes(value) for value in values),
-        )
+    async def run_callable_rpc(
+        self, request: m.RunCallableRequest | TensorRequest[m.RunCallableRequest]
+    ) -> EncodedMessage:
+        message, feeds = await request_tensors(request, what="a RunCallable request")
+        values = await self.run_callable(message.session_handle, message.handle, [v for _, v in feeds])
+        return await encode_off_loop(m.RunCallableResponse(), values)
 
     async def release_callable(self, request: m.ReleaseCallableRequest) -> m.ReleaseCallableResponse:
         session = self._session(request.session_handle)

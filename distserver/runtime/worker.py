@@ -34,13 +34,13 @@ from distserver.protos.debug_pb2 import StepStats
 from distserver.protos.device_attributes_pb2 import DeviceAttributes
 from distserver.runtime import batched_recv
 from distserver.runtime.clients import WorkerClient
-from distserver.runtime.concurrency import decode_message_tensors
+from distserver.runtime.concurrency import request_tensors
 from distserver.runtime.counters import StepCounters
 from distserver.runtime.executor import Executor, StepContext
 from distserver.runtime.push import PUSH_LIMIT_BYTES, worker_returns
 from distserver.runtime.rendezvous import RendezvousTable, StepRendezvous
 from distserver.tensors import tensor_nbytes
-from distserver.wire import EncodedMessage, encode_named_tensor_response, encode_off_loop
+from distserver.wire import EncodedMessage, TensorRequest, encode_off_loop
 
 logger = logging.getLogger(__name__)
 
@@ -310,25 +310,19 @@ class Worker:
             raise
         return results
 
-    async def run_graph_rpc(self, request: w.RunGraphRequest) -> w.RunGraphResponse | EncodedMessage:
+    async def run_graph_rpc(
+        self, request: w.RunGraphRequest | TensorRequest[w.RunGraphRequest]
+    ) -> w.RunGraphResponse | EncodedMessage:
         response = w.RunGraphResponse()
+        message = request.message if isinstance(request, TensorRequest) else request
         try:
-            values = await decode_message_tensors(
-                [named.tensor for named in request.send], what="a RunGraph request"
-            )
-            sends = dict(zip((named.name for named in request.send), values, strict=True))
-            stats = response.step_stats if request.exec_opts.record_timeline else None
-            results = await self.run_graph(request, sends, stats=stats)
+            message, sends = await request_tensors(request, what="a RunGraph request")
+            stats = response.step_stats if message.exec_opts.record_timeline else None
+            results = await self.run_graph(message, dict(sends), stats=stats)
             # Written by hand: each value's bytes copied once, off the loop when large.
-            return await encode_off_loop(
-                w.RunGraphResponse,
-                encode_named_tensor_response,
-                list(results.items()),
-                b"" if stats is None else stats.SerializeToString(),
-                nbytes=sum(tensor_nbytes(value) for value in results.values()),
-            )
+            return await encode_off_loop(response, list(results.items()))
         except errors.OpError as exc:
-            if not request.store_errors_in_response_body:
+            if not message.store_errors_in_response_body:
                 raise
             del response.recv[:]
             response.ClearField("step_stats")
@@ -346,12 +340,7 @@ class Worker:
         those sent by the time the first one is (`batched_recv.answer`), written by hand
         (a key whose value is to be fetched separately: a name without a tensor)."""
         values = await self._batched_values(request)
-        return await encode_off_loop(
-            w.RunGraphResponse,
-            encode_named_tensor_response,
-            list(values.items()),
-            nbytes=sum(tensor_nbytes(value) for value in values.values() if value is not None),
-        )
+        return await encode_off_loop(w.RunGraphResponse(), list(values.items()))
 
     async def _batched_values(self, request: w.RunGraphRequest) -> dict[str, Any]:
         if not request.recv_key or len(request.recv_key) > batched_recv.MAX_BATCH_KEYS:

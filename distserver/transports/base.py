@@ -38,6 +38,13 @@ from google.protobuf.message import DecodeError, Message
 from distserver import errors
 from distserver.devices import RendezvousKey
 from distserver.security import Security
+from distserver.wire import (
+    ENCODE_IN_THREAD_BYTES,
+    EncodedMessage,
+    TensorRequest,
+    decode_tensor_message,
+    tensor_field,
+)
 
 # A service implementation: method name ("RunStep") -> coroutine taking the request
 # message and returning the response message. Raising an OpError reports that status.
@@ -84,6 +91,25 @@ def parse_request(request_cls: type[MessageT], data: bytes | memoryview) -> Mess
         return request_cls.FromString(cast(bytes, data))  # FromString takes any buffer
     except DecodeError as exc:
         raise errors.InvalidArgumentError(f"Could not parse the {request_cls.__name__}: {exc}") from None
+
+
+def parse_handler_request(
+    request_cls: type[MessageT], data: bytes | memoryview
+) -> MessageT | TensorRequest[MessageT]:
+    """`parse_request` for a service handler: a RunStep, RunCallable or RunGraph request
+    of `ENCODE_IN_THREAD_BYTES` or more comes as a `wire.TensorRequest`, its large
+    plain tensors numpy views over `data` rather than copies protobuf makes on the
+    event loop (the handlers read both forms)."""
+    if len(data) < ENCODE_IN_THREAD_BYTES or tensor_field(request_cls) is None:
+        return parse_request(request_cls, data)
+    try:
+        decoded = decode_tensor_message(data, request_cls, what=f"a {request_cls.__name__}")
+    except errors.DataLossError as exc:
+        raise errors.InvalidArgumentError(f"Could not parse the {request_cls.__name__}: {exc}") from None
+    if decoded is None:
+        return parse_request(request_cls, data)
+    tensors, message = decoded
+    return TensorRequest(message, tensors)
 
 
 @dataclass(frozen=True)
@@ -138,8 +164,9 @@ class Channel(abc.ABC):
           longer than `timeout` (None: fail as soon as the peer is known to be
           unreachable, unless `wait_for_ready` is true).
         * `call_serialized(...)` is `call` returning the response still serialized, for
-          callers that read its tensors themselves (`wire.decode_tensor_response`);
-          the default serializes what `call` parsed.
+          callers that read its tensors themselves (`wire.decode_tensor_message`);
+          its request may be a `wire.EncodedMessage`, sent as it is. The default
+          serializes what `call` parsed.
         * `recv_tensor(step_id, key, timeout=...)` fetches the value the peer's
           tensor source holds for `key` in step `step_id` and returns
           `(value, is_dead)` with `value` a numpy array (possibly a read-only view
@@ -162,8 +189,10 @@ class Channel(abc.ABC):
     ) -> Message: ...
 
     async def call_serialized(
-        self, service: str, method: str, request: Message, *, timeout: float | None = None
+        self, service: str, method: str, request: Message | EncodedMessage, *, timeout: float | None = None
     ) -> bytes | memoryview:
+        if isinstance(request, EncodedMessage):
+            request = request.parse()
         response = await self.call(service, method, request, timeout=timeout)
         data: bytes = response.SerializeToString()
         return data

@@ -41,7 +41,7 @@ from google.protobuf.message import Message
 
 from distserver import errors
 from distserver.protos.services import SERVICES
-from distserver.transports.base import parse_request
+from distserver.transports.base import parse_handler_request
 
 METHOD = "/distserver.Calls/Stream"
 
@@ -190,7 +190,7 @@ class CallStreamServer:
         if fn is None or request_cls is None:
             raise errors.UnimplementedError(f"{path} is not served by this distserver task")
         try:
-            body: bytes = (await fn(parse_request(request_cls, payload))).SerializeToString()
+            body: bytes = (await fn(parse_handler_request(request_cls, payload))).SerializeToString()
         except Exception as exc:
             if isinstance(exc, errors.OpError):
                 raise

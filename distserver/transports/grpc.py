@@ -63,9 +63,11 @@ from distserver.transports.base import (
     ServiceHandler,
     TensorSource,
     Transport,
+    parse_handler_request,
     parse_request,
 )
 from distserver.wire import (
+    EncodedMessage,
     TensorAssembler,
     chunk_tensor,
     decode_plain_recv_tensor_response,
@@ -203,7 +205,7 @@ def _wrap(
     async def handle(data: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         call_deadline.set_from_timeout(context.time_remaining())
         try:
-            return await fn(parse_request(request_cls, data))
+            return await fn(parse_handler_request(request_cls, data))
         except Exception as exc:
             await _abort(context, exc, fn)
         raise AssertionError("unreachable: context.abort raises")
@@ -221,7 +223,7 @@ def _wrap_stream(
     ) -> AsyncIterator[Any]:
         try:
             async for data in requests:
-                yield await fn(parse_request(request_cls, data))
+                yield await fn(parse_handler_request(request_cls, data))
         except Exception as exc:
             await _abort(context, exc, fn)
 
@@ -613,7 +615,7 @@ class GrpcChannel(Channel):
         return response
 
     async def call_serialized(
-        self, service: str, method: str, request: Message, *, timeout: float | None = None
+        self, service: str, method: str, request: Message | EncodedMessage, *, timeout: float | None = None
     ) -> bytes | memoryview:
         async with self._tracked(method):
             payload = request.SerializeToString()

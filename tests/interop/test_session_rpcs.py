@@ -74,6 +74,12 @@ def test_arithmetic_with_feeds(results, check):
     assert check(results, "booleans") is False
     assert check(results, "big_constant") == 4950.0
     assert check(results, "fetch_a_feed") == [[4.0, 4.0, 4.0]]
+    large = np.arange(3 * 150_000, dtype=np.float32).reshape(-1, 3)
+    total, last = check(results, "large_feed")
+    assert total == pytest.approx(float((large.astype(np.float64) * 2 + 1).sum()), rel=1e-6)
+    assert last == (large[-1] * 2 + 1).tolist()
+    assert check(results, "large_string_feed") == [10_000, [[1.0, 3.0, 5.0]]]
+    assert check(results, "make_callable_large_feed") == (large[-1] * 2 + 1).tolist()
 
 
 def test_string_feeds_and_fetches(results, check):

@@ -104,6 +104,33 @@ def test_a_256_mib_tensor_crosses_tasks_intact(cluster):
     assert last.tolist() == [n - 3, n - 2, n - 1]
 
 
+def test_large_feeds_reach_every_task_intact(cluster):
+    # Feeds of 1 MiB and more travel in RunStep, RunCallable and RunGraph requests the
+    # receiving task reads as views (`wire.TensorRequest`); small ones ride along.
+    n = 1 << 20  # float32 -> 4 MiB
+    graph = ds.Graph()
+    with graph.as_default():
+        big = ds.placeholder(ds.float32, shape=[None], name="big")
+        small = ds.placeholder(ds.float32, shape=[3], name="small")
+        with ds.device("/job:ps/task:1"):
+            on_ps = ds.reduce_sum(ds.reshape(big, [1024, -1])[:, 0]) + ds.reduce_sum(small)
+            doubled = big * 2.0
+        with ds.device("/job:worker/task:1"):
+            tail = big[-2:] + small[:2]
+    value = np.arange(n, dtype=np.float32)
+    feeds = {big: value, small: np.array([1, 2, 3], np.float32)}
+    with ds.Session(cluster.target("worker", 0), graph=graph) as session:
+        got_sum, got_doubled, got_tail = session.run([on_ps, doubled, tail], feed_dict=feeds)
+        run = session.make_callable([on_ps, doubled], feed_list=[big, small])
+        called_sum, called_doubled = run(value, feeds[small])
+        with pytest.raises(ds.errors.InvalidArgumentError, match="reshape"):  # from ps1's RunGraph
+            session.run(on_ps, feed_dict={big: value[:-1], small: feeds[small]})
+    assert got_sum == called_sum == pytest.approx(float(value[::1024].sum()) + 6.0)
+    np.testing.assert_array_equal(got_doubled, value * 2.0)
+    np.testing.assert_array_equal(called_doubled, value * 2.0)
+    np.testing.assert_array_equal(got_tail, value[-2:] + np.array([1, 2], np.float32))
+
+
 def test_values_a_transport_asks_for_twice_still_arrive(cluster):
     """ps0 frees a finished step as soon as its values for other tasks are handed
     over; a string (which verbs leaves to gRPC) and a 6 MiB tensor (which a unary

@@ -54,12 +54,21 @@ with graph.as_default():
             ),
         )
         checks.run("fetch_a_feed", lambda: sess.run(x, {x: np.full((1, 3), 4.0, np.float32)}))
+        # Feeds of 1 MiB and more: distserver reads plain ones as views of the request,
+        # and leaves a request with large strings to protobuf.
+        large = np.arange(3 * 150_000, dtype=np.float32).reshape(-1, 3)
+        checks.run("large_feed", lambda: sess.run([tf.reduce_sum(y), y[-1]], {x: large}))
+        large_words = np.array([b"w" * 100] * 10_000)
+        checks.run(
+            "large_string_feed", lambda: sess.run([tf.size(shouted), y], {x: large[:1], words: large_words})
+        )
         # New nodes after the first run: ExtendSession.
         tripled = tf.identity(y * 3.0, name="tripled")
         checks.run("extended", lambda: sess.run(tripled, {x: np.ones((1, 3), np.float32)}))
         checks.run("list_devices", lambda: sorted(d.name for d in sess.list_devices()))
         run_y = sess.make_callable(y, feed_list=[x])
         checks.run("make_callable_feed_list", lambda: run_y(np.ones((1, 3), np.float32)))
+        checks.run("make_callable_large_feed", lambda: run_y(large)[-1])
         run_total = sess.make_callable(big_total)
         checks.run("make_callable_no_feeds", run_total)
 
