@@ -84,9 +84,11 @@ def test_small_run_writes_the_table_json_and_png(python_env, tmp_path):
         assert set(data["recv"][series]) == {"4096", "16384"}
         for key, result_ in data["recv"][series].items():
             check_result(result_, int(key), 1)
-    assert set(data["fetch"]) == {"grpc"}  # the baselines have no client to fetch to
-    for key, result_ in data["fetch"]["grpc"].items():
-        check_result(result_, int(key), 1)
+    for kind in ("fetch", "feed"):
+        assert set(data[kind]) == {"grpc"}  # the baselines have no client to fetch to or feed from
+        assert set(data[kind]["grpc"]) == {"4096", "16384"}
+        for key, result_ in data[kind]["grpc"].items():
+            check_result(result_, int(key), 1)
     concurrent = data["concurrent_steps"]["grpc"]
     assert set(concurrent) == {"1", "2"}
     assert concurrent["2"]["steps"] == 2

@@ -26,6 +26,8 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import numpy as np
+
 KiB = 1 << 10
 MiB = 1 << 20
 
@@ -136,6 +138,20 @@ def build_fetch_graph(api: Any, nbytes: int) -> tuple[Any, Any, Any]:
     return graph, var.initializer, value
 
 
+def build_feed_graph(api: Any, nbytes: int) -> tuple[Any, Any, Any]:
+    """A float32 placeholder of `nbytes` the client feeds, consumed by ``x[0]`` on ps.
+
+    Returns (graph, feed, fetch). With the session on the worker, one step moves the
+    tensor client -> master (worker) -> ps; the fetch is a scalar.
+    """
+    graph = api.Graph()
+    with graph.as_default():
+        fed = api.placeholder(api.float32, shape=[nbytes // 4], name=f"x{nbytes}")
+        with api.device(PS):
+            first = fed[0]
+    return graph, fed, first
+
+
 def build_push_graph(api: Any, nbytes: int, workers: int) -> tuple[Any, Any, Any]:
     """`workers` float32 variables of `nbytes`, one per worker, each consumed on ps.
 
@@ -207,6 +223,7 @@ class Prepared:
 
     kind "recv": one step moves an `nbytes` float32 tensor ps -> worker.
     kind "fetch": one step fetches an `nbytes` float32 tensor of ps to the client.
+    kind "feed": one step feeds an `nbytes` float32 tensor from the client to ps.
     kind "push": one step moves `nbytes` from each of `workers` workers to ps.
     kind "trivial": one step feeds a scalar to ``a + 1.0`` on ps (master on worker).
     kind "trivial_var": one step fetches ``s + 1.0``, `s` a scalar variable on ps.
@@ -235,6 +252,9 @@ class Prepared:
         elif kind == "fetch":
             graph, init, fetch = build_fetch_graph(api, nbytes)
             feeds, expected = [], 1.0
+        elif kind == "feed":
+            graph, feed, fetch = build_feed_graph(api, nbytes)
+            init, feeds, expected = None, [feed], 1.0
         elif kind == "push":
             graph, init, fetch = build_push_graph(api, nbytes, workers)
             feeds, expected = [], float(workers)
@@ -254,14 +274,20 @@ class Prepared:
                 self.init_s = time.perf_counter() - started
             run = self.session.make_callable(fetch, feed_list=feeds or None)
             self.step: Callable[[], Any] = run
-            if feeds:
+            first_feed: list[Any] = []
+            if kind == "feed":  # the same array every step, as a training batch in memory
+                array = np.ones(nbytes // 4, np.float32)
+                first_feed = [array]
+                self.step = lambda: run(array)
+            elif feeds:
                 counter = iter(range(1 << 40))  # a new value every step
 
                 def fed_step() -> Any:
                     return run(float(next(counter) & 0xFFFF))
 
                 self.step = fed_step
-            value = run(1.0) if feeds else run()
+                first_feed = [1.0]
+            value = run(*first_feed)
             if kind == "fetch":
                 if getattr(value, "nbytes", None) != nbytes:
                     raise AssertionError(f"fetch step returned {value!r}, expected {nbytes} bytes")

@@ -10,6 +10,8 @@ same interleaved blocks (`sides.measure`):
   floor), ``tensorflow`` (TensorFlow's runtime, same graph and timing code).
 * Fetch to the client (`timing.build_fetch_graph`): the whole tensor of ps fetched by
   the session (distserver series and TensorFlow).
+* Feed from the client (`timing.build_feed_graph`): a tensor the session feeds,
+  consumed on ps (distserver series and TensorFlow).
 
 Then, for the distserver series, at ``--concurrency-size``:
 
@@ -132,6 +134,7 @@ class _Run:
             "series": {},
             "recv": {},
             "fetch": {},
+            "feed": {},
             "concurrent_steps": {},
             "push_to_ps": {},
             "skipped": list(options.skipped),
@@ -278,10 +281,11 @@ class _Run:
             self.start_sides()
             sweep = [*self.cluster_sides, *self.baselines, *([self.tf] if self.tf else [])]
             fetchers: list[Any] = [*self.cluster_sides, *([self.tf] if self.tf else [])]
-            if fetchers:
-                self.report["fetch"] = {side.name: {} for side in fetchers}
+            client_kinds = ("fetch", "feed") if fetchers else ()
+            for kind in client_kinds:
+                self.report[kind] = {side.name: {} for side in fetchers}
             levels = list(range(1, options.concurrency + 1))
-            total = len(options.sizes) * (1 + bool(fetchers)) + 2 * len(levels) * len(self.cluster_sides)
+            total = len(options.sizes) * (1 + len(client_kinds)) + 2 * len(levels) * len(self.cluster_sides)
             self.progress = self.progress_factory(total)
             sides.set_log(self.progress.write)
             for nbytes in options.sizes:
@@ -291,11 +295,11 @@ class _Run:
                     f"RecvTensor {size}", sweep, "recv", nbytes, repeats
                 ):
                     self._record("recv", side.name, str(nbytes), result)
-                if fetchers:
+                for kind in client_kinds:
                     for side, result in self._measure_in_memory(
-                        f"fetch {size}", fetchers, "fetch", nbytes, repeats
+                        f"{kind} {size}", fetchers, kind, nbytes, repeats
                     ):
-                        self._record("fetch", side.name, str(nbytes), result)
+                        self._record(kind, side.name, str(nbytes), result)
             if levels and self.cluster_sides:
                 # The push cluster holds a tensor on every worker at once.
                 peak = options.concurrency_size * levels[-1]
@@ -520,6 +524,7 @@ def tables(data: dict[str, Any]) -> str:
     for key, title in (
         ("recv", "RecvTensor ps -> worker"),
         ("fetch", "Fetch to the client (the whole tensor of ps, session on the worker)"),
+        ("feed", "Feed from the client (consumed on ps, session on the worker)"),
     ):
         names = list(data[key])
         if not names:
@@ -571,9 +576,9 @@ def plot(data: dict[str, Any], path: Path) -> None:
     rows = 2 if concurrency else 1
     fig, axes = plt.subplots(rows, 2, figsize=(13, 5 * rows), squeeze=False)
     rate_ax, time_ax = axes[0]
-    # One colour per series; RecvTensor solid, fetch dashed in the series' colour.
+    # One colour per series; RecvTensor solid, fetch dashed, feed dotted in the series' colour.
     colours = {name: f"C{i % 10}" for i, name in enumerate(data["series"])}
-    styles = {"recv": ("-", "o", ""), "fetch": ("--", "s", " fetch")}
+    styles = {"recv": ("-", "o", ""), "fetch": ("--", "s", " fetch"), "feed": (":", "^", " feed")}
     sizes_seen: set[int] = set()
     for key, (line, marker, suffix) in styles.items():
         for name, results in data[key].items():
@@ -595,7 +600,7 @@ def plot(data: dict[str, Any], path: Path) -> None:
             time_ax.errorbar(sizes, medians, yerr=[low, high], capsize=3, **style)
     rate_ax.set(xscale="log", yscale="log", xlabel="tensor size", ylabel="MB/s (10^6 bytes/s, median step)")
     rate_ax.set_title(
-        "Throughput: RecvTensor ps -> worker (solid), fetch to client (dashed)", fontsize="medium"
+        "Throughput: RecvTensor ps -> worker (solid), fetch (dashed), feed (dotted)", fontsize="medium"
     )
     time_ax.set(xscale="log", yscale="log", xlabel="tensor size", ylabel="step time (s)")
     time_ax.set_title("Step latency: median, bars min-max", fontsize="medium")
