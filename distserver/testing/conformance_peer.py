@@ -73,7 +73,9 @@ from distserver.protos.worker_pb2 import (
     RunGraphRequest,
     RunGraphResponse,
 )
+from distserver.runtime.concurrency import request_tensors
 from distserver.transports import Transport
+from distserver.wire import EncodedMessage, TensorRequest, encode_off_loop
 
 __all__ = [
     "DTYPES",
@@ -329,12 +331,11 @@ async def cleanup_graph(request: CleanupGraphRequest) -> CleanupGraphResponse:
     raise cls(error_message(cls, request.step_id))
 
 
-async def run_graph(request: RunGraphRequest) -> RunGraphResponse:
-    """The RunGraph handler: sends every fed tensor back under its name."""
-    response = RunGraphResponse()
-    for named in request.send:
-        response.recv.add(name=named.name).tensor.CopyFrom(named.tensor)
-    return response
+async def run_graph(request: RunGraphRequest | TensorRequest[RunGraphRequest]) -> EncodedMessage:
+    """The RunGraph handler: sends every fed tensor back under its name (a large request
+    comes as a `wire.TensorRequest`, as transports give it to the worker's handler)."""
+    _, sends = await request_tensors(request, what="a RunGraph request")
+    return await encode_off_loop(RunGraphResponse(), sends)
 
 
 HANDLERS: dict[str, Callable[[Any], Awaitable[Any]]] = {

@@ -11,7 +11,9 @@ Two planes:
 * Control: `Channel.call(service, method, request)` on the calling side, a
   `ServiceHandler` per service on the serving side; protobuf messages in and out (or
   a response already serialized, `wire.EncodedMessage`: the transports call
-  `SerializeToString` on what a handler returns).
+  `SerializeToString` on what a handler returns). Transports parse requests with
+  `parse_handler_request`, so a handler of RunStep, RunCallable or RunGraph takes a
+  `wire.TensorRequest` too (a large request, its tensors already read as views).
 * Data: `Channel.recv_tensor(step_id, key)` on the calling side, a `TensorSource`
   on the serving side; numpy values in and out. How the bytes move (a gRPC
   RecvTensor, a chunked stream, shared memory) is the transport's business.
