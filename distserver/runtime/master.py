@@ -654,7 +654,7 @@ class Master:
         try:
             if message.partial_run_handle:
                 raise errors.UnimplementedError("Partial runs are not supported by distserver")
-            message, fed = await request_tensors(request, what="a RunStep request")
+            _, fed = await request_tensors(request, what="a RunStep request")
             feeds: dict[str, Any] = {}
             for name, value in fed:
                 if name in feeds:

@@ -316,7 +316,7 @@ class Worker:
         response = w.RunGraphResponse()
         message = request.message if isinstance(request, TensorRequest) else request
         try:
-            message, sends = await request_tensors(request, what="a RunGraph request")
+            _, sends = await request_tensors(request, what="a RunGraph request")
             stats = response.step_stats if message.exec_opts.record_timeline else None
             results = await self.run_graph(message, dict(sends), stats=stats)
             # Written by hand: each value's bytes copied once, off the loop when large.
