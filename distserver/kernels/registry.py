@@ -176,6 +176,10 @@ class OpKernel:
     # whose cost does not grow with their inputs (a view, a shape), for which a
     # thread hop would cost more than the work.
     runs_on_loop: ClassVar[bool] = False
+    # Kernels that touch state only the event loop's thread may touch (the rendezvous,
+    # a stack, a tensor array): never run in a thread. Every other synchronous kernel
+    # may be (`runs_on_loop` ones too, when the executor moves a run of nodes there).
+    loop_bound: ClassVar[bool] = False
     # Kernels that read or write files: the executor always runs them in the thread
     # pool (when it has one), whatever the size of their inputs.
     does_io: ClassVar[bool] = False

@@ -32,6 +32,7 @@ _DEAD_PAYLOAD = np.zeros(0, np.float32)
 class _SendRecvKernel(OpKernel):
     # Both run on the event loop: the rendezvous is loop-bound.
     runs_on_loop = True
+    loop_bound = True
     is_stateful = True
 
     def __init__(self, node: NodeDef) -> None:

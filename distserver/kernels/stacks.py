@@ -50,6 +50,7 @@ def _stack_of(kernel: OpKernel, value: Any) -> Stack:
 
 class _StackKernel(OpKernel):
     runs_on_loop = True  # moves references: no work to offload, and one thread touches a stack
+    loop_bound = True
     is_stateful = True
 
 

@@ -147,6 +147,7 @@ def _handle(array: TensorArray) -> np.ndarray:
 
 class _ArrayKernel(OpKernel):
     runs_on_loop = True  # keeps references; one thread touches an array
+    loop_bound = True
     is_stateful = True
 
 

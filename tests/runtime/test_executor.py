@@ -78,15 +78,32 @@ def _random_uniform(shape: list[int], name: str) -> None:
 
 
 class _CountingPool(concurrent.futures.ThreadPoolExecutor):
-    """A thread pool that records which kernels it ran."""
+    """A thread pool that records which kernels ran in its threads (`counting_pool`)."""
 
     def __init__(self) -> None:
-        super().__init__(2)
+        super().__init__(2, thread_name_prefix="counting-pool")
         self.kernels: list[str] = []
 
-    def submit(self, fn, /, *args, **kwargs):
-        self.kernels.append(args[0].name)  # the executor submits _compute(kernel, ctx, inputs)
-        return super().submit(fn, *args, **kwargs)
+
+@pytest.fixture
+def counting_pool(monkeypatch):
+    from distserver.runtime import executor as executor_module
+
+    pool = _CountingPool()
+
+    def recording(run):
+        def record(kernel_or_node, ctx, inputs):
+            if threading.current_thread().name.startswith("counting-pool"):
+                pool.kernels.append(getattr(kernel_or_node, "kernel", kernel_or_node).name)
+            return run(kernel_or_node, ctx, inputs)
+
+        return record
+
+    # Every kernel the executor computes goes through one of these.
+    monkeypatch.setattr(executor_module, "_compute", recording(executor_module._compute))
+    monkeypatch.setattr(executor_module, "_run_node", recording(executor_module._run_node))
+    with pool:
+        yield pool
 
 
 @pytest.mark.parametrize(
@@ -100,13 +117,12 @@ class _CountingPool(concurrent.futures.ThreadPoolExecutor):
     ],
     ids=["fill", "random_uniform", "tile", "range", "small-fill"],
 )
-async def test_kernels_with_small_inputs_and_a_large_output_leave_the_event_loop(build, large):
+async def test_kernels_with_small_inputs_and_a_large_output_leave_the_event_loop(build, large, counting_pool):
     with ds.Graph().as_default() as graph:
         build(4 * MiB)
     executor = Executor(graph.as_graph_def())
-    with _CountingPool() as pool:
-        await executor.run(_step_context(pool))
-    assert ("out" in pool.kernels) is large, pool.kernels
+    await executor.run(_step_context(counting_pool))
+    assert ("out" in counting_pool.kernels) is large, counting_pool.kernels
 
 
 async def test_the_graphs_of_a_session_share_its_stateful_kernels():
@@ -125,7 +141,9 @@ async def test_the_graphs_of_a_session_share_its_stateful_kernels():
 
 
 @pytest.mark.parametrize(("elements", "offloaded"), [(16, set()), (MiB, {"filled", "negated"})])
-async def test_the_way_each_node_runs_is_decided_once_and_still_follows_input_sizes(elements, offloaded):
+async def test_the_way_each_node_runs_is_decided_once_and_still_follows_input_sizes(
+    elements, offloaded, counting_pool
+):
     # The executor fixes at registration which nodes may leave the loop (`_Node.mode`: a
     # node without inputs or an output estimate never does); whether one of the others
     # does is still decided per step, from the size of its inputs.
@@ -134,9 +152,8 @@ async def test_the_way_each_node_runs_is_decided_once_and_still_follows_input_si
         ds.negative(big, name="negated")
         ds.constant(np.ones(elements, np.float32), name="const")
     executor = Executor(graph.as_graph_def())
-    with _CountingPool() as pool:
-        await executor.run(_step_context(pool))
-    assert set(pool.kernels) == offloaded, pool.kernels
+    await executor.run(_step_context(counting_pool))
+    assert set(counting_pool.kernels) == offloaded, counting_pool.kernels
 
 
 async def test_nodes_with_fixed_outputs_run_once_per_device_unless_the_step_is_traced(monkeypatch):
@@ -542,3 +559,161 @@ async def test_a_foldable_node_that_fails_is_left_to_the_step_which_reports_it()
     with pytest.raises(errors.InvalidArgumentError) as raised:
         await executor.run(_step_context(None))
     assert raised.value.node_name == "bad"
+
+
+def _send(name: str, input_name: str, dst_task: str = TASK) -> NodeDef:
+    node = _node(name, "_Send", [input_name], T=_F32)
+    node.attr["send_device"].s = DEVICE.encode()
+    node.attr["recv_device"].s = f"{dst_task}/device:CPU:0".encode()
+    node.attr["send_device_incarnation"].i = 1
+    node.attr["tensor_name"].s = name.encode()
+    return node
+
+
+def _fed_sum() -> GraphDef:
+    """x, y received -> (x * y + x) sent to this task (a fetch)."""
+    return _graph(
+        _recv("x"),
+        _recv("y"),
+        _node("product", "Mul", ["x", "y"], T=_F32),
+        _node("total", "AddV2", ["product", "x"], T=_F32),
+        _send("fetch", "total"),
+    )
+
+
+async def _fed_step(executor: Executor, x: Any, y: Any, *, late: bool = False) -> tuple[Any, bool]:
+    ctx = _step_context(None)
+    keys = [executor._nodes[i].kernel.key for i in (0, 1)]  # type: ignore[attr-defined]
+    ctx.rendezvous.send(keys[0], x)
+    if late:  # the second value arrives while the step runs
+        asyncio.get_running_loop().call_later(0.01, ctx.rendezvous.send, keys[1], y)
+    else:
+        ctx.rendezvous.send(keys[1], y)
+    await executor.run(ctx)
+    return await ctx.rendezvous.recv_local(executor._nodes[4].kernel.key)  # type: ignore[attr-defined]
+
+
+async def test_a_step_whose_receives_have_arrived_runs_as_one_sequence_with_the_same_results(monkeypatch):
+    from distserver.runtime import executor as executor_module
+
+    straight_runs = []
+    original = executor_module._Straight.run
+
+    async def counting(self, ctx, outputs):
+        straight_runs.append(ctx.step_id)
+        await original(self, ctx, outputs)
+
+    monkeypatch.setattr(executor_module._Straight, "run", counting)
+    executor = Executor(_fed_sum())
+    assert executor._straight is not None
+    x, y = np.float32([1.5, -2.0]), np.float32([3.0, 0.25])
+    value, is_dead = await _fed_step(executor, x, y)
+    assert len(straight_runs) == 1
+    assert not is_dead
+    # The ready queue (a receive still on its way) gives the same bits.
+    late_value, _ = await _fed_step(executor, x, y, late=True)
+    assert len(straight_runs) == 1
+    np.testing.assert_array_equal(value, late_value)
+    np.testing.assert_array_equal(value, x * y + x)
+    # A dead value received: the ready queue, which knows deadness, runs the step.
+    dead = _step_context(None)
+    dead.rendezvous.send(executor._nodes[0].kernel.key, None, is_dead=True)  # type: ignore[attr-defined]
+    dead.rendezvous.send(executor._nodes[1].kernel.key, y)  # type: ignore[attr-defined]
+    await executor.run(dead)
+    assert len(straight_runs) == 1
+    assert (await dead.rendezvous.recv_local(executor._nodes[4].kernel.key))[1] is True  # type: ignore[attr-defined]
+
+
+async def test_graphs_that_need_the_ready_queue_have_no_sequence():
+    queue = AttrValue()
+    queue.list.type.append(types_pb2.DT_FLOAT)
+    with ds.Graph().as_default() as graph:  # an asynchronous kernel
+        attrs = {"component_types": queue}
+        graph.create_op("FIFOQueueV2", [], [types_pb2.DT_RESOURCE], name="q", attrs=attrs)
+    assert Executor(graph.as_graph_def())._straight is None
+    pred = _node("pred", "Const", dtype=types_pb2.DT_BOOL, value=np.array(True))
+    switch = _graph(_const("x", 1.0), pred, _node("switch", "Switch", ["x", "pred"], T=_F32))
+    assert Executor(switch)._straight is None
+    waiting = _recv("w")
+    waiting.input.append("^x")  # a receive that waits for another node
+    assert Executor(_graph(_const("x", 1.0), waiting))._straight is None
+
+
+class _HopCountingPool(_CountingPool):
+    def __init__(self) -> None:
+        super().__init__()
+        self.hops = 0
+
+    def submit(self, fn, /, *args, **kwargs):
+        self.hops += 1
+        return super().submit(fn, *args, **kwargs)
+
+
+async def test_a_large_node_takes_the_nodes_after_it_to_its_thread_until_one_bound_to_the_loop(monkeypatch):
+    from distserver.runtime import executor as executor_module
+
+    where: dict[str, str] = {}
+    original = executor_module._run_node
+
+    def recording(node, ctx, inputs):
+        where[node.kernel.name] = threading.current_thread().name
+        return original(node, ctx, inputs)
+
+    monkeypatch.setattr(executor_module, "_run_node", recording)
+    peer = "/job:ps/replica:0/task:0"
+    elements = OFFLOAD_BYTES // 4
+    graph = _graph(
+        _node("shape", "Const", dtype=types_pb2.DT_INT32, value=np.int32([elements])),
+        _const("one", 1.0),
+        _node("big", "Fill", ["shape", "one"], T=_F32),  # large: to a thread
+        _node("a", "Neg", ["big"], T=_F32),
+        _node("b", "Sum", ["a", "zero"], T=_F32),
+        _node("zero", "Const", dtype=types_pb2.DT_INT32, value=np.array(0, np.int32)),
+        _send("to_ps", "b", peer),  # bound to the loop: the thread run ends before it
+        _node("c", "Neg", ["a"], T=_F32),  # large again: a second hop
+        _node("d", "Square", ["c"], T=_F32),
+        _send("fetch_b", "b"),  # to this task, waited for by no node: last, on the loop
+        _send("fetch_d", "d"),
+    )
+    graph.node[4].attr["Tidx"].type = types_pb2.DT_INT32
+    executor = Executor(graph)
+    program = [entry.node.kernel.name for entry in executor._straight.program]  # type: ignore[union-attr]
+    assert program[-2:] == ["fetch_b", "fetch_d"]
+    with _HopCountingPool() as pool:
+        ctx = _step_context(pool)
+        await executor.run(ctx)
+    here = threading.current_thread().name
+    assert pool.hops == 2
+    assert {where[name] != here for name in ("big", "a", "b", "c", "d")} == {True}
+    assert {where[name] for name in ("to_ps", "fetch_b", "fetch_d")} == {here}
+    value, _ = await ctx.rendezvous.recv_local(executor._nodes[-1].kernel.key)  # type: ignore[attr-defined]
+    np.testing.assert_array_equal(value, np.ones(elements, np.float32))
+
+
+async def test_a_cancelled_step_stops_its_thread_before_the_next_node(monkeypatch):
+    from distserver.runtime import executor as executor_module
+
+    ran: list[str] = []
+    entered, release = threading.Event(), threading.Event()
+    original = executor_module._run_node
+
+    def blocking(node, ctx, inputs):
+        ran.append(node.kernel.name)
+        if node.kernel.name == "big":
+            entered.set()
+            release.wait(10)
+        return original(node, ctx, inputs)
+
+    monkeypatch.setattr(executor_module, "_run_node", blocking)
+    with ds.Graph().as_default() as graph:
+        big = ds.fill([OFFLOAD_BYTES // 4], np.float32(1.0), name="big")
+        ds.negative(ds.negative(big, name="a"), name="b")
+    executor = Executor(graph.as_graph_def())
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        stepping = asyncio.ensure_future(executor.run(_step_context(pool)))
+        assert await asyncio.to_thread(entered.wait, 10)
+        stepping.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await stepping
+        release.set()
+    assert ran == ["big"]
