@@ -24,6 +24,11 @@ if TYPE_CHECKING:
 # rendezvous instead of fetching it (see `distserver.runtime.push`).
 RECV_PUSHED_ATTR = "_recv_pushed"
 
+# A `_Recv` marked with this attr is in a partition whose receives never wait, through
+# other tasks, for a value that partition sends: a step may wait for all of them
+# before it runs a node (see `distserver.runtime.plan.mark_receives_first`).
+RECEIVES_FIRST_ATTR = "_receives_first"
+
 # What a dead value travels as (RecvTensor's `is_dead` says it is dead; TensorFlow
 # sends an empty tensor too).
 _DEAD_PAYLOAD = np.zeros(0, np.float32)
@@ -80,6 +85,7 @@ class RecvKernel(_SendRecvKernel):
         # Set by the planner when the sender's RunGraph response brings the value
         # (the push protocol, `distserver.runtime.push`).
         self.pushed = self.attr_bool(RECV_PUSHED_ATTR, False)
+        self.may_wait_first = self.attr_bool(RECEIVES_FIRST_ATTR, False)
 
     def receive(self, ctx: KernelContext) -> asyncio.Future[tuple[Any, bool]]:
         """The (value, is_dead) this node receives, as a future the caller owns: the

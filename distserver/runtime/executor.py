@@ -6,9 +6,10 @@ resolves inputs, and rejects cycles. `run(ctx)` then executes one step:
 
 * Ready-queue scheduling: a node runs once all its data and control inputs have.
   A step whose receives have all arrived when it starts (a one-task step: its feeds
-  are sent before it runs) needs no queue: it runs as one sequence fixed at
-  registration (`_Straight`, ~1-2 us a node less), a large node taking the nodes
-  after it to its pool thread (one hop, not one per large node).
+  are sent before it runs), or may all be waited for first (a worker's partition
+  of a parameter-server step: `plan.mark_receives_first`), needs no queue: it runs
+  as one sequence fixed at registration (`_Straight`, ~1-2 us a node less), a large
+  node taking the nodes after it to its pool thread (one hop, not one per large node).
 * Per-step work that does not depend on the data is done once, at registration or
   at the first step: how each node runs (`_Node.mode`), and the outputs of nodes
   without inputs whose kernel says they are fixed (`OpKernel.outputs_fixed`: Const,
@@ -365,6 +366,8 @@ class Executor:
         receives: dict[int, asyncio.Future[tuple[Any, bool]]] = {}
         if straight is not None and stats is None:
             receives = {i: self._nodes[i].kernel.receive(ctx) for i in straight.receives}  # type: ignore[attr-defined]
+            if straight.waits_first and not all(future.done() for future in receives.values()):
+                await _wait_for_receives(list(receives.values()))
             if all(_arrived(future) for future in receives.values()):
                 await straight.run(ctx, self._straight_outputs(ctx, receives))
                 return
@@ -541,23 +544,40 @@ class _Entry(NamedTuple):
     last_reads: tuple[int, ...]  # the producers whose outputs it is the last to read
     read: bool  # whether its outputs are read at all
     sized: bool  # whether it may go to the pool (`_BY_SIZE`, `_THREAD`)
-    in_thread: bool  # whether it may run in a thread (not `OpKernel.loop_bound`)
+    in_thread: int  # what a run of nodes in a thread does with it (`_in_thread`)
+
+
+# What a run of nodes in a thread (`_Straight._run_in_thread`) does with a node: run it;
+# hand it to the event loop and go on (a `_Send`: the loop sends the value at once,
+# so another task waits no longer than it did); stop before it (another node bound
+# to the loop, `OpKernel.loop_bound`: a stack, a tensor array).
+_RUN, _TO_LOOP, _STOP = 0, 1, 2
 
 
 class _Straight:
     """A partition's step as one fixed sequence of nodes (`_plan_straight`), for the
-    steps whose receives have all arrived when they start.
+    steps whose receives have all arrived when they start, or have been waited for
+    first where the planner found that safe (`waits_first`).
 
     Nodes run one after the other on the event loop. A node that goes to the pool
-    (large) takes the nodes after it along, up to the first one that must run on the
-    loop (`OpKernel.loop_bound`): one hop to a thread and back for all of them, not
-    one per large node (a hop costs ~0.1-0.3 ms on a busy 2-CPU machine; a one-task
+    (large) takes the nodes after it along, `_Send`s handed back to the loop as they
+    come, up to the first other one that must run on the loop
+    (`OpKernel.loop_bound`): one hop to a thread and back for all of them, not one
+    per large node (a hop costs ~0.1-0.3 ms on a busy 2-CPU machine; a one-task
     `mlp` step has six large nodes)."""
 
     def __init__(self, nodes: list[_Node], receives: list[int], program: list[_Entry]) -> None:
         self.nodes = nodes
         self.receives = receives  # the `_Recv` nodes, waiting for nothing but their values
         self.program = program
+        # Whether a step may wait for its receives before it runs a node: the planner
+        # found that none of them waits for a value this partition sends
+        # (`plan.mark_receives_first`). Else only a step whose receives have all
+        # arrived when it starts runs the sequence.
+        self.waits_first = bool(receives) and all(
+            nodes[i].kernel.may_wait_first  # type: ignore[attr-defined]
+            for i in receives
+        )
 
     async def run(self, ctx: StepContext, outputs: list[list[Any] | None]) -> None:
         """Run the sequence; `outputs` holds those of the fixed and folded nodes and the
@@ -569,14 +589,18 @@ class _Straight:
             node, sources, last_reads, read, sized, _ = program[position]
             inputs = _take_inputs(self.nodes, outputs, node, sources, last_reads)
             if sized and pool is not None and (node.mode == _THREAD or _large(node, inputs)):
+                loop = asyncio.get_running_loop()
                 stop = threading.Event()
+                failed: list[Exception] = []  # by the nodes the thread handed to the loop
                 try:
-                    position = await asyncio.get_running_loop().run_in_executor(
-                        pool, self._run_in_thread, ctx, outputs, position, inputs, stop
+                    position = await loop.run_in_executor(
+                        pool, self._run_in_thread, ctx, outputs, position, inputs, (loop, stop, failed)
                     )
                 except asyncio.CancelledError:
                     stop.set()  # the thread stops before its next node
                     raise
+                if failed:  # (the loop ran them before it resumed this step: first in, first out)
+                    raise failed[0]
                 continue
             values = _run_node(node, ctx, inputs)
             del inputs
@@ -591,11 +615,14 @@ class _Straight:
         outputs: list[list[Any] | None],
         position: int,
         inputs: list[Any],
-        stop: threading.Event,
+        back: tuple[asyncio.AbstractEventLoop, threading.Event, list[Exception]],
     ) -> int:
         """Run the node at `position` (its `inputs` taken) and the next ones that may run
-        in a thread; return where the event loop goes on."""
+        in a thread; return where the event loop goes on. `back`: the loop, the event
+        that stops this run (the step was cancelled), and where the nodes handed to the
+        loop put their errors."""
         program = self.program
+        loop, stop, failed = back
         with warnings_off():
             while True:
                 entry = program[position]
@@ -605,7 +632,12 @@ class _Straight:
                     outputs[entry.node.index] = values
                 del values
                 position += 1
-                if position == len(program) or not program[position].in_thread or stop.is_set():
+                while position < len(program) and program[position].in_thread == _TO_LOOP:
+                    node, sources, last_reads, *_ = program[position]
+                    inputs = _take_inputs(self.nodes, outputs, node, sources, last_reads)
+                    loop.call_soon_threadsafe(_run_on_loop, node, ctx, inputs, failed)
+                    position += 1
+                if position == len(program) or program[position].in_thread == _STOP or stop.is_set():
                     return position
                 node, sources, last_reads, *_ = program[position]
                 inputs = _take_inputs(self.nodes, outputs, node, sources, last_reads)
@@ -626,6 +658,14 @@ def _take_inputs(
     for src in last_reads:
         outputs[src] = None
     return inputs
+
+
+def _run_on_loop(node: _Node, ctx: StepContext, inputs: list[Any], failed: list[Exception]) -> None:
+    """A node without outputs that a run in a thread handed to the event loop."""
+    try:
+        _run_node(node, ctx, inputs)
+    except Exception as exc:
+        failed.append(exc)
 
 
 def _run_node(node: _Node, ctx: StepContext, inputs: list[Any]) -> list[Any]:
@@ -666,10 +706,6 @@ def _plan_straight(executor: Executor) -> _Straight | None:
                 ready.append(c)
     if any(nodes[i].num_waits for i in receives):
         return None
-    # A send nobody waits for in this step (its receiver is on this task: a fetch)
-    # goes last, so that it does not end a run of nodes in a thread.
-    last = [i for i in order if _local_sink_send(nodes[i])]
-    order = [i for i in order if not _local_sink_send(nodes[i])] + last
     unread = list(executor._unread_after_fixed)
     program = []
     for i in order:
@@ -685,19 +721,43 @@ def _plan_straight(executor: Executor) -> _Straight | None:
                 tuple(node.inputs),
                 tuple(last_reads),
                 bool(executor._unread_after_fixed[i]),
-                node.mode in (_BY_SIZE, _THREAD),
-                not node.kernel.loop_bound,
+                node.mode in (_BY_SIZE, _THREAD) and not node.kernel.loop_bound,
+                _in_thread(node.kernel),
             )
         )
     return _Straight(nodes, receives, program)
 
 
-def _local_sink_send(node: _Node) -> bool:
-    """Whether `node` is a `_Send` to this task that no node of the graph waits for."""
-    kernel = node.kernel
-    if not isinstance(kernel, SendKernel) or node.consumers:
-        return False
-    return kernel.key.src_task == kernel.key.dst_task
+def _in_thread(kernel: OpKernel) -> int:
+    """What a run of nodes in a thread does with a node of `kernel` (`_RUN`...)."""
+    if not kernel.loop_bound:
+        return _RUN
+    return _TO_LOOP if isinstance(kernel, SendKernel) else _STOP
+
+
+async def _wait_for_receives(futures: list[asyncio.Future[tuple[Any, bool]]]) -> None:
+    """Until every receive is done, or one has failed (the ready queue then reports it).
+    Cancels them all when the step is cancelled meanwhile."""
+    woken = asyncio.get_running_loop().create_future()
+    left = len(futures)
+
+    def done(future: asyncio.Future[tuple[Any, bool]]) -> None:
+        nonlocal left
+        left -= 1
+        if not woken.done() and (not left or future.cancelled() or future.exception() is not None):
+            woken.set_result(None)
+
+    for future in futures:
+        future.add_done_callback(done)
+    try:
+        await woken
+    except BaseException:
+        for future in futures:
+            future.cancel()
+        raise
+    finally:
+        for future in futures:
+            future.remove_done_callback(done)
 
 
 def _arrived(future: asyncio.Future[tuple[Any, bool]]) -> bool:

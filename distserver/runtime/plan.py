@@ -12,6 +12,8 @@ in order (each in its own module or below):
 5. `partition.partition`: one GraphDef per task, `_Send`/`_Recv` pairs on every
    edge that crosses tasks.
 6. `push.plan_pushes`: which values ride RunGraph responses (the push protocol).
+7. `mark_receives_first`: the partitions whose steps may wait for all their receives
+   before running anything (they then run as one sequence, `executor._Straight`).
 
 `import_graph` is the validation CreateSession and ExtendSession run on a client's
 GraphDef (kernels, names, inputs, cycles), before any worker is involved.
@@ -27,6 +29,7 @@ from distserver import errors
 from distserver.devices import task_of_device
 from distserver.kernels import has_kernel
 from distserver.kernels.ref_variables import REF_OUTPUT_OPS
+from distserver.kernels.sendrecv import RECEIVES_FIRST_ATTR
 from distserver.protos.function_pb2 import FunctionDef
 from distserver.protos.graph_pb2 import GraphDef
 from distserver.protos.node_def_pb2 import NodeDef
@@ -113,12 +116,57 @@ def build_plan(
     if functions:
         for graph in graphs.values():
             graph.library.function.extend(functions.values())
+    pushed_keys = plan_pushes(graphs, master_task)
+    mark_receives_first(graphs)
     return StepPlan(
         graphs=graphs,
         feed_keys=step.feed_keys,
         fetch_keys=step.fetch_keys,
-        pushed_keys=plan_pushes(graphs, master_task),
+        pushed_keys=pushed_keys,
     )
+
+
+def mark_receives_first(graphs: Mapping[str, GraphDef]) -> None:
+    """Mark (`RECEIVES_FIRST_ATTR`) the `_Recv` nodes of each partition none of whose
+    receives depends, through the other partitions, on a value it sends.
+
+    Such a partition's step may wait for all its receives before it runs a node: they
+    arrive whatever it does (a worker's partition that receives the variables of a
+    ps and sends it the gradients). A partition whose receive waits for one of its
+    own sends (the ps's: the gradients it receives are computed from the variables
+    it sends) would deadlock so, and keeps running nodes as their inputs arrive.
+    Changes `graphs` in place."""
+    # Every node of the step, (task, name), and what waits for it: its consumers in
+    # its partition and, for a `_Send`, the `_Recv` of its key in another.
+    consumers: dict[tuple[str, str], list[tuple[str, str]]] = {}
+    receivers: dict[str, tuple[str, str]] = {}
+    for task, graph in graphs.items():
+        for node in graph.node:
+            consumers.setdefault((task, node.name), [])
+            for text in node.input:
+                consumers.setdefault((task, parse_input(text)[0]), []).append((task, node.name))
+            if node.op == "_Recv":
+                receivers[sendrecv_key(node)] = (task, node.name)
+    for task, graph in graphs.items():
+        for node in graph.node:
+            receiver = receivers.get(sendrecv_key(node)) if node.op == "_Send" else None
+            if receiver is not None:
+                consumers[(task, node.name)].append(receiver)
+    for task, graph in graphs.items():
+        receives = [node for node in graph.node if node.op == "_Recv"]
+        if not receives:
+            continue
+        sends = [(task, node.name) for node in graph.node if node.op == "_Send"]
+        seen = set(sends)
+        pending = list(sends)
+        while pending:
+            for consumer in consumers[pending.pop()]:
+                if consumer not in seen:
+                    seen.add(consumer)
+                    pending.append(consumer)
+        if not any((task, node.name) in seen for node in receives):
+            for node in receives:
+                node.attr[RECEIVES_FIRST_ATTR].b = True
 
 
 def import_graph(

@@ -649,7 +649,8 @@ class _HopCountingPool(_CountingPool):
         return super().submit(fn, *args, **kwargs)
 
 
-async def test_a_large_node_takes_the_nodes_after_it_to_its_thread_until_one_bound_to_the_loop(monkeypatch):
+async def test_a_large_node_takes_the_nodes_after_it_to_its_thread_sends_going_back_to_the_loop(monkeypatch):
+    from distserver.kernels.array import FillLikeKernel
     from distserver.runtime import executor as executor_module
 
     where: dict[str, str] = {}
@@ -660,34 +661,55 @@ async def test_a_large_node_takes_the_nodes_after_it_to_its_thread_until_one_bou
         return original(node, ctx, inputs)
 
     monkeypatch.setattr(executor_module, "_run_node", recording)
-    peer = "/job:ps/replica:0/task:0"
+    # ZerosLike stands for a kernel bound to the loop other than `_Send` (a stack, a
+    # tensor array): a run in a thread stops before it.
+    monkeypatch.setattr(FillLikeKernel, "runs_on_loop", True)
+    monkeypatch.setattr(FillLikeKernel, "loop_bound", True)
     elements = OFFLOAD_BYTES // 4
     graph = _graph(
         _node("shape", "Const", dtype=types_pb2.DT_INT32, value=np.int32([elements])),
         _const("one", 1.0),
+        _node("zero", "Const", dtype=types_pb2.DT_INT32, value=np.array(0, np.int32)),
         _node("big", "Fill", ["shape", "one"], T=_F32),  # large: to a thread
         _node("a", "Neg", ["big"], T=_F32),
         _node("b", "Sum", ["a", "zero"], T=_F32),
-        _node("zero", "Const", dtype=types_pb2.DT_INT32, value=np.array(0, np.int32)),
-        _send("to_ps", "b", peer),  # bound to the loop: the thread run ends before it
+        _node("z", "ZerosLike", ["a"], T=_F32),  # the run ends before it
         _node("c", "Neg", ["a"], T=_F32),  # large again: a second hop
+        _send("to_ps", "b", "/job:ps/replica:0/task:0"),  # sent by the loop, the run goes on
         _node("d", "Square", ["c"], T=_F32),
-        _send("fetch_b", "b"),  # to this task, waited for by no node: last, on the loop
         _send("fetch_d", "d"),
     )
-    graph.node[4].attr["Tidx"].type = types_pb2.DT_INT32
+    graph.node[5].attr["Tidx"].type = types_pb2.DT_INT32
     executor = Executor(graph)
     program = [entry.node.kernel.name for entry in executor._straight.program]  # type: ignore[union-attr]
-    assert program[-2:] == ["fetch_b", "fetch_d"]
+    assert program == ["big", "a", "b", "z", "c", "to_ps", "d", "fetch_d"]
     with _HopCountingPool() as pool:
         ctx = _step_context(pool)
         await executor.run(ctx)
-    here = threading.current_thread().name
     assert pool.hops == 2
-    assert {where[name] != here for name in ("big", "a", "b", "c", "d")} == {True}
-    assert {where[name] for name in ("to_ps", "fetch_b", "fetch_d")} == {here}
-    value, _ = await ctx.rendezvous.recv_local(executor._nodes[-1].kernel.key)  # type: ignore[attr-defined]
+    here = threading.current_thread().name
+    assert [name for name in program if where[name] == here] == ["z", "to_ps", "fetch_d"]
+    sent = {executor._nodes[i].kernel.name: executor._nodes[i].kernel.key for i in (8, 10)}  # type: ignore[attr-defined]
+    assert await ctx.rendezvous.recv_local(sent["to_ps"]) == (np.float32(-elements), False)
+    value, _ = await ctx.rendezvous.recv_local(sent["fetch_d"])
     np.testing.assert_array_equal(value, np.ones(elements, np.float32))
+
+
+async def test_a_send_that_fails_after_a_thread_handed_it_to_the_loop_fails_the_step():
+    elements = OFFLOAD_BYTES // 4
+    graph = _graph(
+        _node("shape", "Const", dtype=types_pb2.DT_INT32, value=np.int32([elements])),
+        _const("one", 1.0),
+        _node("big", "Fill", ["shape", "one"], T=_F32),
+        _send("fetch", "big"),
+    )
+    executor = Executor(graph)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        ctx = _step_context(pool)
+        ctx.rendezvous.send(executor._nodes[3].kernel.key, np.float32(0.0))  # type: ignore[attr-defined]
+        with pytest.raises(errors.InternalError, match="already sent") as raised:
+            await executor.run(ctx)
+    assert raised.value.node_name == "fetch"
 
 
 async def test_a_cancelled_step_stops_its_thread_before_the_next_node(monkeypatch):
@@ -717,3 +739,51 @@ async def test_a_cancelled_step_stops_its_thread_before_the_next_node(monkeypatc
             await stepping
         release.set()
     assert ran == ["big"]
+
+
+async def test_a_partition_marked_to_wait_for_its_receives_runs_as_one_sequence_or_fails_fast(monkeypatch):
+    from distserver.runtime import executor as executor_module
+
+    straight_runs = []
+    original = executor_module._Straight.run
+
+    async def counting(self, ctx, outputs):
+        straight_runs.append(ctx.step_id)
+        await original(self, ctx, outputs)
+
+    monkeypatch.setattr(executor_module._Straight, "run", counting)
+    fetches: dict[str, asyncio.Future[tuple[Any, bool]]] = {}
+
+    def fetch_remote(step_id: int, key: Any) -> asyncio.Future[tuple[Any, bool]]:
+        fetches[key.tensor_name] = asyncio.get_running_loop().create_future()
+        return fetches[key.tensor_name]
+
+    peer = "/job:ps/replica:0/task:0"
+    receives = [_recv("w", peer), _recv("v", peer)]
+    for receive in receives:
+        receive.attr["_receives_first"].b = True  # (`plan.mark_receives_first`)
+    executor = Executor(_graph(*receives, _node("sum", "AddV2", ["w", "v"], T=_F32), _send("fetch", "sum")))
+    assert executor._straight is not None
+    assert executor._straight.waits_first
+    ctx = _step_context(None)
+    ctx.rendezvous = StepRendezvous(1, TASK, fetch_remote)
+    stepping = asyncio.ensure_future(executor.run(ctx))
+    await asyncio.sleep(0.01)
+    fetches["w"].set_result((np.float32(1.0), False))
+    await asyncio.sleep(0.01)
+    assert not stepping.done()  # v is still on its way
+    fetches["v"].set_result((np.float32(2.0), False))
+    await asyncio.wait_for(stepping, 10)
+    assert straight_runs == [1]
+    assert await ctx.rendezvous.recv_local(executor._nodes[3].kernel.key) == (np.float32(3.0), False)  # type: ignore[attr-defined]
+    # One receive fails: the step fails at once, naming it, without waiting for the other.
+    ctx = _step_context(None)
+    ctx.rendezvous = StepRendezvous(2, TASK, fetch_remote)
+    stepping = asyncio.ensure_future(executor.run(ctx))
+    await asyncio.sleep(0.01)
+    fetches["v"].set_exception(errors.UnavailableError("ps is gone"))
+    with pytest.raises(errors.UnavailableError) as raised:
+        await asyncio.wait_for(stepping, 10)
+    assert raised.value.node_name == "v"
+    assert fetches["w"].cancelled()
+    assert straight_runs == [1]

@@ -9,7 +9,7 @@ from distserver.devices import rendezvous_key
 from distserver.protos.node_def_pb2 import NodeDef
 from distserver.runtime.partition import partition
 from distserver.runtime.placement import place
-from distserver.runtime.plan import build_plan
+from distserver.runtime.plan import build_plan, mark_receives_first
 from distserver.runtime.push import plan_pushes
 from distserver.runtime.subgraph import move_client_endpoints, rewrite_for_step
 
@@ -238,6 +238,35 @@ def test_values_from_a_partition_without_receives_are_pushed():
     ]
     parts = partition(nodes, incarnation=INCARNATIONS.__getitem__)
     assert plan_pushes(parts, "/job:worker/replica:0/task:0") == {}
+
+
+def test_a_partition_whose_receives_never_wait_for_its_own_sends_may_wait_for_them_first():
+    # The parameter-server step: the worker receives w from ps and sends ps the update;
+    # ps receives the update, which waits (through the worker) for the w it sent.
+    nodes = [
+        node("w", "Const", device=PS0),
+        node("x", "Const", device=W0),
+        node("grad", "Mul", ["w", "x"], device=W0),
+        node("apply", "Sub", ["w", "grad"], device=PS0),
+        node("other", "Neg", ["w"], device=W1),
+        node("back", "Neg", ["other"], device=W0),
+    ]
+
+    def marks(task):
+        return {n.attr["_receives_first"].b for n in parts[task].node if n.op == "_Recv"}
+
+    parts = partition(nodes, incarnation=INCARNATIONS.__getitem__)
+    mark_receives_first(parts)
+    assert marks("/job:worker/replica:0/task:0") == {True}
+    assert marks("/job:worker/replica:0/task:1") == {True}
+    assert marks("/job:ps/replica:0/task:0") == {False}
+    # A value that goes from worker 0 to worker 1 and comes back: worker 0 must not
+    # wait for it before it sends.
+    nodes[4] = node("other", "Neg", ["x"], device=W1)
+    parts = partition(nodes, incarnation=INCARNATIONS.__getitem__)
+    mark_receives_first(parts)
+    assert marks("/job:worker/replica:0/task:0") == {False}
+    assert marks("/job:worker/replica:0/task:1") == {True}
 
 
 def test_build_plan_runs_every_pass_for_a_two_task_step():
