@@ -290,19 +290,43 @@ class Executor:
         self._ready_after_fixed = ready
         self._unread_after_fixed = unread
 
-    def _straight_outputs(
-        self, ctx: StepContext, receives: dict[int, asyncio.Future[tuple[Any, bool]]]
-    ) -> list[list[Any] | None]:
-        """The outputs a `_Straight` step starts from: the fixed and folded nodes', and
-        the values its receives brought."""
+    async def _run_straight(
+        self, straight: _Straight, ctx: StepContext, receives: dict[int, asyncio.Future[tuple[Any, bool]]]
+    ) -> None:
+        """A step as `straight`'s sequence: at once when every receive has arrived, else
+        (a partition the planner marked, `_Straight.gated`) the nodes that need no
+        receive but the feeds', then, once every receive is here, the others. A receive
+        that fails fails the step at once, naming its node."""
         outputs: list[list[Any] | None] = [None] * len(self._nodes)
         for i, values in zip(self._fixed, self._fixed_values(ctx), strict=True):
             outputs[i] = values
         for i, values in self._folded.items():
             outputs[i] = values
-        for i, future in receives.items():
-            outputs[i] = [future.result()[0]]
-        return outputs
+        start = 0
+        try:
+            if not all(future.done() for future in receives.values()):
+                for i in straight.feeds:  # (arrived: see `_run`)
+                    outputs[i] = [receives[i].result()[0]]
+                await straight.run(ctx, outputs, 0, straight.gate)
+                await _wait_for_receives(list(receives.values()))
+                start = straight.gate
+            for i, future in receives.items():
+                error = _receive_error(self._nodes[i], future) if future.done() else None
+                if error is not None:
+                    raise error
+            for i, future in receives.items():
+                value, is_dead = future.result()
+                if is_dead:  # (the planner marks no step with a Switch)
+                    name = self._nodes[i].kernel.name
+                    raise errors.InternalError(
+                        f"Node '{name}' received a dead value in a step planned without any"
+                    )
+                outputs[i] = [value]
+        except BaseException:
+            for future in receives.values():
+                future.cancel()
+            raise
+        await straight.run(ctx, outputs, start, len(straight.program))
 
     def _fixed_values(self, ctx: StepContext) -> list[list[Any]]:
         values = self._fixed_outputs.get(ctx.device)
@@ -366,10 +390,8 @@ class Executor:
         receives: dict[int, asyncio.Future[tuple[Any, bool]]] = {}
         if straight is not None and stats is None:
             receives = {i: self._nodes[i].kernel.receive(ctx) for i in straight.receives}  # type: ignore[attr-defined]
-            if straight.waits_first and not all(future.done() for future in receives.values()):
-                await _wait_for_receives(list(receives.values()))
-            if all(_arrived(future) for future in receives.values()):
-                await straight.run(ctx, self._straight_outputs(ctx, receives))
+            if all(_arrived(receives[i]) for i in (straight.feeds if straight.gated else receives)):
+                await self._run_straight(straight, ctx, receives)
                 return
         nodes = self._nodes
         outputs: list[list[Any] | None] = [None] * len(nodes)
@@ -444,15 +466,8 @@ class Executor:
             in_flight -= 1
             wake.set()
             receiving.discard(future)
-            if future.cancelled():  # not by this step, which cancels them only once it is over
-                failed.append(
-                    errors.CancelledError(f"The receive of node '{node.kernel.name}' was cancelled")
-                )
-                return
-            error = future.exception()
+            error = _receive_error(node, future)
             if error is not None:
-                if isinstance(error, errors.OpError):
-                    error = errors.with_node(error, node.kernel.name)
                 failed.append(error)
                 return
             value, is_dead = future.result()
@@ -485,7 +500,8 @@ class Executor:
                                 inputs = [DEAD] * len(inputs)
                         mode = node.mode
                         if mode == _RECEIVE and stats is None:
-                            future = receives.pop(node.index, None) or node.kernel.receive(ctx)  # type: ignore[attr-defined]
+                            made = receives.pop(node.index, None)  # (the step made it when it started)
+                            future = made or node.kernel.receive(ctx)  # type: ignore[attr-defined]
                             in_flight += 1
                             receiving.add(future)
                             future.add_done_callback(functools.partial(received, node))
@@ -566,26 +582,28 @@ class _Straight:
     per large node (a hop costs ~0.1-0.3 ms on a busy 2-CPU machine; a one-task
     `mlp` step has six large nodes)."""
 
-    def __init__(self, nodes: list[_Node], receives: list[int], program: list[_Entry]) -> None:
+    def __init__(self, nodes: list[_Node], receives: list[int], program: list[_Entry], gate: int) -> None:
         self.nodes = nodes
         self.receives = receives  # the `_Recv` nodes, waiting for nothing but their values
         self.program = program
-        # Whether a step may wait for its receives before it runs a node: the planner
-        # found that none of them waits for a value this partition sends
-        # (`plan.mark_receives_first`). Else only a step whose receives have all
-        # arrived when it starts runs the sequence.
-        self.waits_first = bool(receives) and all(
-            nodes[i].kernel.may_wait_first  # type: ignore[attr-defined]
-            for i in receives
-        )
+        # The receives of the client's feeds, which the master sends with RunGraph,
+        # and `program[:gate]`: the nodes that need no other receive.
+        self.feeds = [i for i in receives if nodes[i].kernel.client_terminated]  # type: ignore[attr-defined]
+        self.gate = gate
+        # Whether a step may run those, wait for every other receive, then run the
+        # rest: the planner found that no receive of the partition waits, through
+        # other tasks, for a node after the gate (`plan.mark_receives_first`). Else
+        # only a step whose receives have all arrived when it starts runs the sequence.
+        late = [i for i in receives if i not in self.feeds]
+        self.gated = bool(late) and all(nodes[i].kernel.may_wait_first for i in late)  # type: ignore[attr-defined]
 
-    async def run(self, ctx: StepContext, outputs: list[list[Any] | None]) -> None:
-        """Run the sequence; `outputs` holds those of the fixed and folded nodes and the
-        receives'."""
+    async def run(self, ctx: StepContext, outputs: list[list[Any] | None], start: int, end: int) -> None:
+        """Run `program[start:end]`; `outputs` holds those of the nodes before `start`
+        (the fixed and folded ones, the receives') the nodes read."""
         program = self.program
         pool = ctx.pool
-        position = 0
-        while position < len(program):
+        position = start
+        while position < end:
             node, sources, last_reads, read, sized, _ = program[position]
             inputs = _take_inputs(self.nodes, outputs, node, sources, last_reads)
             if sized and pool is not None and (node.mode == _THREAD or _large(node, inputs)):
@@ -594,7 +612,7 @@ class _Straight:
                 failed: list[Exception] = []  # by the nodes the thread handed to the loop
                 try:
                     position = await loop.run_in_executor(
-                        pool, self._run_in_thread, ctx, outputs, position, inputs, (loop, stop, failed)
+                        pool, self._run_in_thread, ctx, outputs, (position, end), inputs, (loop, stop, failed)
                     )
                 except asyncio.CancelledError:
                     stop.set()  # the thread stops before its next node
@@ -613,15 +631,16 @@ class _Straight:
         self,
         ctx: StepContext,
         outputs: list[list[Any] | None],
-        position: int,
+        span: tuple[int, int],
         inputs: list[Any],
         back: tuple[asyncio.AbstractEventLoop, threading.Event, list[Exception]],
     ) -> int:
-        """Run the node at `position` (its `inputs` taken) and the next ones that may run
-        in a thread; return where the event loop goes on. `back`: the loop, the event
-        that stops this run (the step was cancelled), and where the nodes handed to the
-        loop put their errors."""
+        """Run the node at `span`'s start (its `inputs` taken) and the next ones before
+        its end that may run in a thread; return where the event loop goes on. `back`:
+        the loop, the event that stops this run (the step was cancelled), and where the
+        nodes handed to the loop put their errors."""
         program = self.program
+        position, end = span
         loop, stop, failed = back
         with warnings_off():
             while True:
@@ -632,12 +651,12 @@ class _Straight:
                     outputs[entry.node.index] = values
                 del values
                 position += 1
-                while position < len(program) and program[position].in_thread == _TO_LOOP:
+                while position < end and program[position].in_thread == _TO_LOOP:
                     node, sources, last_reads, *_ = program[position]
                     inputs = _take_inputs(self.nodes, outputs, node, sources, last_reads)
                     loop.call_soon_threadsafe(_run_on_loop, node, ctx, inputs, failed)
                     position += 1
-                if position == len(program) or program[position].in_thread == _STOP or stop.is_set():
+                if position == end or program[position].in_thread == _STOP or stop.is_set():
                     return position
                 node, sources, last_reads, *_ = program[position]
                 inputs = _take_inputs(self.nodes, outputs, node, sources, last_reads)
@@ -691,9 +710,12 @@ def _plan_straight(executor: Executor) -> _Straight | None:
     ready = deque(executor._ready_after_fixed)
     receives: list[int] = []
     order: list[int] = []
+    # Nodes that need a receive other than a feed's (through data or control).
+    after_receive: set[int] = set()
     while ready:
         i = ready.popleft()
         node = nodes[i]
+        late = node.mode == _RECEIVE and not node.kernel.client_terminated  # type: ignore[attr-defined]
         if node.mode == _RECEIVE:  # (its value may be dead: a step checks when it starts)
             receives.append(i)
         elif node.mode == _TASK or node.may_output_dead:
@@ -704,8 +726,14 @@ def _plan_straight(executor: Executor) -> _Straight | None:
             waits[c] -= 1
             if not waits[c]:
                 ready.append(c)
+            if late or i in after_receive:
+                after_receive.add(c)
     if any(nodes[i].num_waits for i in receives):
         return None
+    # Those that need no such receive first (the order stays topological: they need
+    # none of the others).
+    first = [i for i in order if i not in after_receive]
+    order = first + [i for i in order if i in after_receive]
     unread = list(executor._unread_after_fixed)
     program = []
     for i in order:
@@ -725,7 +753,7 @@ def _plan_straight(executor: Executor) -> _Straight | None:
                 _in_thread(node.kernel),
             )
         )
-    return _Straight(nodes, receives, program)
+    return _Straight(nodes, receives, program, len(first))
 
 
 def _in_thread(kernel: OpKernel) -> int:
@@ -736,8 +764,7 @@ def _in_thread(kernel: OpKernel) -> int:
 
 
 async def _wait_for_receives(futures: list[asyncio.Future[tuple[Any, bool]]]) -> None:
-    """Until every receive is done, or one has failed (the ready queue then reports it).
-    Cancels them all when the step is cancelled meanwhile."""
+    """Until every receive is done, or one has failed."""
     woken = asyncio.get_running_loop().create_future()
     left = len(futures)
 
@@ -751,13 +778,21 @@ async def _wait_for_receives(futures: list[asyncio.Future[tuple[Any, bool]]]) ->
         future.add_done_callback(done)
     try:
         await woken
-    except BaseException:
-        for future in futures:
-            future.cancel()
-        raise
     finally:
         for future in futures:
             future.remove_done_callback(done)
+
+
+def _receive_error(node: _Node, future: asyncio.Future[tuple[Any, bool]]) -> BaseException | None:
+    """What a step raises for a done receive that brought no value: its error naming the
+    node, or a CancelledError when someone else cancelled it (the step cancels its
+    receives only once it is over)."""
+    if future.cancelled():
+        return errors.CancelledError(f"The receive of node '{node.kernel.name}' was cancelled")
+    error = future.exception()
+    if isinstance(error, errors.OpError):
+        return errors.with_node(error, node.kernel.name)
+    return error
 
 
 def _arrived(future: asyncio.Future[tuple[Any, bool]]) -> bool:

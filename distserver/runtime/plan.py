@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from distserver import errors
 from distserver.devices import task_of_device
@@ -126,16 +127,25 @@ def build_plan(
     )
 
 
-def mark_receives_first(graphs: Mapping[str, GraphDef]) -> None:
-    """Mark (`RECEIVES_FIRST_ATTR`) the `_Recv` nodes of each partition none of whose
-    receives depends, through the other partitions, on a value it sends.
+# A step with one of these is never marked by `mark_receives_first`: a Switch makes
+# dead values (which only the ready queue handles), loops run frame by frame.
+_UNMARKED_OPS = frozenset({"Switch", "RefSwitch", "Enter", "RefEnter"})
 
-    Such a partition's step may wait for all its receives before it runs a node: they
-    arrive whatever it does (a worker's partition that receives the variables of a
-    ps and sends it the gradients). A partition whose receive waits for one of its
-    own sends (the ps's: the gradients it receives are computed from the variables
-    it sends) would deadlock so, and keeps running nodes as their inputs arrive.
-    Changes `graphs` in place."""
+
+def mark_receives_first(graphs: Mapping[str, GraphDef]) -> None:
+    """Mark (`RECEIVES_FIRST_ATTR`) the `_Recv` nodes of the partitions whose steps may
+    run the nodes that need no receive, then wait for every receive, then run the
+    rest (`executor._Straight`: one sequence, no ready queue).
+
+    Waiting so adds, in each marked partition, an edge from every receive to every
+    node that needs a receive (a "gate"). That is safe when the step's graph, these
+    edges and the `_Send` -> `_Recv` edges between tasks included, has no cycle: then
+    every receive arrives. A worker's partition of a parameter-server step and the
+    ps's both qualify (the ps sends the variables before its gate, the gradients
+    arrive at it). Partitions whose gate lies on a cycle are left out one at a time
+    (in task order) until none does. Changes `graphs` in place."""
+    if any(node.op in _UNMARKED_OPS for graph in graphs.values() for node in graph.node):
+        return
     # Every node of the step, (task, name), and what waits for it: its consumers in
     # its partition and, for a `_Send`, the `_Recv` of its key in another.
     consumers: dict[tuple[str, str], list[tuple[str, str]]] = {}
@@ -152,21 +162,57 @@ def mark_receives_first(graphs: Mapping[str, GraphDef]) -> None:
             receiver = receivers.get(sendrecv_key(node)) if node.op == "_Send" else None
             if receiver is not None:
                 consumers[(task, node.name)].append(receiver)
+    # Per partition that receives: its receives, and the nodes that need one.
+    gates: dict[str, tuple[list[tuple[str, str]], set[tuple[str, str]]]] = {}
     for task, graph in graphs.items():
-        receives = [node for node in graph.node if node.op == "_Recv"]
-        if not receives:
-            continue
-        sends = [(task, node.name) for node in graph.node if node.op == "_Send"]
-        seen = set(sends)
-        pending = list(sends)
-        while pending:
-            for consumer in consumers[pending.pop()]:
-                if consumer not in seen:
-                    seen.add(consumer)
-                    pending.append(consumer)
-        if not any((task, node.name) in seen for node in receives):
-            for node in receives:
+        # (The client's feeds arrive with RunGraph: they never wait.)
+        receives = [
+            (task, node.name)
+            for node in graph.node
+            if node.op == "_Recv" and not node.attr["client_terminated"].b
+        ]
+        if receives:
+            after: set[tuple[str, str]] = set()
+            pending = list(receives)
+            while pending:
+                for consumer in consumers[pending.pop()]:
+                    if consumer[0] == task and consumer not in after:
+                        after.add(consumer)
+                        pending.append(consumer)
+            gates[task] = (receives, after)
+    while gates:
+        stuck = _gates_on_cycles(consumers, gates)
+        if not stuck:
+            break
+        del gates[min(stuck)]
+    for task in gates:
+        for node in graphs[task].node:
+            if node.op == "_Recv" and not node.attr["client_terminated"].b:
                 node.attr[RECEIVES_FIRST_ATTR].b = True
+
+
+def _gates_on_cycles(
+    consumers: Mapping[tuple[str, str], list[tuple[str, str]]],
+    gates: Mapping[str, tuple[list[tuple[str, str]], set[tuple[str, str]]]],
+) -> set[str]:
+    """The tasks of `gates` whose gate a topological sort of the step's graph with the
+    gates' edges cannot reach (on a cycle, or after one)."""
+    edges: dict[Any, list[Any]] = {node: list(after) for node, after in consumers.items()}
+    for task, (receives, after) in gates.items():
+        for receive in receives:
+            edges[receive].append(task)  # a gate is named by its task
+        edges[task] = list(after)
+    waits = dict.fromkeys(edges, 0)
+    for targets in edges.values():
+        for target in targets:
+            waits[target] += 1
+    ready = [node for node, count in waits.items() if not count]
+    while ready:
+        for target in edges[ready.pop()]:
+            waits[target] -= 1
+            if not waits[target]:
+                ready.append(target)
+    return {task for task in gates if waits[task]}
 
 
 def import_graph(

@@ -131,6 +131,27 @@ def test_large_feeds_reach_every_task_intact(cluster):
     np.testing.assert_array_equal(got_tail, value[-2:] + np.array([1, 2], np.float32))
 
 
+def test_tasks_that_swap_values_in_one_step_both_finish(cluster):
+    # ps0 and ps1 each send a value the other needs, and neither value depends on what
+    # its task receives: a task that waited for its receives before sending would
+    # wait forever (`plan.mark_receives_first`).
+    graph = ds.Graph()
+    with graph.as_default():
+        with ds.device("/job:ps/task:0"):
+            a = ds.constant(np.float32([1.0, 2.0]), name="a")
+        with ds.device("/job:ps/task:1"):
+            b = ds.constant(np.float32([10.0, 20.0]), name="b")
+            from_a = ds.multiply(a, 3.0, name="from_a")
+        with ds.device("/job:ps/task:0"):
+            from_b = ds.multiply(b, 5.0, name="from_b")
+        with ds.device("/job:worker/task:1"):
+            total = ds.add(from_a, from_b, name="total")
+    with ds.Session(cluster.target("worker", 0), graph=graph) as sess:
+        for _ in range(3):
+            value = sess.run(total, options=ds.RunOptions(timeout_in_ms=30_000))
+            np.testing.assert_array_equal(value, np.float32([53.0, 106.0]))
+
+
 def test_values_a_transport_asks_for_twice_still_arrive(cluster):
     """ps0 frees a finished step as soon as its values for other tasks are handed
     over; a string (which verbs leaves to gRPC) and a 6 MiB tensor (which a unary

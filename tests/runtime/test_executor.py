@@ -599,9 +599,9 @@ async def test_a_step_whose_receives_have_arrived_runs_as_one_sequence_with_the_
     straight_runs = []
     original = executor_module._Straight.run
 
-    async def counting(self, ctx, outputs):
+    async def counting(self, ctx, outputs, start, end):
         straight_runs.append(ctx.step_id)
-        await original(self, ctx, outputs)
+        await original(self, ctx, outputs, start, end)
 
     monkeypatch.setattr(executor_module._Straight, "run", counting)
     executor = Executor(_fed_sum())
@@ -741,15 +741,15 @@ async def test_a_cancelled_step_stops_its_thread_before_the_next_node(monkeypatc
     assert ran == ["big"]
 
 
-async def test_a_partition_marked_to_wait_for_its_receives_runs_as_one_sequence_or_fails_fast(monkeypatch):
+async def test_a_marked_partition_runs_what_needs_no_receive_then_waits_for_them_all(monkeypatch):
     from distserver.runtime import executor as executor_module
 
     straight_runs = []
     original = executor_module._Straight.run
 
-    async def counting(self, ctx, outputs):
-        straight_runs.append(ctx.step_id)
-        await original(self, ctx, outputs)
+    async def counting(self, ctx, outputs, start, end):
+        straight_runs.append((ctx.step_id, start, end))
+        await original(self, ctx, outputs, start, end)
 
     monkeypatch.setattr(executor_module._Straight, "run", counting)
     fetches: dict[str, asyncio.Future[tuple[Any, bool]]] = {}
@@ -762,22 +762,35 @@ async def test_a_partition_marked_to_wait_for_its_receives_runs_as_one_sequence_
     receives = [_recv("w", peer), _recv("v", peer)]
     for receive in receives:
         receive.attr["_receives_first"].b = True  # (`plan.mark_receives_first`)
-    executor = Executor(_graph(*receives, _node("sum", "AddV2", ["w", "v"], T=_F32), _send("fetch", "sum")))
-    assert executor._straight is not None
-    assert executor._straight.waits_first
+    executor = Executor(
+        _graph(
+            *receives,
+            _node("sum", "AddV2", ["w", "v"], T=_F32),
+            _send("fetch", "sum"),
+            _const("c", 4.0),
+            _node("early", "Square", ["c"], T=_F32),  # needs no receive: runs before the wait
+            _send("to_ps", "early", peer),
+        )
+    )
+    straight = executor._straight
+    assert straight is not None
+    assert straight.gated
+    assert [e.node.kernel.name for e in straight.program[: straight.gate]] == ["early", "to_ps"]
     ctx = _step_context(None)
     ctx.rendezvous = StepRendezvous(1, TASK, fetch_remote)
     stepping = asyncio.ensure_future(executor.run(ctx))
     await asyncio.sleep(0.01)
+    # Sent before the step waits (the ps may need it to send w and v).
+    assert await ctx.rendezvous.recv_local(executor._nodes[6].kernel.key) == (np.float32(16.0), False)  # type: ignore[attr-defined]
     fetches["w"].set_result((np.float32(1.0), False))
     await asyncio.sleep(0.01)
     assert not stepping.done()  # v is still on its way
     fetches["v"].set_result((np.float32(2.0), False))
     await asyncio.wait_for(stepping, 10)
-    assert straight_runs == [1]
+    assert straight_runs == [(1, 0, 2), (1, 2, 4)]
     assert await ctx.rendezvous.recv_local(executor._nodes[3].kernel.key) == (np.float32(3.0), False)  # type: ignore[attr-defined]
     # One receive fails: the step fails at once, naming it, without waiting for the other.
-    ctx = _step_context(None)
+    ctx = dataclasses.replace(_step_context(None), step_id=2)
     ctx.rendezvous = StepRendezvous(2, TASK, fetch_remote)
     stepping = asyncio.ensure_future(executor.run(ctx))
     await asyncio.sleep(0.01)
@@ -786,4 +799,4 @@ async def test_a_partition_marked_to_wait_for_its_receives_runs_as_one_sequence_
         await asyncio.wait_for(stepping, 10)
     assert raised.value.node_name == "v"
     assert fetches["w"].cancelled()
-    assert straight_runs == [1]
+    assert straight_runs[2:] == [(2, 0, 2)]

@@ -240,33 +240,47 @@ def test_values_from_a_partition_without_receives_are_pushed():
     assert plan_pushes(parts, "/job:worker/replica:0/task:0") == {}
 
 
-def test_a_partition_whose_receives_never_wait_for_its_own_sends_may_wait_for_them_first():
+def _marks(parts, task):
+    return {n.attr["_receives_first"].b for n in parts[task].node if n.op == "_Recv"}
+
+
+def test_partitions_wait_for_their_receives_after_what_needs_none_unless_that_makes_a_cycle():
     # The parameter-server step: the worker receives w from ps and sends ps the update;
-    # ps receives the update, which waits (through the worker) for the w it sent.
+    # ps sends w before it waits for its receives, the update after.
     nodes = [
         node("w", "Const", device=PS0),
         node("x", "Const", device=W0),
         node("grad", "Mul", ["w", "x"], device=W0),
         node("apply", "Sub", ["w", "grad"], device=PS0),
-        node("other", "Neg", ["w"], device=W1),
+        node("other", "Neg", ["x"], device=W1),  # a value that goes to W1 and back
         node("back", "Neg", ["other"], device=W0),
     ]
-
-    def marks(task):
-        return {n.attr["_receives_first"].b for n in parts[task].node if n.op == "_Recv"}
-
     parts = partition(nodes, incarnation=INCARNATIONS.__getitem__)
     mark_receives_first(parts)
-    assert marks("/job:worker/replica:0/task:0") == {True}
-    assert marks("/job:worker/replica:0/task:1") == {True}
-    assert marks("/job:ps/replica:0/task:0") == {False}
-    # A value that goes from worker 0 to worker 1 and comes back: worker 0 must not
-    # wait for it before it sends.
-    nodes[4] = node("other", "Neg", ["x"], device=W1)
+    for task in ("/job:worker/replica:0/task:0", "/job:worker/replica:0/task:1", "/job:ps/replica:0/task:0"):
+        assert _marks(parts, task) == {True}, task
+    # A lookup: W0 sends ids to PS0, which sends back rows, from which W0 computes
+    # what it sends PS0 next. Waiting for all its receives, PS0 would wait for a value
+    # that needs its own rows: it keeps the ready queue; W0 may still wait.
+    nodes = [
+        node("ids", "Const", device=W0),
+        node("rows", "Neg", ["ids"], device=PS0),
+        node("loss", "Neg", ["rows"], device=W0),
+        node("update", "Neg", ["loss"], device=PS0),
+    ]
     parts = partition(nodes, incarnation=INCARNATIONS.__getitem__)
     mark_receives_first(parts)
-    assert marks("/job:worker/replica:0/task:0") == {False}
-    assert marks("/job:worker/replica:0/task:1") == {True}
+    assert _marks(parts, "/job:ps/replica:0/task:0") == {False}
+    assert _marks(parts, "/job:worker/replica:0/task:0") == {True}
+    # A step with a conditional (dead values) marks nothing.
+    nodes = [
+        node("pred", "Const", device=W0),
+        node("value", "Const", device=PS0),
+        node("switch", "Switch", ["value", "pred"], device=W0),
+    ]
+    parts = partition(nodes, incarnation=INCARNATIONS.__getitem__)
+    mark_receives_first(parts)
+    assert _marks(parts, "/job:worker/replica:0/task:0") == {False}
 
 
 def test_build_plan_runs_every_pass_for_a_two_task_step():
