@@ -24,9 +24,10 @@ if TYPE_CHECKING:
 # rendezvous instead of fetching it (see `distserver.runtime.push`).
 RECV_PUSHED_ATTR = "_recv_pushed"
 
-# A `_Recv` marked with this attr is in a partition whose receives never wait, through
-# other tasks, for a value that partition sends: a step may wait for all of them
-# before it runs a node (see `distserver.runtime.plan.mark_receives_first`).
+# A `_Recv` marked with this attr is in a partition whose step may run the nodes that
+# need no receive, then wait for all its receives, then run the rest: no receive
+# waits, through other tasks, for a node after that wait (see
+# `distserver.runtime.plan.mark_receives_first`).
 RECEIVES_FIRST_ATTR = "_receives_first"
 
 # What a dead value travels as (RecvTensor's `is_dead` says it is dead; TensorFlow

@@ -6,10 +6,11 @@ resolves inputs, and rejects cycles. `run(ctx)` then executes one step:
 
 * Ready-queue scheduling: a node runs once all its data and control inputs have.
   A step whose receives have all arrived when it starts (a one-task step: its feeds
-  are sent before it runs), or may all be waited for first (a worker's partition
-  of a parameter-server step: `plan.mark_receives_first`), needs no queue: it runs
-  as one sequence fixed at registration (`_Straight`, ~1-2 us a node less), a large
-  node taking the nodes after it to its pool thread (one hop, not one per large node).
+  are sent before it runs), or whose partition the planner marked (its receives may
+  be waited for once the nodes that need none have run: `plan.mark_receives_first`),
+  needs no queue: it runs as one sequence fixed at registration (`_Straight`, ~1-2
+  us a node less), a large node taking the nodes after it to its pool thread (one
+  hop, not one per large node).
 * Per-step work that does not depend on the data is done once, at registration or
   at the first step: how each node runs (`_Node.mode`), and the outputs of nodes
   without inputs whose kernel says they are fixed (`OpKernel.outputs_fixed`: Const,

@@ -12,8 +12,9 @@ in order (each in its own module or below):
 5. `partition.partition`: one GraphDef per task, `_Send`/`_Recv` pairs on every
    edge that crosses tasks.
 6. `push.plan_pushes`: which values ride RunGraph responses (the push protocol).
-7. `mark_receives_first`: the partitions whose steps may wait for all their receives
-   before running anything (they then run as one sequence, `executor._Straight`).
+7. `mark_receives_first`: the partitions whose steps may run what needs no receive,
+   wait for all their receives, then run the rest (as one sequence,
+   `executor._Straight`).
 
 `import_graph` is the validation CreateSession and ExtendSession run on a client's
 GraphDef (kernels, names, inputs, cycles), before any worker is involved.
