@@ -573,8 +573,9 @@ _RUN, _TO_LOOP, _STOP = 0, 1, 2
 
 class _Straight:
     """A partition's step as one fixed sequence of nodes (`_plan_straight`), for the
-    steps whose receives have all arrived when they start, or have been waited for
-    first where the planner found that safe (`waits_first`).
+    steps whose receives have all arrived when they start, and for those of a
+    partition the planner marked (`gated`): the nodes before `gate` first, then,
+    once every receive is here, the rest.
 
     Nodes run one after the other on the event loop. A node that goes to the pool
     (large) takes the nodes after it along, `_Send`s handed back to the loop as they
