@@ -612,9 +612,14 @@ class _Straight:
                 loop = asyncio.get_running_loop()
                 stop = threading.Event()
                 failed: list[Exception] = []  # by the nodes the thread handed to the loop
+                # The thread takes the inputs out of `held`: nothing here (this frame, the
+                # pool's work item) keeps them alive while later nodes run, or a variable
+                # read here could not be updated in place there.
+                held = [inputs]
+                del inputs
                 try:
                     position = await loop.run_in_executor(
-                        pool, self._run_in_thread, ctx, outputs, (position, end), inputs, (loop, stop, failed)
+                        pool, self._run_in_thread, ctx, outputs, (position, end), held, (loop, stop, failed)
                     )
                 except asyncio.CancelledError:
                     stop.set()  # the thread stops before its next node
@@ -634,16 +639,17 @@ class _Straight:
         ctx: StepContext,
         outputs: list[list[Any] | None],
         span: tuple[int, int],
-        inputs: list[Any],
+        held: list[list[Any]],
         back: tuple[asyncio.AbstractEventLoop, threading.Event, list[Exception]],
     ) -> int:
-        """Run the node at `span`'s start (its `inputs` taken) and the next ones before
-        its end that may run in a thread; return where the event loop goes on. `back`:
-        the loop, the event that stops this run (the step was cancelled), and where the
-        nodes handed to the loop put their errors."""
+        """Run the node at `span`'s start (its inputs taken, in `held`) and the next ones
+        before its end that may run in a thread; return where the event loop goes on.
+        `back`: the loop, the event that stops this run (the step was cancelled), and
+        where the nodes handed to the loop put their errors."""
         program = self.program
         position, end = span
         loop, stop, failed = back
+        inputs = held.pop()
         with warnings_off():
             while True:
                 entry = program[position]

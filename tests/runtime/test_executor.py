@@ -800,3 +800,31 @@ async def test_a_marked_partition_runs_what_needs_no_receive_then_waits_for_them
     assert raised.value.node_name == "v"
     assert fetches["w"].cancelled()
     assert straight_runs[2:] == [(2, 0, 2)]
+
+
+def test_a_variable_read_by_the_node_that_starts_a_run_in_a_thread_is_still_updated_in_place():
+    # The run's first node (a product with the variable, large) reads the variable; once
+    # that node has run, nothing (the loop's frame, the pool's work item) may keep its
+    # inputs, or the update the same run makes later would find the variable shared
+    # and copy it.
+    from distserver.kernels.state import OPTIMIZER_UPDATES
+
+    side = 512  # a 1 MiB variable
+    server = ds.Server.create_local_server()
+    try:
+        with ds.Graph().as_default() as graph:
+            v = ds.Variable(np.full((side, side), 0.5, np.float32), name="v")
+            loss = ds.reduce_sum(ds.matmul(ds.constant(np.ones((1, side), np.float32)), v.read_value()))
+            train = ds.train.GradientDescentOptimizer(0.25).minimize(loss)
+            init = ds.global_variables_initializer()
+        with ds.Session(server.target, graph=graph) as session:
+            session.run(init)
+            before = (OPTIMIZER_UPDATES.in_place, OPTIMIZER_UPDATES.copied)
+            losses = [session.run([loss, train])[0] for _ in range(3)]
+            after = (OPTIMIZER_UPDATES.in_place, OPTIMIZER_UPDATES.copied)
+            value = session.run(v.read_value())
+    finally:
+        server.stop()
+    assert (after[0] - before[0], after[1] - before[1]) == (3, 0)
+    assert losses == [side * side * 0.5, side * side * 0.25, 0.0]
+    np.testing.assert_array_equal(value, np.full((side, side), -0.25, np.float32))
