@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from distserver import errors
 from distserver.devices import task_of_device
@@ -181,8 +180,12 @@ def mark_receives_first(graphs: Mapping[str, GraphDef]) -> None:
                         after.add(consumer)
                         pending.append(consumer)
             gates[task] = (receives, after)
+    waits = dict.fromkeys(consumers, 0)  # edges into each node, gates left out
+    for targets in consumers.values():
+        for target in targets:
+            waits[target] += 1
     while gates:
-        stuck = _gates_on_cycles(consumers, gates)
+        stuck = _gates_on_cycles(consumers, waits, gates)
         if not stuck:
             break
         del gates[min(stuck)]
@@ -194,26 +197,32 @@ def mark_receives_first(graphs: Mapping[str, GraphDef]) -> None:
 
 def _gates_on_cycles(
     consumers: Mapping[tuple[str, str], list[tuple[str, str]]],
+    waits: Mapping[tuple[str, str], int],
     gates: Mapping[str, tuple[list[tuple[str, str]], set[tuple[str, str]]]],
 ) -> set[str]:
-    """The tasks of `gates` whose gate a topological sort of the step's graph with the
-    gates' edges cannot reach (on a cycle, or after one)."""
-    edges: dict[Any, list[Any]] = {node: list(after) for node, after in consumers.items()}
-    for task, (receives, after) in gates.items():
-        for receive in receives:
-            edges[receive].append(task)  # a gate is named by its task
-        edges[task] = list(after)
-    waits = dict.fromkeys(edges, 0)
-    for targets in edges.values():
-        for target in targets:
-            waits[target] += 1
+    """The tasks of `gates` whose gate a topological sort of the step's graph (`consumers`,
+    `waits` the edges into each node) with the gates' edges never opens (on a cycle, or
+    after one)."""
+    waits = dict(waits)
+    for _, after in gates.values():
+        for node in after:
+            waits[node] += 1
+    gate_of = {receive: task for task, (receives, _) in gates.items() for receive in receives}
+    closed = {task: len(receives) for task, (receives, _) in gates.items()}  # receives not yet done
     ready = [node for node, count in waits.items() if not count]
     while ready:
-        for target in edges[ready.pop()]:
+        node = ready.pop()
+        released = list(consumers[node])
+        task = gate_of.get(node)
+        if task is not None:
+            closed[task] -= 1
+            if not closed[task]:
+                released.extend(gates[task][1])
+        for target in released:
             waits[target] -= 1
             if not waits[target]:
                 ready.append(target)
-    return {task for task in gates if waits[task]}
+    return {task for task, count in closed.items() if count}
 
 
 def import_graph(
