@@ -311,6 +311,7 @@ class Executor:
                 await straight.run(ctx, outputs, 0, straight.gate)
                 await _wait_for_receives(list(receives.values()))
                 start = straight.gate
+            # (A failed receive first: the wait ends at it, before the others are done.)
             for i, future in receives.items():
                 error = _receive_error(self._nodes[i], future) if future.done() else None
                 if error is not None:

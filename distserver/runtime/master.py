@@ -584,8 +584,11 @@ class Master:
         fetches: list[str],
         targets: list[str],
     ) -> _RegisteredPlan:
-        plan = build_plan(
-            session.nodes,
+        # Planning is O(graph) several times over (0.75 s for 53,000 nodes): off the loop,
+        # on a snapshot of the graph (ExtendSession may add nodes meanwhile).
+        plan = await asyncio.to_thread(
+            build_plan,
+            dict(session.nodes),
             feeds=feed_types,
             fetches=fetches,
             targets=targets,
