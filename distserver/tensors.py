@@ -827,7 +827,8 @@ def decode_tensors(protos: Iterable[TensorProto], *, what: str) -> list[NDArray[
 def decode_elements(protos: Iterable[TensorProto]) -> int:
     """How many elements decoding `protos` builds one by one: those of typed fields and padding.
 
-    ``tensor_content`` is read without a copy and counts nothing. A measure of the CPU
+    ``tensor_content`` counts nothing (protobuf copies it to answer: the transports read
+    messages of `wire.HAND_DECODED_MESSAGE_BYTES` or more by hand). A measure of the CPU
     a decode takes, known before decoding (a caller moves large decodes off its event
     loop); the shapes are what the message claims, checked by the decode itself.
     """

@@ -59,6 +59,11 @@ MessageT = TypeVar("MessageT", bound=Message)
 # Tensors below this size are encoded and decoded by protobuf's C code (faster for them,
 # and their one copy is cheap); from this size by hand, as views (no copy).
 HAND_ENCODED_BYTES = 16 << 10
+# Messages (requests and answers with tensors) from this size are read by hand
+# (`decode_tensor_message`): protobuf copies a tensor's content once as it parses and
+# again each time the field is read, ~100 us for a 784 KiB feed here, against ~25 us
+# for reading it by hand. Below it both take ~25 us.
+HAND_DECODED_MESSAGE_BYTES = 128 << 10
 
 _LEN = 2  # protobuf wire type of length-delimited fields
 _VARINT = 0

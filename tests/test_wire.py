@@ -305,9 +305,10 @@ def test_a_large_request_reaches_its_handler_as_views_and_bad_ones_are_invalid_a
     from distserver.protos.master_pb2 import RunStepRequest
     from distserver.protos.worker_pb2 import RecvTensorRequest
     from distserver.transports.base import parse_handler_request
-    from distserver.wire import TensorRequest
+    from distserver.wire import HAND_DECODED_MESSAGE_BYTES, TensorRequest
 
-    big = np.ones(1 << 18, np.float32)  # 1 MiB: from this size requests are read by hand
+    # From this size requests are read by hand (an mlp's 784 KiB feed is).
+    big = np.ones(HAND_DECODED_MESSAGE_BYTES // 4, np.float32)
     request = RunStepRequest(session_handle="s", fetch=["y:0"])
     data = encode_tensor_message(request, [("x:0", big)])
     parsed = parse_handler_request(RunStepRequest, data)
@@ -317,9 +318,11 @@ def test_a_large_request_reaches_its_handler_as_views_and_bad_ones_are_invalid_a
     assert name == "x:0"
     assert np.shares_memory(value, np.frombuffer(data, np.uint8))
     assert not value.flags.writeable  # a view of the received bytes
-    # Small requests and messages without tensors: protobuf, as before.
+    # Smaller requests and messages without tensors: protobuf, as before.
     small = parse_handler_request(RunStepRequest, encode_tensor_message(request, [("x:0", big[:4])]))
     assert isinstance(small, RunStepRequest)
+    below = parse_handler_request(RunStepRequest, encode_tensor_message(request, [("x:0", big[:-64])]))
+    assert isinstance(below, RunStepRequest)
     assert small.feed[0].name == "x:0"
     other = RecvTensorRequest(rendezvous_key="k" * (2 << 20)).SerializeToString()
     assert parse_handler_request(RecvTensorRequest, other).rendezvous_key == "k" * (2 << 20)

@@ -26,6 +26,7 @@ from distserver.runtime.names import canonical_tensor_name
 from distserver.tensors import from_tensor_proto
 from distserver.wire import (
     ENCODE_IN_THREAD_BYTES,
+    HAND_DECODED_MESSAGE_BYTES,
     EncodedMessage,
     MessageT,
     decode_tensor_message,
@@ -254,12 +255,13 @@ async def _named_tensors(
     """A serialized RunStep, RunGraph or RunCallable response's tensors (RunCallable's
     without names) and the rest of the message.
 
-    In an answer of 1 MiB or more, plain numeric tensors of 16 KiB or more are numpy
-    views over `data` (`wire.decode_tensor_message`); smaller answers, and answers
-    with large tensors of other kinds, are parsed by protobuf (in a thread when large).
+    In an answer of `HAND_DECODED_MESSAGE_BYTES` or more, plain numeric tensors of 16 KiB
+    or more are numpy views over `data` (`wire.decode_tensor_message`); smaller answers,
+    and answers with large tensors of other kinds, are parsed by protobuf (in a thread
+    when large).
     `missing_ok`: a name without a tensor gives None (RecvTensors: fetch it separately).
     """
-    if len(data) >= ENCODE_IN_THREAD_BYTES:  # below, protobuf is as fast and copies little
+    if len(data) >= HAND_DECODED_MESSAGE_BYTES:  # below, protobuf is as fast
         decoded = decode_tensor_message(data, message_class, missing_ok=missing_ok)
         if decoded is not None:
             return decoded

@@ -54,7 +54,7 @@ with graph.as_default():
             ),
         )
         checks.run("fetch_a_feed", lambda: sess.run(x, {x: np.full((1, 3), 4.0, np.float32)}))
-        # Feeds of 1 MiB and more: distserver reads plain ones as views of the request,
+        # Requests of 128 KiB and more: distserver reads plain feeds as views of the request,
         # and leaves a request with large strings to protobuf.
         large = np.arange(3 * 150_000, dtype=np.float32).reshape(-1, 3)
         checks.run("large_feed", lambda: sess.run([tf.reduce_sum(y), y[-1]], {x: large}))
