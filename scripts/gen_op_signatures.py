@@ -25,11 +25,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from distserver.kernels.math import FUSED_MATMUL_OP  # noqa: E402
 from distserver.kernels.registry import registered_ops  # noqa: E402
 from distserver.runtime.functions import INLINED_OPS  # noqa: E402
 
 TABLE = ROOT / "distserver" / "runtime" / "op_signatures.json"
 DEFAULT_TF_PYTHON = ROOT.parent / "main" / ".tfenv" / "bin" / "python"
+# distserver's own ops (TensorFlow has no OpDef for them), as the table writes them.
+OWN_OPS = {
+    FUSED_MATMUL_OP: {"inputs": [["a", 1], ["b", 1], ["bias", 1]], "outputs": [["product", 1]]},
+}
 
 # Runs in TensorFlow's interpreter: op names on stdin, JSON on stdout.
 _DUMP = r"""
@@ -53,7 +58,7 @@ json.dump({"table": table, "missing": missing}, sys.stdout)
 
 
 def build(tf_python: str) -> str:
-    ops = sorted(set(registered_ops()) | INLINED_OPS)
+    ops = sorted((set(registered_ops()) | INLINED_OPS) - set(OWN_OPS))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["TF_CPP_MIN_LOG_LEVEL"] = "3"
     done = subprocess.run(
@@ -62,7 +67,8 @@ def build(tf_python: str) -> str:
     result = json.loads(done.stdout)
     if result["missing"]:
         raise SystemExit(f"TensorFlow has no OpDef for: {', '.join(result['missing'])}")
-    lines = [f"{json.dumps(name)}: {json.dumps(entry)}" for name, entry in sorted(result["table"].items())]
+    table = result["table"] | OWN_OPS
+    lines = [f"{json.dumps(name)}: {json.dumps(entry)}" for name, entry in sorted(table.items())]
     return "{\n" + ",\n".join(lines) + "\n}\n"  # one op a line: readable diffs
 
 

@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import math as _math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from distserver import errors
 from distserver.kernels import _intra_op
@@ -54,10 +55,8 @@ from distserver.kernels._common import (
     shape_str,
     type_name,
 )
-from distserver.kernels.registry import KernelContext, OpKernel, product_of, register_kernel
-
-if TYPE_CHECKING:
-    from distserver.protos.node_def_pb2 import NodeDef
+from distserver.kernels.registry import KernelContext, OpKernel, create_kernel, product_of, register_kernel
+from distserver.protos.node_def_pb2 import NodeDef
 
 ArrayFn = Callable[..., Any]
 # An element-wise op: (allowed T or None for bool-only ops without T, numpy function,
@@ -445,6 +444,100 @@ class BiasAddKernel(OpKernel):
         shape[channel_dim] = bias.shape[0]
         with np.errstate(all="ignore"):
             return [array(value + bias.reshape(shape), self.dtype)]
+
+
+# --------------------------------------------------------------------------- fused dense layers
+
+FUSED_MATMUL_OP = "_DistserverFusedMatMul"
+FUSED_NODES_ATTR = "_fused_nodes"  # list(string): the parts' serialized NodeDefs, in order
+BIAS_ADD_OPS = frozenset({"BiasAdd", "AddV2", "Add"})
+# Each written into the sum's own array where numpy can: the same ufunc, the same bits.
+_ACTIVATIONS = {
+    "Relu": lambda x: np.maximum(x, np.zeros((), x.dtype), out=x),
+    "Tanh": lambda x: np.tanh(x, out=x),
+    "Sigmoid": _sigmoid,
+}
+ACTIVATION_OPS = frozenset(_ACTIVATIONS)
+FUSED_TYPES: frozenset[np.dtype[Any]] = frozenset({np.dtype(np.float32), np.dtype(np.float64)})
+
+
+@register_kernel(FUSED_MATMUL_OP)
+class FusedMatMulKernel(OpKernel):
+    """activation(a @ b + bias), inputs (a, b, bias), from its parts' NodeDefs
+    (`FUSED_NODES_ATTR`: MatMul, BiasAdd/AddV2/Add[, Relu/Tanh/Sigmoid]).
+
+    Inputs of the node's dtype, two matrices whose product has one column per bias
+    value, take one pass: the product (`_matmul`, as MatMul computes it), the bias
+    added into it, the activation applied in place; the numpy calls the parts would
+    make, in the same order (an addition's operands commute exactly). Any other inputs
+    go through the parts' own kernels one after the other, so their errors name the
+    part that TensorFlow would name.
+    """
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        self.dtype = attr_type_in(self, "T", FUSED_TYPES)
+        parts = [_fused_part(self, data) for data in self._attr(FUSED_NODES_ATTR).list.s]
+        ops = [part.op for part in parts]
+        # The sum's operands: the product (by the MatMul's name; node names have no ":")
+        # and the bias.
+        add_inputs = parts[1].input if len(parts) > 1 else []
+        sources = [text.split(":")[0] for text in add_inputs if not text.startswith("^")]
+        if not (
+            len(parts) in (2, 3)
+            and ops[0] == "MatMul"
+            and ops[1] in BIAS_ADD_OPS
+            and (len(parts) == 2 or ops[2] in ACTIVATION_OPS)
+            and all(part.attr["T"].type == node.attr["T"].type for part in parts if "T" in part.attr)
+            and len(sources) == 2
+            and sources.count(parts[0].name) == 1
+        ):
+            raise errors.InvalidArgumentError(
+                f"Node '{self.name}' ({FUSED_MATMUL_OP}) fuses {ops}: expected MatMul, one of "
+                f"{sorted(BIAS_ADD_OPS)} adding a bias to its product, then optionally one of "
+                f"{sorted(ACTIVATION_OPS)}, all of T {self.dtype.name}",
+                node_name=self.name,
+            )
+        self.matmul, self.add, *rest = [create_kernel(part) for part in parts]
+        self.activation = rest[0] if rest else None
+        self.bias_first = sources[0] != parts[0].name
+        self.transpose_a = self.matmul.transpose_a  # type: ignore[attr-defined]
+        self.transpose_b = self.matmul.transpose_b  # type: ignore[attr-defined]
+        activate = _ACTIVATIONS[ops[2]] if rest else None
+
+        def layer(lhs: np.ndarray, rhs: np.ndarray, bias: np.ndarray) -> np.ndarray:
+            product = _matmul(lhs, rhs)  # a new array: the sum is written into it
+            np.add(product, bias, out=product)
+            return product if activate is None else activate(product)
+
+        self._layer = quiet(layer)
+
+    def output_nbytes(self, inputs: list[Any]) -> int:
+        return self.matmul.output_nbytes(inputs[:2])
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        a, b, bias = inputs
+        dtype = self.dtype
+        if a.dtype == b.dtype == bias.dtype == dtype and a.ndim == b.ndim == 2 and bias.ndim == 1:
+            lhs = a.T if self.transpose_a else a
+            rhs = b.T if self.transpose_b else b
+            if lhs.shape[1] == rhs.shape[0] and rhs.shape[1] == bias.shape[0]:
+                return [self._layer(lhs, rhs, bias)]
+        (value,) = self.matmul.compute(ctx, [a, b])
+        (value,) = self.add.compute(ctx, [bias, value] if self.bias_first else [value, bias])
+        if self.activation is not None:
+            (value,) = self.activation.compute(ctx, [value])
+        return [value]
+
+
+def _fused_part(kernel: OpKernel, data: bytes) -> NodeDef:
+    try:
+        return NodeDef.FromString(data)
+    except DecodeError as exc:
+        raise errors.InvalidArgumentError(
+            f"Node '{kernel.name}' ({FUSED_MATMUL_OP}) has a part that is not a NodeDef: {exc}",
+            node_name=kernel.name,
+        ) from None
 
 
 @register_kernel("AddN")

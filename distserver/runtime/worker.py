@@ -37,6 +37,7 @@ from distserver.runtime.clients import WorkerClient
 from distserver.runtime.concurrency import request_tensors
 from distserver.runtime.counters import StepCounters
 from distserver.runtime.executor import Executor, StepContext
+from distserver.runtime.fusion import fuse_dense_layers
 from distserver.runtime.push import PUSH_LIMIT_BYTES, worker_returns
 from distserver.runtime.rendezvous import RendezvousTable, StepRendezvous
 from distserver.tensors import tensor_nbytes
@@ -219,7 +220,7 @@ class Worker:
                     f"this task ({self.task_name})",
                     node_name=node.name,
                 )
-        executor = Executor(request.graph_def, session.stateful_kernels)
+        executor = Executor(fuse_dense_layers(request.graph_def), session.stateful_kernels)
         handle = f"{next(self._graph_ids):016x}"
         session.graphs[handle] = executor
         return w.RegisterGraphResponse(graph_handle=handle)
