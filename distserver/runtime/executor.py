@@ -680,7 +680,16 @@ def _take_inputs(
 ) -> list[Any]:
     """`node`'s inputs from `outputs`, dropping the outputs it is the last to read."""
     try:
-        inputs = [outputs[src][k] for src, k in sources]  # type: ignore[index]
+        # Most nodes read one or two values: without a comprehension (a frame of its own
+        # until Python 3.12; ~0.15 us a node).
+        if len(sources) == 1:
+            ((src, k),) = sources
+            inputs = [outputs[src][k]]  # type: ignore[index]
+        elif len(sources) == 2:
+            (first, i), (second, j) = sources
+            inputs = [outputs[first][i], outputs[second][j]]  # type: ignore[index]
+        else:
+            inputs = [outputs[src][k] for src, k in sources]  # type: ignore[index]
     except IndexError:  # (`_output` raises the error naming both nodes)
         inputs = [_output(nodes, outputs, src, k, node) for src, k in sources]
     for src in last_reads:
