@@ -575,6 +575,8 @@ class Master:
                 future.set_exception(exc)
                 future.exception()
                 raise
+        if future.done():  # (a signature planned before: most steps; shield costs ~10 us)
+            return future.result()
         return await asyncio.shield(future)
 
     async def _register_plan(
