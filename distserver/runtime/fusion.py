@@ -4,9 +4,9 @@ the same chains into `_FusedMatMul` on CPU).
 
 A one-task step of 30 small layers runs 90 such nodes; each costs the executor and
 its kernel's checks a few microseconds over numpy's own call. The fused node
-(`kernels.math.FusedMatMulKernel`) computes the product,
-adds the bias into it and applies the activation in place: the same numpy calls in
-the same order, so the same bits. It carries its parts' NodeDefs (attr
+(`kernels.math.FusedMatMulKernel`) computes the product, adds the bias into it and
+applies the activation in place: the same numpy calls in the same order, so the same
+bits. It carries its parts' NodeDefs (attr
 `FUSED_NODES_ATTR`): for inputs its fast path does not take, it runs their kernels
 one by one, so errors name the node TensorFlow would name.
 
@@ -105,14 +105,14 @@ def _same_kind(first: NodeDef, other: NodeDef) -> bool:
 
 def _fused_node(chain: list[NodeDef]) -> NodeDef:
     """The node computing `chain` (MatMul, bias add[, activation]): inputs a, b, bias,
-    then the control inputs of every part (the parts' own edges between them dropped)."""
+    then the control inputs of every part (none comes from another part: only the last
+    part may be waited for)."""
     matmul, add = chain[0], chain[1]
     (bias,) = (text for text in _data_inputs(add) if parse_input(text)[0] != matmul.name)
-    names = {part.name for part in chain}
     controls: list[str] = []
     for part in chain:
         for text in part.input:
-            if text.startswith("^") and text[1:] not in names and text not in controls:
+            if text.startswith("^") and text not in controls:
                 controls.append(text)
     node = NodeDef(name=chain[-1].name, op=FUSED_MATMUL_OP, device=matmul.device)
     node.input.extend([*_data_inputs(matmul), bias, *controls])
