@@ -492,7 +492,16 @@ def _decode_tensor(data: bytes | memoryview, view: memoryview, start: int, end: 
             f"Tensor content has {length} bytes; dtype {dtype} and shape {shape} "
             f"need {count * dtype.itemsize}"
         )
-    return np.frombuffer(data, dtype=dtype.newbyteorder("<"), count=count, offset=offset).reshape(shape)
+    value = np.frombuffer(data, dtype=dtype.newbyteorder("<"), count=count, offset=offset).reshape(shape)
+    if not value.flags.aligned and length < ENCODE_IN_THREAD_BYTES:
+        # Content at an offset its dtype does not divide (most of TensorFlow's clients'
+        # feeds, many of ours): every kernel that read it would first copy it in pieces
+        # (a 784 KiB matrix product +0.1-0.2 ms, a sum 1.7-2.2x). One aligned copy
+        # instead (read-only, as a view of the message is); a larger value stays a view
+        # (its copy would stall the event loop).
+        value = value.copy()
+        value.flags.writeable = False
+    return value
 
 
 def _decode_with_protobuf(data: bytes) -> tuple[np.ndarray, bool]:

@@ -31,6 +31,17 @@ DTYPES = [
 ]  # fmt: skip
 
 
+def assert_view_where_aligned(got: np.ndarray, data: bytes | bytearray, value: np.ndarray) -> None:
+    """`got`, `value` read by hand from `data`: a view of `data` where `value`'s content
+    lies aligned for its dtype, else an aligned copy below 1 MiB (a view above)."""
+    buffer = np.frombuffer(data, np.uint8)
+    start = bytes(data).find(value.tobytes())
+    assert start >= 0
+    aligned_there = (buffer.ctypes.data + start) % value.dtype.alignment == 0
+    assert np.shares_memory(got, buffer) == (aligned_there or value.nbytes >= 1 << 20)
+    assert got.flags.aligned == aligned_there or value.nbytes < 1 << 20
+
+
 def values():
     yield np.float32(1.5)
     yield np.array(7, np.int64)
@@ -115,7 +126,7 @@ def test_named_tensor_responses_read_back_as_views_with_the_other_fields_parsed(
     big = np.arange(1 << 16, dtype=np.float32)
     received = bytearray(encode_tensor_message(RunStepResponse(), [("big:0", big)]))
     ((_, got),), _ = decode_tensor_message(received, RunStepResponse)
-    assert np.shares_memory(got, np.frombuffer(received, np.uint8))  # a view: no copy
+    assert_view_where_aligned(got, received, big)
     np.testing.assert_array_equal(got, big)
 
 
@@ -157,8 +168,7 @@ def test_decoded_numeric_value_is_a_view_over_the_received_bytes():
     value = np.arange(1 << 16, dtype=np.float32)
     data = encode_recv_tensor_response(value)
     decoded, _ = decode_recv_tensor_response(data)
-    assert not decoded.flags.owndata
-    assert decoded.base is not None
+    assert_view_where_aligned(decoded, data, value)
 
 
 def test_protobuf_encoded_responses_decode_too():
@@ -247,7 +257,7 @@ def test_run_callable_responses_read_back_as_views():
     assert [name for name, _ in fetched] == ["", "", ""]
     for (_, got), value in zip(fetched, values, strict=True):
         assert_same(got, value)
-    assert np.shares_memory(fetched[0][1], np.frombuffer(data, np.uint8))
+    assert_view_where_aligned(fetched[0][1], data, values[0])
     assert rest.metadata == metadata
     assert not rest.fetch
     strings = encode_tensor_message(RunCallableResponse(), [np.array([b"x" * 20_000], dtype=object)])
@@ -298,7 +308,7 @@ def test_requests_with_tensors_built_by_hand_are_what_protobuf_reads_and_read_ba
             assert_same(got, value)
             assert_same(from_tensor_proto(getattr(proto, "tensor", proto)), value)
         (got_big,) = [v for _, v in decoded if v.nbytes == big.nbytes]
-        assert np.shares_memory(got_big, np.frombuffer(data, np.uint8))
+        assert_view_where_aligned(got_big, data, big)
 
 
 def test_a_large_request_reaches_its_handler_as_views_and_bad_ones_are_invalid_arguments():
@@ -316,8 +326,8 @@ def test_a_large_request_reaches_its_handler_as_views_and_bad_ones_are_invalid_a
     assert parsed.message == request
     ((name, value),) = parsed.tensors
     assert name == "x:0"
-    assert np.shares_memory(value, np.frombuffer(data, np.uint8))
-    assert not value.flags.writeable  # a view of the received bytes
+    assert_view_where_aligned(value, data, big)
+    assert not value.flags.writeable  # a view of the received bytes, or a read-only copy
     # Smaller requests and messages without tensors: protobuf, as before.
     small = parse_handler_request(RunStepRequest, encode_tensor_message(request, [("x:0", big[:4])]))
     assert isinstance(small, RunStepRequest)
@@ -330,6 +340,26 @@ def test_a_large_request_reaches_its_handler_as_views_and_bad_ones_are_invalid_a
     for bad in (data[: len(data) // 2], b"\x12" + b"\xff" * (2 << 20)):
         with pytest.raises(errors.InvalidArgumentError, match="Could not parse the RunStepRequest"):
             parse_handler_request(RunStepRequest, bad)
+
+
+def test_hand_read_content_at_an_unaligned_offset_is_copied_aligned_below_1_mib():
+    from distserver.protos.master_pb2 import RunStepRequest
+
+    for size, copies in ((256 << 10, True), (2 << 20, False)):
+        value = np.arange(size // 4, dtype=np.float32)
+        unaligned_seen = False
+        for handle_length in range(4):  # moves the content a byte at a time
+            data = encode_tensor_message(RunStepRequest(session_handle="s" * handle_length), [("x:0", value)])
+            ((_, got),), _ = decode_tensor_message(data, RunStepRequest)
+            assert_same(got, value)
+            assert not got.flags.writeable
+            if copies:
+                assert_view_where_aligned(got, data, value)
+                unaligned_seen |= not np.shares_memory(got, np.frombuffer(data, np.uint8))
+            else:  # large: a view wherever it lies
+                assert np.shares_memory(got, np.frombuffer(data, np.uint8))
+                unaligned_seen |= not got.flags.aligned
+        assert unaligned_seen
 
 
 def test_small_tensors_in_a_hand_read_request_are_charged_to_its_budget():
