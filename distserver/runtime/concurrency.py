@@ -4,6 +4,7 @@ heavy work off the event loop."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import Awaitable, Iterable, Sequence
 from typing import Any, TypeVar
 
@@ -78,7 +79,9 @@ async def gather_all(awaitables: Iterable[Awaitable[T]]) -> list[T]:
         return [await items[0]]
     try:
         async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(_as_coroutine(a)) for a in items]
+            # A coroutine becomes the task itself: wrapped, it would go un-awaited
+            # (and warn) if the group were cancelled before the task started.
+            tasks = [group.create_task(a if inspect.iscoroutine(a) else _as_coroutine(a)) for a in items]
     except BaseExceptionGroup as group_error:
         raise first_error(group_error) from None
     return [task.result() for task in tasks]

@@ -551,7 +551,7 @@ class Master:
 
     def _send_cleanup(self, part: _Partition, step_id: int) -> None:
         request = w.CleanupGraphRequest(step_id=step_id)
-        task = asyncio.get_running_loop().create_task(_quietly(part.worker.call("CleanupGraph", request)))
+        task = asyncio.get_running_loop().create_task(_clean_up_quietly(part.worker, request))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -753,8 +753,10 @@ def _datatype(value: Any) -> int:
     )
 
 
-async def _quietly(coro: Any) -> None:
+async def _clean_up_quietly(worker: WorkerClient, request: w.CleanupGraphRequest) -> None:
+    # The call is made here, not by the caller: a task cancelled before it starts
+    # (the server stopping) would otherwise leave that coroutine never awaited.
     try:
-        await coro
+        await worker.call("CleanupGraph", request)
     except errors.OpError as exc:
         logger.debug("step cleanup failed: %s", exc)

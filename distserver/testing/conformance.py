@@ -55,6 +55,7 @@ from distserver.protos.worker_pb2 import (
     RunGraphRequest,
     RunGraphResponse,
 )
+from distserver.runtime.concurrency import gather_all
 from distserver.tensors import from_tensor_proto, to_tensor_proto
 from distserver.testing.cluster import free_ports
 from distserver.testing.conformance_peer import (
@@ -413,23 +414,6 @@ def _reraise_if_we_are_cancelled(exc: BaseException) -> None:
         raise exc
 
 
-async def _all(*calls: Awaitable[Any]) -> list[Any]:
-    """The results of `calls`, run concurrently; the first failure cancels the rest and is raised."""
-    try:
-        async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(_awaited(call)) for call in calls]
-    except BaseExceptionGroup as group_error:
-        first: BaseException = group_error
-        while isinstance(first, BaseExceptionGroup):
-            first = first.exceptions[0]
-        raise first from None
-    return [task.result() for task in tasks]
-
-
-async def _awaited(call: Awaitable[Any]) -> Any:
-    return await call
-
-
 def _discard(task: asyncio.Future[Any] | None) -> None:
     """Cancel `task` if it still runs, else mark its outcome as seen (a failed check leaves no stray task)."""
     if task is None:
@@ -468,7 +452,7 @@ async def check_correlation(transport: Transport, peer: ConformancePeer) -> None
         for i in range(count)
     ]
     async with _connected(transport, peer.address) as channel:
-        values = await _all(*(_recv_checked(channel, n, 1000 + i) for i, n in enumerate(names)))
+        values = await gather_all(_recv_checked(channel, n, 1000 + i) for i, n in enumerate(names))
         for i, (name, value) in enumerate(zip(names, values, strict=True)):
             assert_same_tensor(
                 value, make_tensor(name, 1000 + i), f"{name} (step {1000 + i}) after the others"
@@ -529,8 +513,8 @@ async def check_concurrent_streams(transport: Transport, peer: ConformancePeer) 
     async with _connected(transport, peer.address) as channel:
         for round_ in range(2):
             steps = [100 * (round_ + 1) + i for i in range(len(names))]
-            values = await _all(
-                *(_recv_checked(channel, n, s, LARGE_TIMEOUT) for n, s in zip(names, steps, strict=True))
+            values = await gather_all(
+                _recv_checked(channel, n, s, LARGE_TIMEOUT) for n, s in zip(names, steps, strict=True)
             )
             for name, step, value in zip(names, steps, values, strict=True):
                 assert_same_tensor(value, make_tensor(name, step), f"{name} (step {step}) after the others")
@@ -659,7 +643,7 @@ async def check_shape_changes_under_one_name(transport: Transport, peer: Conform
         for step in range(2 * len(shapes)):
             await _recv_checked(channel, name, step, LARGE_TIMEOUT)
         steps = list(range(100, 100 + 2 * len(shapes)))
-        values = await _all(*(_recv_checked(channel, name, s, LARGE_TIMEOUT) for s in steps))
+        values = await gather_all(_recv_checked(channel, name, s, LARGE_TIMEOUT) for s in steps)
         for step, value in zip(steps, values, strict=True):
             assert_same_tensor(value, make_tensor(name, step), f"{name} (step {step}) after the others")
 
