@@ -150,10 +150,20 @@ class UniqueKernel(OpKernel):
 def _first_occurrence_unique_ints(
     values: np.ndarray, with_counts: bool = True
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """`_first_occurrence_unique` of a non-empty integer vector, with one stable sort
-    and a sort of the distinct values' first positions: what np.unique computes and
-    then reorders, without its extra passes (1,024 ids: 90 -> 55 us)."""
+    """`_first_occurrence_unique` of a non-empty integer vector. Values in a narrow
+    range (ids into a table) are looked up in a table (`first_positions`); others take
+    one stable sort and a sort of the distinct values' first positions: what np.unique
+    computes and then reorders, without its extra passes (1,024 ids: 90 -> 55 us,
+    by table 20 us)."""
     n = values.size
+    first = first_positions(values)
+    if first is not None:
+        firsts = np.flatnonzero(first == np.arange(n))  # in order of appearance
+        rank = np.empty(n, np.int64)
+        rank[firsts] = np.arange(firsts.size)
+        inverse = rank[first]
+        counts = np.bincount(inverse, minlength=firsts.size) if with_counts else None
+        return firsts, inverse, counts
     order = np.argsort(values, kind="stable")
     ordered = values[order]
     starts = np.empty(n, np.bool_)
@@ -168,6 +178,32 @@ def _first_occurrence_unique_ints(
     inverse[order] = rank[group]
     counts = np.diff(np.append(np.flatnonzero(starts), n))[by_first] if with_counts else None
     return first_by_value[by_first], inverse, counts
+
+
+# A table of first positions costs a fill of one entry per value in the range; it
+# is used while that range is at most this many times the number of values ...
+_TABLE_SPAN_PER_VALUE = 64
+# ... and at most this many entries (8 MiB).
+_MAX_TABLE_ENTRIES = 1 << 20
+
+
+def first_positions(values: np.ndarray) -> np.ndarray | None:
+    """For a non-empty integer vector whose values lie in a narrow range: the position
+    of the first occurrence of each element's value (so `first[i] == i` where a value
+    first appears), found through a table indexed by value; None for a wide range.
+    Cheaper than sorting: 1,024 ids into 25,000 rows take ~12 us, a stable sort ~14."""
+    if values.dtype == np.uint64:  # (offsets are int64)
+        return None
+    low = int(values.min())
+    span = int(values.max()) - low + 1
+    if span > min(_TABLE_SPAN_PER_VALUE * values.size, _MAX_TABLE_ENTRIES):
+        return None
+    offsets = values.astype(np.int64, copy=False)
+    if low:
+        offsets = offsets - low
+    table = np.full(span, values.size, np.int64)
+    np.minimum.at(table, offsets, np.arange(values.size))
+    return table[offsets]
 
 
 # --------------------------------------------------------------------------- segment reductions
@@ -221,20 +257,22 @@ class UnsortedSegmentReductionKernel(OpKernel):
                 f"{shape_str(segment_ids.shape)}",
             )
         ids = segment_ids.reshape(-1)
-        bad = np.flatnonzero(ids >= num_segments)
-        if bad.size:
-            position = np.unravel_index(int(bad[0]), segment_ids.shape)
+        if ids.size and ids.max() >= num_segments:
+            bad = int(np.flatnonzero(ids >= num_segments)[0])
+            position = np.unravel_index(bad, segment_ids.shape)
             raise kernel_error(
                 self,
-                f"segment_ids[{','.join(map(str, position))}] = {int(ids[bad[0]])} is out of range "
+                f"segment_ids[{','.join(map(str, position))}] = {int(ids[bad])} is out of range "
                 f"[0, {num_segments})",
             )
         inner = data.shape[segment_ids.ndim :]
         rows = data.reshape((ids.size, *inner))
-        keep = ids >= 0  # negative ids are dropped, as in TF
+        if ids.size and ids.min() < 0:  # negative ids are dropped, as in TF
+            keep = ids >= 0
+            ids, rows = ids[keep], rows[keep]
         output = np.full((num_segments, *inner), _identity(self.op, self.dtype), dtype=self.dtype)
         with np.errstate(all="ignore"):
-            reduce_rows_at(self.ufunc, output, ids[keep], rows[keep])
+            reduce_rows_at(self.ufunc, output, ids, rows)
         return [output]
 
 
@@ -263,11 +301,11 @@ class DynamicPartitionKernel(OpKernel):
                 f", partitions.shape = {shape_str(partitions.shape)}",
             )
         flat = partitions.reshape(-1)
-        bad = np.flatnonzero((flat < 0) | (flat >= self.count))
-        if bad.size:
-            position = np.unravel_index(int(bad[0]), partitions.shape)
+        if flat.size and (flat.min() < 0 or flat.max() >= self.count):
+            bad = int(np.flatnonzero((flat < 0) | (flat >= self.count))[0])
+            position = np.unravel_index(bad, partitions.shape)
             where = f"[{','.join(map(str, position))}]" if partitions.ndim else ""
-            raise kernel_error(self, f"partitions{where} = {int(flat[bad[0]])} is not in [0, {self.count})")
+            raise kernel_error(self, f"partitions{where} = {int(flat[bad])} is not in [0, {self.count})")
         rows = data.reshape((flat.size, *data.shape[partitions.ndim :]))
         return [rows[flat == i] for i in range(self.count)]
 
@@ -377,20 +415,51 @@ def reduce_rows_at(ufunc: np.ufunc, output: np.ndarray, ids: np.ndarray, rows: n
     """output[ids[i]] = ufunc(output[ids[i]], rows[i]) for every i, in order: `ufunc.at`'s
     result bit for bit (each output row sees its rows in the same order).
 
-    `ufunc.at` walks the rows one by one in C (~0.25 us a row); when no id repeats
-    more than `_MAX_PASSES` times, a few vectorised passes over the distinct ids
-    (the k-th occurrences of each, as `sparse_rows_passes`) do the same 3x faster.
+    `ufunc.at` walks the rows one by one in C (~0.25 us a row). When the ids lie in a
+    narrow range (`first_positions`), the first occurrences of the ids go in one
+    vectorised pass and the few repeats after them through `ufunc.at`, in order (the
+    sum of `Unique`'s duplicates: 1,024 rows of 32, 53 -> ~30 us). Otherwise, when no
+    id repeats more than `_MAX_PASSES` times, a few vectorised passes over the distinct
+    ids (the k-th occurrences of each, as `sparse_rows_passes`) do the same 3x faster.
     """
+    if ids.size == 0:
+        return
+    first = first_positions(ids)
+    if first is not None:
+        is_first = first == np.arange(ids.size)
+        repeats = np.flatnonzero(~is_first)
+        if repeats.size <= _MAX_REPEATS_AT:
+            _reduce_distinct_rows(ufunc, output, ids, rows, np.flatnonzero(is_first))
+            if repeats.size:
+                ufunc.at(output, ids[repeats], rows.take(repeats, axis=0))
+            return
     order, occurrence = _occurrences(ids)
-    passes = int(occurrence.max()) + 1 if occurrence.size else 0
+    passes = int(occurrence.max()) + 1
     if passes > _MAX_PASSES:
         ufunc.at(output, ids, rows)
         return
     for k in range(passes):
-        positions = order[occurrence == k] if passes > 1 else order
-        picked = ids[positions]
-        # (`take`: the rows of fancy indexing, 3x faster on the first axis)
-        output[picked] = ufunc(output.take(picked, axis=0), rows.take(positions, axis=0))
+        _reduce_distinct_rows(ufunc, output, ids, rows, order[occurrence == k] if passes > 1 else order)
+
+
+# Most repeated ids `reduce_rows_at` leaves to `ufunc.at` after the first occurrences.
+_MAX_REPEATS_AT = 256
+
+
+def _reduce_distinct_rows(
+    ufunc: np.ufunc, output: np.ndarray, ids: np.ndarray, rows: np.ndarray, positions: np.ndarray
+) -> None:
+    """output[ids[p]] = ufunc(output[ids[p]], rows[p]) for positions `p` that name distinct ids."""
+    picked = ids[positions]
+    # (`take`: the rows of fancy indexing, 3x faster on the first axis)
+    taken = rows.take(positions, axis=0)
+    k = picked.size
+    if k and picked[-1] == k - 1 and np.array_equal(picked, np.arange(k)):
+        # ids 0, 1, ... in order (`Unique`'s, at their first occurrences): the output's
+        # first rows, reduced in place
+        ufunc(output[:k], taken, out=output[:k])
+    else:
+        output[picked] = ufunc(output.take(picked, axis=0), taken)
 
 
 class _SparseApplyKernel(_ApplyKernel):

@@ -110,15 +110,20 @@ def test_unsorted_segment_sum_with_matrix_ids_and_int64(run_op):
 
 
 @pytest.mark.parametrize("op", ["UnsortedSegmentSum", "UnsortedSegmentProd", "UnsortedSegmentMax"])
-@pytest.mark.parametrize("distinct", [2, 150, 5000], ids=["ufunc-at", "few-passes", "one-pass"])
+@pytest.mark.parametrize(
+    "distinct", [2, 150, 5000], ids=["ufunc-at", "few-passes", "first-occurrences-then-repeats"]
+)
 def test_unsorted_segment_reductions_give_the_bits_of_walking_the_rows_in_order(run_op, op, distinct):
     # Float sums depend on the order: every segment must see its rows in input order,
-    # as TF's kernel (and ufunc.at) walk them, by passes or by ufunc.at (`_MAX_PASSES`).
+    # as TF's kernel (and ufunc.at) walk them: by ufunc.at (an id named more than
+    # `_MAX_PASSES` times), by passes (more repeats than `_MAX_REPEATS_AT`), or the
+    # first occurrences in one pass and then the repeats by ufunc.at.
     rng = np.random.default_rng(3)
     ids = rng.integers(-1, distinct, 600).astype(np.int32)  # -1: dropped
     data = (rng.normal(size=(600, 7)) * 10.0 ** rng.integers(-4, 5, size=(600, 1))).astype(F32)
-    repeats = np.bincount(ids[ids >= 0]).max()
-    assert (repeats > sparse._MAX_PASSES) == (distinct == 2)
+    kept = ids[ids >= 0]
+    assert (np.bincount(kept).max() > sparse._MAX_PASSES) == (distinct == 2)
+    assert (kept.size - np.unique(kept).size > sparse._MAX_REPEATS_AT) == (distinct < 5000)
     out = _segment(run_op, op, data=data, ids=ids, num=distinct + 1)
     expected = np.full(
         (distinct + 1, 7), {"UnsortedSegmentSum": 0, "UnsortedSegmentProd": 1}.get(op, np.finfo(F32).min), F32
@@ -131,6 +136,39 @@ def test_unsorted_segment_reductions_give_the_bits_of_walking_the_rows_in_order(
     with np.errstate(all="ignore"):
         ufunc.at(expected, ids[ids >= 0], data[ids >= 0])
     np.testing.assert_array_equal(out.view(np.uint32), expected.view(np.uint32))
+
+
+@pytest.mark.parametrize("op", ["UnsortedSegmentSum", "UnsortedSegmentMin"])
+def test_unsorted_segment_reduction_by_uniques_ids_is_in_place_and_gives_the_same_bits(run_op, op):
+    # `Unique`'s idx names segments 0, 1, ... at their first occurrences: the first
+    # pass reduces into the output's leading rows in place. Zeros of either sign, as
+    # adding to the identity gives (-0.0 + 0 = +0.0).
+    rng = np.random.default_rng(5)
+    _, idx = run_op("Unique", rng.integers(0, 700, 1000), T=np.int64, out_idx=np.int32)
+    data = rng.normal(size=(1000, 5)).astype(F32)
+    data[rng.random((1000, 5)) < 0.3] = -0.0
+    first = sparse.first_positions(idx)
+    assert first is not None
+    assert np.array_equal(idx[first == np.arange(idx.size)], np.arange(idx.max() + 1))
+    out = _segment(run_op, op, data=data, ids=idx, num=int(idx.max()) + 3)
+    expected = np.full(out.shape, 0 if op == "UnsortedSegmentSum" else np.finfo(F32).max, F32)
+    (np.add if op == "UnsortedSegmentSum" else np.minimum).at(expected, idx, data)
+    np.testing.assert_array_equal(out.view(np.uint32), expected.view(np.uint32))
+
+
+def test_first_positions_by_table_or_none_for_a_wide_range():
+    rng = np.random.default_rng(6)
+    for values in (
+        rng.integers(-128, 128, 300).astype(np.int8),  # the whole range of a small type
+        rng.integers(10**12, 10**12 + 50, 100),  # far from zero
+        np.array([7]),
+    ):
+        first = sparse.first_positions(values)
+        assert first is not None
+        expected = [values.tolist().index(v) for v in values.tolist()]
+        np.testing.assert_array_equal(first, expected)
+    assert sparse.first_positions(np.array([0, 10**9])) is None  # range >> values: sort instead
+    assert sparse.first_positions(np.array([1, 2], np.uint64)) is None
 
 
 def test_unsorted_segment_sum_errors(run_op):
