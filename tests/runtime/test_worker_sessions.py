@@ -1,6 +1,11 @@
-"""Worker sessions of a master that restarted are dropped when its new incarnation shows up."""
+"""Worker sessions: those of a master that restarted are dropped when its new incarnation
+shows up; a session's graphs are built off the event loop, one at a time."""
 
 from __future__ import annotations
+
+import asyncio
+import threading
+import time
 
 import pytest
 
@@ -54,3 +59,32 @@ async def test_more_sessions_of_the_same_incarnation_keep_each_other(incarnation
         await _create(server.worker, "a", MASTER, incarnation)
         await _create(server.worker, "b", MASTER, incarnation)
         assert await _has_session(server.worker, "a")
+
+
+async def test_graphs_are_built_in_a_thread_one_at_a_time_per_session(monkeypatch):
+    # A graph of 30,000 nodes takes over a second to build: not on the event loop. Two
+    # graphs of one session share its stateful kernels, so they are built in turn.
+    from distserver.runtime import worker as worker_module
+
+    built: list[tuple[int, float, float]] = []  # (thread, start, end) of each build
+    real_executor = worker_module.Executor
+
+    def recording_executor(*args):
+        start = time.perf_counter()
+        executor = real_executor(*args)
+        built.append((threading.get_ident(), start, time.perf_counter()))
+        return executor
+
+    monkeypatch.setattr(worker_module, "Executor", recording_executor)
+    graph = ds.Graph()
+    with graph.as_default():
+        h = ds.placeholder(ds.float32, [2, 2], name="x")
+        for _ in range(800):
+            h = ds.tanh(ds.matmul(h, ds.constant([[0.5, 0.0], [0.0, 0.5]])))
+    request = w.RegisterGraphRequest(graph_def=graph.as_graph_def())
+    async with ds.AsyncServer({"ps": ["localhost:0"]}, "ps", 0) as server:
+        await asyncio.gather(*(server.worker.call("RegisterGraph", request) for _ in range(2)))
+    assert len(built) == 2
+    assert threading.get_ident() not in {thread for thread, _, _ in built}
+    first, second = sorted(built, key=lambda b: b[1])
+    assert first[2] <= second[1], "the second build started before the first ended"
