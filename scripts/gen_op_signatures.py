@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from distserver.kernels.math import FUSED_MATMUL_OP  # noqa: E402
 from distserver.kernels.registry import registered_ops  # noqa: E402
+from distserver.kernels.state import GROUPED_UPDATES_OP  # noqa: E402
 from distserver.runtime.functions import INLINED_OPS  # noqa: E402
 
 TABLE = ROOT / "distserver" / "runtime" / "op_signatures.json"
@@ -34,6 +35,7 @@ DEFAULT_TF_PYTHON = ROOT.parent / "main" / ".tfenv" / "bin" / "python"
 # distserver's own ops (TensorFlow has no OpDef for them), as the table writes them.
 OWN_OPS = {
     FUSED_MATMUL_OP: {"inputs": [["a", 1], ["b", 1], ["bias", 1]], "outputs": [["product", 1]]},
+    GROUPED_UPDATES_OP: {"inputs": [["inputs", "N"]], "outputs": []},
 }
 
 # Runs in TensorFlow's interpreter: op names on stdin, JSON on stdout.

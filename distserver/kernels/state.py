@@ -24,9 +24,10 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from distserver import errors
 from distserver.kernels._common import (
@@ -48,13 +49,12 @@ from distserver.kernels._common import (
     type_name,
 )
 from distserver.kernels.array import GatherKernel
+from distserver.kernels.math import FUSED_NODES_ATTR
 from distserver.kernels.ref_variables import count_up_to, ref_input, requested_input
-from distserver.kernels.registry import KernelContext, OpKernel, register_kernel
+from distserver.kernels.registry import KernelContext, OpKernel, create_kernel, register_kernel
 from distserver.kernels.resources import DEFAULT_CONTAINER, ResourceManager, VariableResource
+from distserver.protos.node_def_pb2 import NodeDef
 from distserver.tensors import ResourceHandle
-
-if TYPE_CHECKING:
-    from distserver.protos.node_def_pb2 import NodeDef
 
 # TensorFlow names resources by their C++ type in lookup errors; keep its text.
 _VAR_TYPE_NAME = "N10tensorflow3VarE"
@@ -1039,7 +1039,75 @@ class ApplyFtrlV2Kernel(ApplyFtrlKernel):
     )
 
 
+# --------------------------------------------------------------------------- grouped updates
+
+GROUPED_UPDATES_OP = "_DistserverGroupedUpdates"
+# The dense updates of resource variables a `GROUPED_UPDATES_OP` node may group (they
+# have no outputs).
+GROUPABLE_UPDATE_OPS = frozenset(
+    {
+        "ResourceApplyGradientDescent",
+        "ResourceApplyProximalGradientDescent",
+        "ResourceApplyMomentum",
+        "ResourceApplyAdam",
+        "ResourceApplyAdagrad",
+        "ResourceApplyAdagradV2",
+        "ResourceApplyProximalAdagrad",
+        "ResourceApplyAdadelta",
+        "ResourceApplyRMSProp",
+        "ResourceApplyCenteredRMSProp",
+        "ResourceApplyFtrl",
+        "ResourceApplyFtrlV2",
+    }
+)
+
+
+@register_kernel(GROUPED_UPDATES_OP)
+class GroupedUpdatesKernel(OpKernel):
+    """Independent dense variable updates as one node (`runtime.fusion.group_variable_updates`):
+    its parts' NodeDefs in attr `FUSED_NODES_ATTR`, its inputs theirs one after the
+    other (`N` in all). Each part's kernel runs in turn, with its own locks and checks,
+    so its errors name the part."""
+
+    is_stateful = True
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        parts = []
+        for data in self._attr(FUSED_NODES_ATTR).list.s:
+            try:
+                parts.append(NodeDef.FromString(data))
+            except DecodeError as exc:
+                raise errors.InvalidArgumentError(
+                    f"Node '{self.name}' ({GROUPED_UPDATES_OP}) has a part that is not a NodeDef: {exc}",
+                    node_name=self.name,
+                ) from None
+        arities = [sum(1 for text in part.input if not text.startswith("^")) for part in parts]
+        if not parts or any(part.op not in GROUPABLE_UPDATE_OPS for part in parts):
+            raise errors.InvalidArgumentError(
+                f"Node '{self.name}' ({GROUPED_UPDATES_OP}) groups {[part.op for part in parts]}: "
+                f"expected dense updates of resource variables ({', '.join(sorted(GROUPABLE_UPDATE_OPS))})",
+                node_name=self.name,
+            )
+        if sum(arities) != self.attr_int("N"):
+            raise errors.InvalidArgumentError(
+                f"Node '{self.name}' ({GROUPED_UPDATES_OP}) has N = {self.attr_int('N')} inputs, "
+                f"but its parts take {sum(arities)}",
+                node_name=self.name,
+            )
+        self._parts = [(create_kernel(part), arity) for part, arity in zip(parts, arities, strict=True)]
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        start = 0
+        for kernel, arity in self._parts:
+            kernel.compute(ctx, inputs[start : start + arity])
+            start += arity
+        return []
+
+
 __all__ = [
+    "GROUPABLE_UPDATE_OPS",
+    "GROUPED_UPDATES_OP",
     "ApplyAdagradKernel",
     "ApplyAdagradV2Kernel",
     "ApplyAdamKernel",
@@ -1053,6 +1121,7 @@ __all__ = [
     "AssignUpdateVariableOpKernel",
     "AssignVariableOpKernel",
     "DestroyResourceOpKernel",
+    "GroupedUpdatesKernel",
     "ReadVariableOpKernel",
     "ResourceGatherKernel",
     "ResourceScatterKernel",

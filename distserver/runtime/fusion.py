@@ -19,9 +19,10 @@ of the chain stay as they are; it waits for every control input of its parts.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, defaultdict
 
 from distserver.kernels.math import ACTIVATION_OPS, BIAS_ADD_OPS, FUSED_MATMUL_OP, FUSED_NODES_ATTR
+from distserver.kernels.state import GROUPABLE_UPDATE_OPS, GROUPED_UPDATES_OP
 from distserver.protos.graph_pb2 import GraphDef
 from distserver.protos.node_def_pb2 import NodeDef
 from distserver.protos.types_pb2 import DT_DOUBLE, DT_FLOAT
@@ -119,3 +120,101 @@ def _fused_node(chain: list[NodeDef]) -> NodeDef:
     node.attr["T"].CopyFrom(matmul.attr["T"])
     node.attr[FUSED_NODES_ATTR].list.s.extend(part.SerializeToString() for part in chain)
     return node
+
+
+# TF 1.x control flow: a dead input (an untaken branch) would make a whole group dead.
+_V1_CONTROL_FLOW_OPS = frozenset({"Switch", "RefSwitch", "Merge", "RefMerge", "Enter", "RefEnter"})
+
+
+def group_variable_updates(graph_def: GraphDef) -> GraphDef:
+    """`graph_def` with the independent dense updates of resource variables on each
+    device (an optimizer's `ResourceApplyMomentum` per variable: 60 a step for 60
+    variables) grouped into one `GROUPED_UPDATES_OP` node, which runs their kernels
+    in turn: one node for the executor instead of one per variable. `graph_def`
+    itself when there is nothing to group.
+
+    Grouped are updates that nothing reads (they have no outputs) and that do not
+    depend on one another: none is reached, through data or control edges, from
+    another update of the graph (that would make the group wait for itself). The
+    group waits for the inputs of all its parts, and whatever waited for a part
+    (control edges) waits for the group. Graphs with TF 1.x control flow are left as
+    they are: a dead input to one part would make the whole group dead.
+    """
+    updates = [node for node in graph_def.node if node.op in GROUPABLE_UPDATE_OPS]
+    if len(updates) < 2 or any(node.op in _V1_CONTROL_FLOW_OPS for node in graph_def.node):
+        return graph_def
+    readers: defaultdict[str, list[str]] = defaultdict(list)  # node -> nodes with an edge from it
+    data_read: set[str] = set()
+    for node in graph_def.node:
+        for text in node.input:
+            name, _, is_control = parse_input(text)
+            readers[name].append(node.name)
+            if not is_control:
+                data_read.add(name)
+    # Every node downstream of an update: an update there depends on another one.
+    downstream: set[str] = set()
+    frontier = [node.name for node in updates]
+    while frontier:
+        for reader in readers[frontier.pop()]:
+            if reader not in downstream:
+                downstream.add(reader)
+                frontier.append(reader)
+    by_device: defaultdict[str, list[NodeDef]] = defaultdict(list)
+    for node in updates:
+        if node.name not in downstream and node.name not in data_read:
+            by_device[node.device].append(node)
+    groups = [parts for parts in by_device.values() if len(parts) > 1]
+    if not groups:
+        return graph_def
+
+    names = {node.name for node in graph_def.node}
+    group_of: dict[str, str] = {}  # a grouped update -> its group's name
+    result = GraphDef()
+    result.CopyFrom(graph_def)
+    del result.node[:]
+    grouped_nodes = []
+    for parts in groups:
+        name = f"{parts[0].name}/_grouped_updates"
+        while name in names:
+            name += "_"
+        names.add(name)
+        grouped_nodes.append(_grouped_node(name, parts))
+        group_of.update((part.name, name) for part in parts)
+    for node in graph_def.node:
+        if node.name in group_of:
+            continue
+        if any(text.startswith("^") and text[1:] in group_of for text in node.input):
+            node = _waiting_for_groups(node, group_of)
+        result.node.append(node)
+    result.node.extend(grouped_nodes)
+    return result
+
+
+def _grouped_node(name: str, parts: list[NodeDef]) -> NodeDef:
+    """The node running `parts` in turn: their data inputs one part after the other,
+    then every control input of any of them."""
+    data: list[str] = []
+    controls: list[str] = []
+    for part in parts:
+        data.extend(_data_inputs(part))
+        for text in part.input:
+            if text.startswith("^") and text not in controls:
+                controls.append(text)
+    node = NodeDef(name=name, op=GROUPED_UPDATES_OP, device=parts[0].device)
+    node.input.extend([*data, *controls])
+    node.attr["N"].i = len(data)
+    node.attr[FUSED_NODES_ATTR].list.s.extend(part.SerializeToString() for part in parts)
+    return node
+
+
+def _waiting_for_groups(node: NodeDef, group_of: dict[str, str]) -> NodeDef:
+    """A copy of `node` whose control inputs on grouped updates wait for their groups."""
+    copy = NodeDef()
+    copy.CopyFrom(node)
+    del copy.input[:]
+    for text in node.input:
+        if text.startswith("^") and text[1:] in group_of:
+            text = "^" + group_of[text[1:]]
+        if not (text.startswith("^") and text in copy.input):
+            copy.input.append(text)
+    return copy

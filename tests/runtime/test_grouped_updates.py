@@ -1,0 +1,163 @@
+"""Variable updates grouped when a worker registers a graph (`runtime.fusion.group_variable_updates`):
+one node for the independent updates of a device, the same values, errors naming the part,
+and no group that would wait for itself."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import distserver as ds
+from distserver import errors
+from distserver.kernels import create_kernel
+from distserver.kernels.math import FUSED_NODES_ATTR
+from distserver.kernels.state import GROUPED_UPDATES_OP
+from distserver.protos.attr_value_pb2 import AttrValue
+from distserver.protos.node_def_pb2 import NodeDef
+from distserver.protos.types_pb2 import DT_FLOAT
+from distserver.runtime.fusion import group_variable_updates
+
+F32 = np.float32
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ds.Server]:
+    server = ds.Server.create_local_server()
+    yield server
+    server.stop()
+
+
+def _descent(variable: ds.Variable, grad: Any, name: str) -> Any:
+    """A `ResourceApplyGradientDescent` of `variable` (learning rate 0.5)."""
+    return ds.get_default_graph().create_op(
+        "ResourceApplyGradientDescent",
+        [variable.handle, ds.constant(F32(0.5)), grad],
+        name=name,
+        attrs={"T": AttrValue(type=DT_FLOAT), "use_locking": AttrValue(b=False)},
+    )
+
+
+def _grouped(graph_def: Any) -> list[NodeDef]:
+    return [node for node in graph_def.node if node.op == GROUPED_UPDATES_OP]
+
+
+def _parts(node: NodeDef) -> list[str]:
+    return [NodeDef.FromString(data).name for data in node.attr[FUSED_NODES_ATTR].list.s]
+
+
+def test_momentum_updates_of_many_variables_run_as_one_node_with_the_same_values(server):
+    rng = np.random.default_rng(11)
+    starts = [rng.standard_normal((3, 4)).astype(F32) for _ in range(6)]
+    scales = [rng.standard_normal((3, 4)).astype(F32) for _ in range(6)]
+    with ds.Graph().as_default() as graph:
+        variables = [ds.Variable(start, name=f"v{i}") for i, start in enumerate(starts)]
+        loss = ds.add_n([ds.reduce_sum(v * ds.constant(s)) for v, s in zip(variables, scales, strict=True)])
+        train = ds.train.MomentumOptimizer(0.1, 0.9).minimize(loss)
+        init = ds.global_variables_initializer()
+    (group,) = _grouped(group_variable_updates(graph.as_graph_def()))
+    assert len(_parts(group)) == 6
+    with ds.Session(server.target, graph=graph) as sess:
+        sess.run(init)
+        for _ in range(3):
+            sess.run(train)
+        got = sess.run(variables)
+    for start, scale, value in zip(starts, scales, got, strict=True):
+        var, accum = start.copy(), np.zeros_like(start)
+        for _ in range(3):  # d loss / d v = scale
+            accum = accum * F32(0.9) + scale
+            var = var - F32(0.1) * accum
+        np.testing.assert_array_equal(value.view(np.uint32), var.view(np.uint32))
+
+
+def test_an_update_that_depends_on_another_stays_out_and_waits_for_the_group(server):
+    with ds.Graph().as_default() as graph:
+        a, b, c = (ds.Variable(np.full(2, 10.0, F32), name=n) for n in "abc")
+        first = _descent(a, ds.constant(np.ones(2, F32)), "first")
+        second = _descent(b, ds.constant(np.ones(2, F32)), "second")
+        with ds.control_dependencies([first]):
+            # Reads a after its update: grouping it with `first` would wait for itself.
+            third = _descent(c, ds.identity(a.read_value()), "third")
+        done = ds.group(first, second, third, name="done")
+        init = ds.global_variables_initializer()
+    grouped = group_variable_updates(graph.as_graph_def())
+    (group,) = _grouped(grouped)
+    assert _parts(group) == ["first", "second"]
+    waited = [node.name for node in graph.as_graph_def().node if "^first" in node.input]
+    assert "done" in waited
+    assert len(waited) > 1  # (and what reads `a` for `third`)
+    nodes = {node.name: node for node in grouped.node}
+    for name in waited:
+        assert f"^{group.name}" in nodes[name].input
+        assert "^first" not in nodes[name].input
+    assert [text for text in nodes["done"].input if text.startswith("^")] == [f"^{group.name}", "^third"]
+    with ds.Session(server.target, graph=graph) as sess:
+        sess.run(init)
+        sess.run(done)
+        # `third` ran after `first` (its gradient is a's new value)
+        np.testing.assert_array_equal(sess.run([a, b, c]), [[9.5, 9.5], [9.5, 9.5], [10 - 0.5 * 9.5] * 2])
+
+
+def test_updates_on_different_devices_form_a_group_each():
+    with ds.Graph().as_default() as graph:
+        updates = []
+        for task in (0, 0, 1, 1, 2):
+            with ds.device(f"/job:ps/task:{task}"):
+                v = ds.Variable(np.zeros(2, F32))
+                updates.append(_descent(v, ds.constant(np.ones(2, F32)), f"update_{len(updates)}"))
+    groups = _grouped(group_variable_updates(graph.as_graph_def()))
+    assert sorted(_parts(group) for group in groups) == [["update_0", "update_1"], ["update_2", "update_3"]]
+    for group in groups:
+        assert group.device == NodeDef.FromString(group.attr[FUSED_NODES_ATTR].list.s[0]).device
+
+
+def test_graphs_with_v1_control_flow_or_a_single_update_are_left_alone():
+    with ds.Graph().as_default() as graph:
+        v = ds.Variable(np.zeros(2, F32))
+        _descent(v, ds.constant(np.ones(2, F32)), "only")
+    assert group_variable_updates(graph.as_graph_def()).node == graph.as_graph_def().node
+    graph_def = graph.as_graph_def()
+    with ds.Graph().as_default() as graph:
+        u, v = ds.Variable(np.zeros(2, F32)), ds.Variable(np.zeros(2, F32))
+        _descent(u, ds.constant(np.ones(2, F32)), "one")
+        _descent(v, ds.constant(np.ones(2, F32)), "two")
+    graph_def = graph.as_graph_def()
+    assert len(_grouped(group_variable_updates(graph_def))) == 1
+    switch = graph_def.node.add(name="switch", op="Switch")
+    switch.input.extend(["one", "two"])  # (never run: only its op matters)
+    assert not _grouped(group_variable_updates(graph_def))
+
+
+def test_a_failing_part_is_named_in_the_error(server):
+    with ds.Graph().as_default() as graph:
+        u, v = ds.Variable(np.zeros(2, F32), name="u"), ds.Variable(np.zeros(2, F32), name="v")
+        ok = _descent(u, ds.constant(np.ones(2, F32)), "fine_update")
+        bad = _descent(v, ds.constant(np.ones(3, F32)), "misshapen_update")
+        init = ds.global_variables_initializer()
+    assert len(_grouped(group_variable_updates(graph.as_graph_def()))) == 1
+    with ds.Session(server.target, graph=graph) as sess:
+        sess.run(init)
+        with pytest.raises(errors.InvalidArgumentError, match="misshapen_update") as caught:
+            sess.run([ok, bad])
+    assert "var and delta do not have the same shape" in caught.value.message
+
+
+def test_a_grouped_node_of_other_ops_or_a_wrong_count_is_refused():
+    part = NodeDef(name="p", op="ResourceApplyGradientDescent", input=["v", "lr", "g"])
+    part.attr["T"].type = DT_FLOAT
+    node = NodeDef(name="g", op=GROUPED_UPDATES_OP, input=["v", "lr", "g"])
+    node.attr["N"].i = 3
+    node.attr[FUSED_NODES_ATTR].list.s.append(part.SerializeToString())
+    create_kernel(node)  # well formed
+    node.attr["N"].i = 2
+    with pytest.raises(errors.InvalidArgumentError, match="N = 2 inputs, but its parts take 3"):
+        create_kernel(node)
+    node.attr["N"].i = 3
+    node.attr[FUSED_NODES_ATTR].list.s[0] = NodeDef(name="p", op="AssignVariableOp").SerializeToString()
+    with pytest.raises(errors.InvalidArgumentError, match="expected dense updates of resource variables"):
+        create_kernel(node)
+    node.attr[FUSED_NODES_ATTR].list.s[0] = b"\xff\xff"
+    with pytest.raises(errors.InvalidArgumentError, match="not a NodeDef"):
+        create_kernel(node)
