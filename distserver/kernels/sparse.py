@@ -151,10 +151,10 @@ def _first_occurrence_unique_ints(
     values: np.ndarray, with_counts: bool = True
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """`_first_occurrence_unique` of a non-empty integer vector. Values in a narrow
-    range (ids into a table) are looked up in a table (`first_positions`); others take
-    one stable sort and a sort of the distinct values' first positions: what np.unique
-    computes and then reorders, without its extra passes (1,024 ids: 90 -> 55 us,
-    by table 20 us)."""
+    range (ids into an embedding table) take a table of first positions
+    (`first_positions`; 1,024 ids into 25,000 rows: ~22 us); others one stable sort and
+    a sort of the distinct values' first positions: what np.unique computes and then
+    reorders, without its extra passes (~48 us)."""
     n = values.size
     first = first_positions(values)
     if first is not None:
