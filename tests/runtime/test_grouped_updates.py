@@ -113,6 +113,21 @@ def test_updates_on_different_devices_form_a_group_each():
         assert group.device == NodeDef.FromString(group.attr[FUSED_NODES_ATTR].list.s[0]).device
 
 
+def test_an_update_of_a_received_value_runs_as_it_arrives_not_in_the_group():
+    # A parameter server's update of a gradient from a worker: grouped, it would wait
+    # for the last gradient instead of overlapping with the worker's remaining work.
+    with ds.Graph().as_default() as graph:
+        for i in range(3):
+            _descent(ds.Variable(np.zeros(2, F32)), ds.constant(np.ones(2, F32)), f"update_{i}")
+    graph_def = graph.as_graph_def()
+    receive = graph_def.node.add(name="grad_from_worker", op="_Recv")
+    receive.attr["tensor_type"].type = DT_FLOAT
+    (update_2,) = [node for node in graph_def.node if node.name == "update_2"]
+    update_2.input[2] = "grad_from_worker"
+    (group,) = _grouped(group_variable_updates(graph_def))
+    assert _parts(group) == ["update_0", "update_1"]
+
+
 def test_graphs_with_v1_control_flow_or_a_single_update_are_left_alone():
     with ds.Graph().as_default() as graph:
         v = ds.Variable(np.zeros(2, F32))
