@@ -75,10 +75,35 @@ def exit_quietly_on_interrupt(main: Callable[[], T]) -> T:
     `with` blocks `main` was in have been left (a `LocalCluster` has stopped its tasks)
     when this exits. The exit is immediate (`os._exit`): threads still running a call
     are not waited for, and a second Ctrl-C cannot interrupt the clean-up.
+
+    Python raises the KeyboardInterrupt in whatever the main thread runs: in a
+    finalizer (`__del__`, a weakref callback) it is printed and swallowed, and `main`
+    goes on, to fail on the tasks the same Ctrl-C stopped (a terminal's Ctrl-C reaches
+    the whole process group). So the interrupt is also noted by the handler itself, and
+    any error `main` ends with after one counts as the interrupt.
     """
+    interrupted = False
+
+    def note_interrupt(signum: int, frame: Any) -> None:
+        nonlocal interrupted
+        interrupted = True
+        raise KeyboardInterrupt
+
+    def quiet_about_interrupts(unraisable: Any) -> None:  # (the swallowed ones)
+        if not issubclass(unraisable.exc_type, KeyboardInterrupt):
+            unraisable_hook(unraisable)
+
+    # Only in place of Python's own handler (not where SIGINT is ignored or handled).
+    noting = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    unraisable_hook = sys.unraisablehook
+    if noting:
+        signal.signal(signal.SIGINT, note_interrupt)
+        sys.unraisablehook = quiet_about_interrupts
     try:
         return main()
-    except KeyboardInterrupt:
+    except BaseException as exc:
+        if not isinstance(exc, KeyboardInterrupt) and not interrupted:
+            raise
         logging.getLogger("asyncio").setLevel(logging.CRITICAL)
         try:
             sys.stdout.flush()
@@ -86,3 +111,7 @@ def exit_quietly_on_interrupt(main: Callable[[], T]) -> T:
             pass
         print("\ninterrupted", file=sys.stderr, flush=True)
         os._exit(INTERRUPTED_EXIT_STATUS)
+    finally:
+        if noting:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            sys.unraisablehook = unraisable_hook
