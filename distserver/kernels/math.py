@@ -57,6 +57,7 @@ from distserver.kernels._common import (
 )
 from distserver.kernels.registry import KernelContext, OpKernel, create_kernel, product_of, register_kernel
 from distserver.protos.node_def_pb2 import NodeDef
+from distserver.protos.types_pb2 import DT_DOUBLE, DT_FLOAT
 
 ArrayFn = Callable[..., Any]
 # An element-wise op: (allowed T or None for bool-only ops without T, numpy function,
@@ -535,9 +536,151 @@ def _fused_part(kernel: OpKernel, data: bytes) -> NodeDef:
         return NodeDef.FromString(data)
     except DecodeError as exc:
         raise errors.InvalidArgumentError(
-            f"Node '{kernel.name}' ({FUSED_MATMUL_OP}) has a part that is not a NodeDef: {exc}",
+            f"Node '{kernel.name}' ({kernel.op}) has a part that is not a NodeDef: {exc}",
             node_name=kernel.name,
         ) from None
+
+
+# The gradients of a dense layer, as TensorFlow's gradient functions write them, fused
+# when an executor is built (`runtime.executor._fuse_dense_gradients`).
+FUSED_MATMUL_GRAD_OP = "_DistserverFusedMatMulGrad"
+FUSED_GRADIENT_OPS = frozenset({"TanhGrad", "SigmoidGrad", "ReluGrad"})
+
+
+@register_kernel(FUSED_MATMUL_GRAD_OP)
+class FusedMatMulGradKernel(OpKernel):
+    """The backward pass of a dense layer `activation(h @ w + bias)` as one node, from its
+    parts' NodeDefs (`FUSED_NODES_ATTR`), in this order:
+
+    0. the activation's gradient `g` (one of `FUSED_GRADIENT_OPS`), of inputs (a, b);
+    1. `Sum(g, axes)` and 2. `Reshape(sum, shape)`: the bias's gradient;
+    3. `MatMul(h, g, transpose_a=True)`: the weights' gradient;
+    4. optionally `MatMul(g, w, transpose_b=True)`: the gradient of the layer's input.
+
+    Inputs: a, b, axes, shape, h[, w]. Outputs: the bias's, the weights' [and the
+    input's] gradients. Attr `N`: 1 with the input's product, else 0.
+
+    Inputs of the node's dtype, in a layer's shapes, with `axes` [0] and `shape` the
+    bias's, take one pass: the numpy calls the parts make, in the same order, so the
+    same bits. Any other inputs go through the parts' own kernels one after the other,
+    so their errors name the part TensorFlow would name.
+    """
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        self.dtype = attr_type_in(self, "T", FUSED_TYPES)
+        parts = [_fused_part(self, data) for data in self._attr(FUSED_NODES_ATTR).list.s]
+        if not is_dense_gradient(parts, node.attr["T"].type):
+            raise errors.InvalidArgumentError(
+                f"Node '{self.name}' ({FUSED_MATMUL_GRAD_OP}) fuses {[part.op for part in parts]}: expected "
+                f"one of {sorted(FUSED_GRADIENT_OPS)}, then Sum and Reshape of its gradient, a MatMul "
+                f"reading it as b with transpose_a, optionally a MatMul reading it as a with "
+                f"transpose_b, all of T {self.dtype.name}",
+                node_name=self.name,
+            )
+        if self.attr_int("N") != len(parts) - 4:
+            raise errors.InvalidArgumentError(
+                f"Node '{self.name}' ({FUSED_MATMUL_GRAD_OP}) has N = {self.attr_int('N')}, "
+                f"but {len(parts) - 4} products of the layer's input",
+                node_name=self.name,
+            )
+        kernels = [create_kernel(part) for part in parts]
+        self.gradient, self.sum, self.reshape, self.weights_gradient = kernels[:4]
+        self.input_gradient = kernels[4] if len(kernels) == 5 else None
+        fn, alpha = self.gradient.fn, self.gradient.alpha  # type: ignore[attr-defined]
+
+        def layer(a: np.ndarray, b: np.ndarray, h: np.ndarray, w: np.ndarray | None) -> list[np.ndarray]:
+            return _dense_gradients(fn(a, b, alpha), h, w)
+
+        self._layer = quiet(layer)
+
+    def output_nbytes(self, inputs: list[Any]) -> int:
+        # The products' multiply-adds, two to a byte (`MatMulKernel.output_nbytes`).
+        a, h = inputs[0], inputs[4]
+        if getattr(a, "ndim", 0) != 2 or getattr(h, "ndim", 0) != 2:
+            return 0
+        work = h.size * a.shape[1]
+        if len(inputs) == 6 and getattr(inputs[5], "ndim", 0) == 2:
+            work += a.size * inputs[5].shape[0]
+        return int(work) // 2
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        a, b, axes, shape, h, *rest = inputs
+        w = rest[0] if rest else None
+        dtype = self.dtype
+        if (
+            a.dtype == b.dtype == h.dtype == dtype
+            and a.ndim == h.ndim == 2
+            and a.shape == b.shape
+            and h.shape[0] == a.shape[0]
+            and (w is None or (w.dtype == dtype and w.ndim == 2 and w.shape[1] == a.shape[1]))
+            and _only(axes, (0, -2))
+            and _only(shape, (a.shape[1], -1))
+        ):
+            return self._layer(a, b, h, w)
+        (g,) = self.gradient.compute(ctx, [a, b])
+        (summed,) = self.sum.compute(ctx, [g, axes])
+        (bias,) = self.reshape.compute(ctx, [summed, shape])
+        (weights,) = self.weights_gradient.compute(ctx, [h, g])
+        if self.input_gradient is None:
+            return [bias, weights]
+        (layer_input,) = self.input_gradient.compute(ctx, [g, w])
+        return [bias, weights, layer_input]
+
+
+def _dense_gradients(g: Any, h: np.ndarray, w: np.ndarray | None) -> list[np.ndarray]:
+    """The fast path of `FusedMatMulGradKernel`: as the parts compute them."""
+    if type(g) is not np.ndarray or g.dtype != h.dtype:  # (`ActivationGradKernel`)
+        g = array(g, h.dtype)
+    bias = np.add.reduce(g, axis=(0,), dtype=g.dtype)  # (`SumKernel`; the reshape keeps its shape)
+    if w is None:
+        return [bias, _matmul(h.T, g)]
+    return [bias, _matmul(h.T, g), _matmul(g, w.T)]
+
+
+def _only(value: Any, allowed: tuple[int, ...]) -> bool:
+    """Whether `value` is an integer tensor of one value, one of `allowed`."""
+    return (
+        type(value) is np.ndarray
+        and value.dtype in INDEX_TYPES
+        and value.size == 1
+        and value.ndim <= 1
+        and value.reshape(-1)[0] in allowed
+    )
+
+
+def is_dense_gradient(parts: list[NodeDef], dtype: int) -> bool:
+    """Whether `parts` are a dense layer's gradients (see `FusedMatMulGradKernel`), of
+    dtype `dtype`. (Reads attrs without adding them: the parts may be a caller's.)"""
+    if len(parts) not in (4, 5):
+        return False
+    gradient, sum_, reshape, weights, *rest = parts
+
+    def flag(part: NodeDef, name: str) -> bool:
+        return name in part.attr and part.attr[name].b
+
+    def reads(part: NodeDef, source: NodeDef) -> list[int]:  # the inputs of `part` that are `source`
+        data = [text for text in part.input if not text.startswith("^")]
+        return [i for i, text in enumerate(data) if text in (source.name, source.name + ":0")]
+
+    def product(part: NodeDef, reading: int, transposes: tuple[bool, bool]) -> bool:
+        return (
+            part.op == "MatMul"
+            and reads(part, gradient) == [reading]
+            and (flag(part, "transpose_a"), flag(part, "transpose_b")) == transposes
+        )
+
+    return (
+        dtype in (DT_FLOAT, DT_DOUBLE)  # (`FUSED_TYPES`)
+        and gradient.op in FUSED_GRADIENT_OPS
+        and (sum_.op, reshape.op) == ("Sum", "Reshape")
+        and all("T" in part.attr and part.attr["T"].type == dtype for part in parts)
+        and not flag(sum_, "keep_dims")
+        and reads(sum_, gradient) == [0]
+        and reads(reshape, sum_) == [0]
+        and product(weights, 1, (True, False))
+        and all(product(part, 0, (False, True)) for part in rest)
+    )
 
 
 @register_kernel("AddN")
