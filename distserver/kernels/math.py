@@ -553,7 +553,8 @@ class FusedMatMulGradKernel(OpKernel):
     parts' NodeDefs (`FUSED_NODES_ATTR`), in this order:
 
     0. the activation's gradient `g` (one of `FUSED_GRADIENT_OPS`), of inputs (a, b);
-    1. `Sum(g, axes)` and 2. `Reshape(sum, shape)`: the bias's gradient;
+    1. `Sum(g, axes)` (TensorFlow 2 keeps the dims) and 2. `Reshape(sum, shape)`: the
+       bias's gradient;
     3. `MatMul(h, g, transpose_a=True)`: the weights' gradient;
     4. optionally `MatMul(g, w, transpose_b=True)`: the gradient of the layer's input.
 
@@ -632,7 +633,7 @@ def _dense_gradients(g: Any, h: np.ndarray, w: np.ndarray | None) -> list[np.nda
     """The fast path of `FusedMatMulGradKernel`: as the parts compute them."""
     if type(g) is not np.ndarray or g.dtype != h.dtype:  # (`ActivationGradKernel`)
         g = array(g, h.dtype)
-    bias = np.add.reduce(g, axis=(0,), dtype=g.dtype)  # (`SumKernel`; the reshape keeps its shape)
+    bias = np.add.reduce(g, axis=(0,), dtype=g.dtype)  # (`SumKernel`, in the reshape's shape)
     if w is None:
         return [bias, _matmul(h.T, g)]
     return [bias, _matmul(h.T, g), _matmul(g, w.T)]
@@ -645,7 +646,7 @@ def _only(value: Any, allowed: tuple[int, ...]) -> bool:
         and value.dtype in INDEX_TYPES
         and value.size == 1
         and value.ndim <= 1
-        and value.reshape(-1)[0] in allowed
+        and value.item() in allowed
     )
 
 
@@ -675,7 +676,6 @@ def is_dense_gradient(parts: list[NodeDef], dtype: int) -> bool:
         and gradient.op in FUSED_GRADIENT_OPS
         and (sum_.op, reshape.op) == ("Sum", "Reshape")
         and all("T" in part.attr and part.attr["T"].type == dtype for part in parts)
-        and not flag(sum_, "keep_dims")
         and reads(sum_, gradient) == [0]
         and reads(reshape, sum_) == [0]
         and product(weights, 1, (True, False))

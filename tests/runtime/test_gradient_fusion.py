@@ -93,10 +93,15 @@ _TYPES = {
 
 
 def _gradient_graph(
-    axes: list[int], shape: list[int], h_from_bias: bool = False, dtype: type = np.float32
+    axes: list[int],
+    shape: list[int],
+    h_from_bias: bool = False,
+    dtype: type = np.float32,
+    keep_dims: bool = True,
 ) -> tuple[ds.Graph, dict[str, Any]]:
-    """The five nodes of a layer's gradient written out, with `axes` for the Sum and
-    `shape` for the Reshape; y, dy and h fed (or h computed from the bias's gradient)."""
+    """The five nodes of a layer's gradient as TensorFlow 2 writes them (the Sum keeps
+    its dims), with `axes` for the Sum and `shape` for the Reshape; y, dy and h fed (or
+    h computed from the bias's gradient)."""
     tensor_type, datatype = _TYPES[dtype]
     with ds.Graph().as_default() as graph:
         y = ds.placeholder(tensor_type, None, name="y")
@@ -110,7 +115,7 @@ def _gradient_graph(
             [g, ds.constant(np.array(axes, np.int32))],
             [tensor_type],
             name="bias_sum",
-            attrs={**t, "Tidx": AttrValue(type=DT_INT32), "keep_dims": AttrValue(b=False)},
+            attrs={**t, "Tidx": AttrValue(type=DT_INT32), "keep_dims": AttrValue(b=keep_dims)},
         ).outputs[0]
         bias = graph.create_op(
             "Reshape",
@@ -147,6 +152,20 @@ def test_float64_gradients_are_fused_and_float16_ones_are_not(server, dtype):
     np.testing.assert_array_equal(
         layer_input, np.matmul(g.astype(y.dtype), W2.astype(dtype).astype(y.dtype).T).astype(dtype)
     )
+
+
+@pytest.mark.parametrize("keep_dims", [True, False])
+def test_tensorflows_bias_gradient_with_or_without_kept_dims_is_fused(server, keep_dims):
+    graph, parts = _gradient_graph(axes=[0], shape=[16], keep_dims=keep_dims)
+    assert _live_ops(graph.as_graph_def()).count(FUSED_MATMUL_GRAD_OP) == 1
+    feeds = _feeds(parts)
+    with ds.Session(server.target, graph=graph) as sess:
+        bias, weights, layer_input = sess.run(parts["outputs"], feeds)
+    g = TARGET * (1 - feeds[parts["y"]] * feeds[parts["y"]])
+    assert bias.shape == (16,)
+    np.testing.assert_array_equal(bias, np.add.reduce(g, axis=0))
+    np.testing.assert_array_equal(weights, np.matmul(feeds[parts["h"]].T, g))
+    np.testing.assert_array_equal(layer_input, np.matmul(g, W2.T))
 
 
 def test_inputs_the_fast_path_does_not_take_go_through_the_parts(server):
