@@ -77,7 +77,9 @@ class _ArithmeticError(Exception):
 
 def _check_int_divisor(x: np.ndarray, y: np.ndarray) -> None:
     # An empty result divides nothing (TF's kernels then never see the zero divisor).
-    if y.dtype in INTEGERS and x.size and np.any(y == 0):
+    # (`count_nonzero`, not `np.any(y == 0)`: 0.1-0.8 us, not 3.5 us, for the ids of
+    # every step of an embedding split by `FloorDiv` and `FloorMod`.)
+    if y.dtype in INTEGERS and x.size and (y.item() == 0 if y.size == 1 else np.count_nonzero(y) < y.size):
         raise _ArithmeticError("Integer division by zero")
 
 

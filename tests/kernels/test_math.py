@@ -103,12 +103,16 @@ def test_float_floor_div_and_mod(run_op):
     np.testing.assert_allclose(run_op("FloorMod", x, y, T=np.float64)[0], [0.5, -0.5, np.mod(1.0, 0.1)])
 
 
+@pytest.mark.parametrize("divisor", [[1, 0], 0, [[0]], [0, 0]])
 @pytest.mark.parametrize("op", ["Div", "TruncateDiv", "FloorDiv", "FloorMod"])
-def test_integer_division_by_zero_is_an_error(run_op, op):
+def test_integer_division_by_zero_is_an_error(run_op, op, divisor):
     with pytest.raises(errors.InvalidArgumentError, match="Integer division by zero") as info:
-        run_op(op, np.array([1, 2], np.int32), np.array([1, 0], np.int32), T=np.int32, name="divide")
+        run_op(op, np.array([1, 2], np.int32), np.array(divisor, np.int32), T=np.int32, name="divide")
     assert info.value.node_name == "divide"
     assert "{{node divide}}" in info.value.message
+    # Divisors without a zero, one or many: no error.
+    run_op(op, np.array([1, 2], np.int32), np.array(3, np.int32), T=np.int32)
+    run_op(op, np.array([1, 2], np.int32), np.array([3, -1], np.int32), T=np.int32)
 
 
 def test_float_division_by_zero_gives_ieee_results(run_op):
