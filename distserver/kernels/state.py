@@ -51,7 +51,13 @@ from distserver.kernels._common import (
 from distserver.kernels.array import GatherKernel
 from distserver.kernels.math import FUSED_NODES_ATTR
 from distserver.kernels.ref_variables import count_up_to, ref_input, requested_input
-from distserver.kernels.registry import KernelContext, OpKernel, create_kernel, register_kernel
+from distserver.kernels.registry import (
+    KernelContext,
+    OpKernel,
+    compute_without_dereference,
+    create_kernel,
+    register_kernel,
+)
 from distserver.kernels.resources import DEFAULT_CONTAINER, ResourceManager, VariableResource
 from distserver.protos.node_def_pb2 import NodeDef
 from distserver.tensors import ResourceHandle
@@ -1095,12 +1101,18 @@ class GroupedUpdatesKernel(OpKernel):
                 f"but its parts take {sum(arities)}",
                 node_name=self.name,
             )
-        self._parts = [(create_kernel(part), arity) for part, arity in zip(parts, arities, strict=True)]
+        # The parts' computes without their check for `VariableRef` inputs: the group's
+        # inputs never hold one (the executor passes none to a graph without reference
+        # variables, and this kernel's own `compute` dereferences them in one with).
+        self._parts = [
+            (compute_without_dereference(create_kernel(part)), arity)
+            for part, arity in zip(parts, arities, strict=True)
+        ]
 
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
         start = 0
-        for kernel, arity in self._parts:
-            kernel.compute(ctx, inputs[start : start + arity])
+        for compute, arity in self._parts:
+            compute(ctx, inputs[start : start + arity])
             start += arity
         return []
 
