@@ -21,6 +21,8 @@ The optimizer kernels (`ResourceApplyGradientDescent`, `...Momentum`, `...Adam`,
 
 from __future__ import annotations
 
+import operator
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -427,12 +429,12 @@ class OptimizerUpdates:
         self.in_place = 0
         self.copied = 0
 
-    def count(self, in_place: bool) -> None:
+    def count(self, in_place: bool, updates: int = 1) -> None:
         with self._lock:
             if in_place:
-                self.in_place += 1
+                self.in_place += updates
             else:
-                self.copied += 1
+                self.copied += updates
 
 
 OPTIMIZER_UPDATES = OptimizerUpdates()
@@ -452,8 +454,21 @@ class _locked:  # a context manager, named like one written as a function
             a, b = variables
             self._locks = [a.lock] if a is b else [a.lock, b.lock] if id(a) < id(b) else [b.lock, a.lock]
         else:
-            self._locks = [v.lock for v in sorted({id(v): v for v in variables}.values(), key=id)]
+            self._locks = _locked.lock_order(variables)
         self._taken = 0
+
+    @staticmethod
+    def lock_order(variables: list[VariableResource]) -> list[threading.Lock]:
+        """The locks of `variables`, each once, in the order they are taken."""
+        return [v.lock for v in sorted({id(v): v for v in variables}.values(), key=id)]
+
+    @classmethod
+    def in_order(cls, locks: list[threading.Lock]) -> _locked:
+        """Hold `locks`, which `lock_order` gave (for a caller that keeps that list)."""
+        held = cls.__new__(cls)
+        held._locks = locks
+        held._taken = 0
+        return held
 
     def __enter__(self) -> None:
         try:
@@ -1104,17 +1119,233 @@ class GroupedUpdatesKernel(OpKernel):
         # The parts' computes without their check for `VariableRef` inputs: the group's
         # inputs never hold one (the executor passes none to a graph without reference
         # variables, and this kernel's own `compute` dereferences them in one with).
-        self._parts = [
-            (compute_without_dereference(create_kernel(part)), arity)
-            for part, arity in zip(parts, arities, strict=True)
-        ]
+        kernels = [create_kernel(part) for part in parts]
+        computes = [compute_without_dereference(kernel) for kernel in kernels]
+        self._parts = list(zip(computes, arities, strict=True))
+        # Parts that all make the same element-wise update (one op, the same attributes
+        # but for internal ones such as `_class`) may run as one over their variables
+        # side by side (`_VariableArena`).
+        first = kernels[0]
+        self._same_update: _ApplyKernel | None = (
+            first
+            if len(parts) > 1
+            and isinstance(first, _ApplyKernel)
+            and first.may_update_in_place
+            and [kind for _, kind in first.signature].count("tensor") == 1
+            and all(part.op == parts[0].op and _own_attrs(part) == _own_attrs(parts[0]) for part in parts)
+            else None
+        )
+        self._grad_name = (
+            next((name for name, kind in self._same_update.signature if kind == "tensor"), "")
+            if self._same_update is not None
+            else ""
+        )
+        self._kernels = kernels
+        self._arena: _VariableArena | None = None
+        # The variables the parts' handles named last time, and what made them valid
+        # (`_resources`).
+        self._resolved: tuple[Any, ...] | None = None
 
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        if self._same_update is not None and self._update_side_by_side(ctx, inputs):
+            return []
         start = 0
         for compute, arity in self._parts:
             compute(ctx, inputs[start : start + arity])
             start += arity
         return []
+
+    def _update_side_by_side(self, ctx: KernelContext, inputs: list[Any]) -> bool:
+        """Every part's update as one, over the variables' arena (`_VariableArena`,
+        made here when the variables may go into one), and True; or False, having
+        changed no value, for the parts to run one by one (and raise what they raise)."""
+        kernel = self._same_update
+        assert kernel is not None
+        signature = kernel.signature
+        dtype = kernel.dtype
+        # columns[i]: input i of every part (the parts' inputs follow one another)
+        columns = [inputs[i :: len(signature)] for i in range(len(signature))]
+        values: dict[str, Any] = {}
+        grads: list[Any] = []
+        for (name, kind), column in zip(signature, columns, strict=True):
+            if kind == "scalar":
+                first = column[0]
+                if type(first) is not np.ndarray or first.dtype != dtype or first.ndim:
+                    return False
+                # (all parts read one tensor, most often: the same array; `count` is
+                # identity first)
+                if column.count(first) != len(column) and not all(_same_scalar(v, first) for v in column):
+                    return False
+                values[name] = first
+            elif kind == "tensor":  # (the one: see `_same_update`)
+                grads = column
+        count = len(grads)
+        if (
+            list(map(type, grads)).count(np.ndarray) != count
+            or list(map(_dtype_of, grads)).count(dtype) != count
+            or not all(map(_fits_an_arena, grads))  # (a variable has its gradient's shape)
+        ):
+            return False
+        resolved = self._resources(ctx, [columns[i] for i in kernel._var_indices])
+        if resolved is None:
+            return False
+        resources, locks = resolved
+        with _locked.in_order(locks):
+            arena = self._arena
+            if arena is None or not arena.holds(resources):
+                self._arena = arena = None
+                if not _may_line_up(resources, grads, dtype):
+                    return False
+                arena = self._arena = _VariableArena(resources)
+            if list(map(_shape_of, grads)) != arena.shapes:
+                return False
+            values[self._grad_name] = np.concatenate(grads, axis=None)
+            values.update(zip(kernel._var_names, arena.arrays, strict=True))
+            kernel._update_in_place(values)
+        OPTIMIZER_UPDATES.count(True, count)
+        return True
+
+    def _resources(
+        self, ctx: KernelContext, handles: list[list[Any]]
+    ) -> tuple[list[list[VariableResource]], list[threading.Lock]] | None:
+        """The variables `handles` name (`handles[k][p]`: part p's k-th variable input)
+        and their locks in `_locked`'s order; None when one is not an initialized
+        variable of this device. Found again without a lookup while the handles are
+        the same arrays (a VarHandleOp's output is) and no resource was removed."""
+        manager = ctx.resources
+        flat = [handle for column in handles for handle in column]
+        last = self._resolved
+        if (
+            last is not None
+            and last[0] is manager
+            and last[1] == manager.generation
+            and last[2] == ctx.device
+            and len(last[3]) == len(flat)
+            and all(map(operator.is_, flat, last[3]))
+        ):
+            found: tuple[list[list[VariableResource]], list[threading.Lock]] = last[4]
+            return found
+        generation = manager.generation  # (read first: a removal after it shows)
+        resources = []
+        for column in handles:
+            variables = []
+            for kernel, handle in zip(self._kernels, column, strict=True):
+                variable = kernel._find_input(ctx, handle)  # type: ignore[attr-defined]
+                if variable is None:
+                    return None
+                variables.append(variable)
+            resources.append(variables)
+        found = (resources, _locked.lock_order([v for column in resources for v in column]))
+        self._resolved = (manager, generation, ctx.device, flat, found)
+        return found
+
+
+def _own_attrs(node: NodeDef) -> dict[str, Any]:
+    """The attributes of `node` that its op defines (not the internal `_`-prefixed ones)."""
+    return {name: value for name, value in node.attr.items() if not name.startswith("_")}
+
+
+# A variable goes into an arena when it is at most this large: beyond it, the update's
+# own work dwarfs what a part costs on its own, and the copy of its gradient into the
+# arena's would not pay.
+_ARENA_MAX_VARIABLE_BYTES = 64 * 1024
+
+
+def _fits_an_arena(value: np.ndarray) -> bool:
+    return value.ndim > 0 and value.nbytes <= _ARENA_MAX_VARIABLE_BYTES
+
+
+def _same_scalar(value: Any, first: np.ndarray) -> bool:
+    """Whether `value` is a scalar of `first`'s dtype and bits (0.0 is not -0.0 here)."""
+    same_kind = type(value) is np.ndarray and value.dtype == first.dtype and not value.ndim
+    return same_kind and value.tobytes() == first.tobytes()
+
+
+def _may_line_up(
+    resources: list[list[VariableResource]], grads: list[np.ndarray], dtype: np.dtype[Any]
+) -> bool:
+    """With the variables' locks held: whether they may go into an arena. They must be
+    distinct, unshared (nothing else holds their arrays, which the arena replaces),
+    of `dtype`, and each part's variables of its gradient's shape (which
+    `_fits_an_arena`)."""
+    seen = set()
+    for column in resources:
+        for resource, grad in zip(column, grads, strict=True):
+            if id(resource) in seen or not resource.unshared():  # (before holding the array here)
+                return False
+            seen.add(id(resource))
+            value = resource.value
+            assert value is not None  # (unshared: it has one)
+            if value.dtype != dtype or value.shape != grad.shape:
+                return False
+    return True
+
+
+class _VariableArena:
+    """The values of a grouped update's variables side by side: for each variable
+    input of the parts (`var`, `accum`, ...), one flat array (`arrays`) holding that
+    variable of every part in turn, each variable's value a view of it (`views`).
+    The updates are element-wise, so one update over the flat arrays, with the parts'
+    gradients side by side too, gives every part's update bit for bit: a few numpy
+    calls a step instead of a few per part.
+
+    Only the group's kernel writes into the flat arrays, and only while `holds` finds
+    that nothing but the variables references them: each view has no reference but
+    its variable's and the arena's, and each flat array none but its views' and the
+    arena's. A reader that keeps a value, or anything made from it (a view, a
+    memoryview being sent), counts on the one or the other; the parts then run one
+    by one instead. Every other kernel finds a view not `unshared` (it does not own
+    its memory) and replaces the variable's value instead of writing into it, which
+    takes that variable out of the arena.
+    """
+
+    __slots__ = ("_counts", "arrays", "resources", "shapes", "views")
+
+    def __init__(self, resources: list[list[VariableResource]]) -> None:
+        """Move the variables' values (see `_may_line_up`) into new flat arrays, with
+        their locks held."""
+        self.resources = resources
+        self.arrays, self.views = zip(*[_line_up(column) for column in resources], strict=True)
+        self.shapes = list(map(_shape_of, self.views[0]))  # every part's variables' shape
+        # The reference counts `holds` sees while nothing else holds a view or an array.
+        self._counts = self._reference_counts()
+
+    def holds(self, resources: list[list[VariableResource]]) -> bool:
+        """With the variables' locks held: whether `resources` are this arena's
+        variables, still with their values here, and nothing else references those."""
+        return (
+            resources == self.resources
+            and self._reference_counts() == self._counts
+            and all(
+                all(map(operator.is_, map(_value_of, column), views))
+                for column, views in zip(resources, self.views, strict=True)
+            )
+        )
+
+    def _reference_counts(self) -> list[list[int]]:
+        # (counted the same way every time: what the counting itself holds cancels out)
+        return [list(map(sys.getrefcount, self.arrays))] + [list(map(sys.getrefcount, v)) for v in self.views]
+
+
+def _line_up(column: list[VariableResource]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """One flat array of `column`'s values, and each variable's value replaced by its view."""
+    flat = np.concatenate([variable.value.reshape(-1) for variable in column])  # type: ignore[union-attr]
+    views = []
+    start = 0
+    for variable in column:
+        value = variable.value
+        assert value is not None
+        view = flat[start : start + value.size].reshape(value.shape)
+        start += value.size
+        variable.replace(view)
+        views.append(view)
+    flat.flags.writeable = False
+    return flat, views
+
+
+_value_of = operator.attrgetter("value")
+_dtype_of = operator.attrgetter("dtype")
+_shape_of = operator.attrgetter("shape")
 
 
 __all__ = [
