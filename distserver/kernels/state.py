@@ -1248,11 +1248,11 @@ def _own_attrs(node: NodeDef) -> dict[str, Any]:
 # A variable goes into an arena when it is at most this large: beyond it, the update's
 # own work dwarfs what a part costs on its own, and the copy of its gradient into the
 # arena's would not pay.
-_ARENA_MAX_VARIABLE_BYTES = 64 * 1024
+ARENA_MAX_VARIABLE_BYTES = 64 * 1024
 
 
 def _fits_an_arena(value: np.ndarray) -> bool:
-    return value.ndim > 0 and value.nbytes <= _ARENA_MAX_VARIABLE_BYTES
+    return value.ndim > 0 and value.nbytes <= ARENA_MAX_VARIABLE_BYTES
 
 
 def _same_scalar(value: Any, first: np.ndarray) -> bool:
@@ -1349,6 +1349,7 @@ _shape_of = operator.attrgetter("shape")
 
 
 __all__ = [
+    "ARENA_MAX_VARIABLE_BYTES",
     "GROUPABLE_UPDATE_OPS",
     "GROUPED_UPDATES_OP",
     "ApplyAdagradKernel",

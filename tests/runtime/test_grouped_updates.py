@@ -14,11 +14,12 @@ import distserver as ds
 from distserver import errors
 from distserver.kernels import create_kernel
 from distserver.kernels.math import FUSED_NODES_ATTR
-from distserver.kernels.state import GROUPED_UPDATES_OP
+from distserver.kernels.state import ARENA_MAX_VARIABLE_BYTES, GROUPED_UPDATES_OP
 from distserver.protos.attr_value_pb2 import AttrValue
 from distserver.protos.node_def_pb2 import NodeDef
 from distserver.protos.types_pb2 import DT_FLOAT
 from distserver.runtime.fusion import group_variable_updates
+from distserver.testing import LocalCluster
 
 F32 = np.float32
 
@@ -113,19 +114,69 @@ def test_updates_on_different_devices_form_a_group_each():
         assert group.device == NodeDef.FromString(group.attr[FUSED_NODES_ATTR].list.s[0]).device
 
 
-def test_an_update_of_a_received_value_runs_as_it_arrives_not_in_the_group():
+def test_an_update_of_a_received_value_of_a_large_variable_runs_as_it_arrives_not_in_the_group():
     # A parameter server's update of a gradient from a worker: grouped, it would wait
     # for the last gradient instead of overlapping with the worker's remaining work.
+    # Small variables' updates are grouped all the same (one update over their arena
+    # costs less); a variable whose size its VarHandleOp does not tell counts as large.
     with ds.Graph().as_default() as graph:
-        for i in range(3):
-            _descent(ds.Variable(np.zeros(2, F32)), ds.constant(np.ones(2, F32)), f"update_{i}")
+        shapes = [(2,), (2,), (2,), (2,), (128, 129), (2,)]  # (128 x 129 float32: 66,048 bytes)
+        for i, shape in enumerate(shapes):
+            _descent(ds.Variable(np.zeros(shape, F32)), ds.constant(np.ones(shape, F32)), f"update_{i}")
     graph_def = graph.as_graph_def()
-    receive = graph_def.node.add(name="grad_from_worker", op="_Recv")
-    receive.attr["tensor_type"].type = DT_FLOAT
-    (update_2,) = [node for node in graph_def.node if node.name == "update_2"]
-    update_2.input[2] = "grad_from_worker"
+    nodes = {node.name: node for node in graph_def.node}
+    assert 128 * 129 * 4 > ARENA_MAX_VARIABLE_BYTES >= 2 * 4
+    for i in (3, 4, 5):
+        receive = graph_def.node.add(name=f"grad_from_worker_{i}", op="_Recv")
+        receive.attr["tensor_type"].type = DT_FLOAT
+        nodes[f"update_{i}"].input[2] = receive.name
+    # update_5's handle through an Identity: its size is not known here
+    handle = nodes["update_5"].input[0]
+    graph_def.node.add(name="handle_copy", op="Identity", input=[handle])
+    nodes["update_5"].input[0] = "handle_copy"
     (group,) = _grouped(group_variable_updates(graph_def))
-    assert _parts(group) == ["update_0", "update_1"]
+    assert _parts(group) == ["update_0", "update_1", "update_2", "update_3"]
+    # A value sent to the client after an update changes nothing ...
+    fetch = graph_def.node.add(name="fetch_after_update", op="_Send", input=["^update_0"])
+    fetch.attr["client_terminated"].b = True
+    (group,) = _grouped(group_variable_updates(graph_def))
+    assert _parts(group) == ["update_0", "update_1", "update_2", "update_3"]
+    # ... but one sent to another task might come back as a value a received update
+    # takes: those run apart then, as their values arrive.
+    graph_def.node.add(name="to_worker_after_update", op="_Send", input=["^update_1"])
+    (group,) = _grouped(group_variable_updates(graph_def))
+    assert _parts(group) == ["update_0", "update_1", "update_2"]
+
+
+@pytest.mark.slow
+def test_a_group_never_waits_for_itself_across_tasks():
+    # ps: a and b updated from the worker's gradients; the worker computes b's gradient
+    # from a's value read after a's update. Grouped, the two updates would wait for
+    # b's gradient, which waits for a's update: the step must finish instead.
+    with ds.Graph().as_default() as graph:
+        with ds.device("/job:ps/task:0"):
+            a = ds.Variable(np.full(2, 1.0, F32), name="a")
+            b = ds.Variable(np.full(2, 1.0, F32), name="b")
+        with ds.device("/job:worker/task:0"):
+            grad_a = ds.constant(np.ones(2, F32)) * 2.0
+        with ds.device("/job:ps/task:0"):
+            update_a = _descent(a, grad_a, "update_a")
+            with ds.control_dependencies([update_a]):
+                a_after = ds.identity(a.read_value())
+        with ds.device("/job:worker/task:0"):
+            grad_b = a_after * 3.0
+        with ds.device("/job:ps/task:0"):
+            update_b = _descent(b, grad_b, "update_b")
+        init = ds.global_variables_initializer()
+    with (
+        LocalCluster({"ps": 1, "worker": 1}) as cluster,
+        ds.Session(cluster.target("worker"), graph=graph) as sess,
+    ):
+        sess.run(init)
+        sess.run([update_a, update_b], options=ds.RunOptions(timeout_in_ms=20_000))
+        got_a, got_b = sess.run([a.read_value(), b.read_value()])
+    np.testing.assert_array_equal(got_a, [0.0, 0.0])  # 1 - 0.5 * 2
+    np.testing.assert_array_equal(got_b, [1.0, 1.0])  # 1 - 0.5 * (0 * 3)
 
 
 def test_graphs_with_v1_control_flow_or_a_single_update_are_left_alone():
