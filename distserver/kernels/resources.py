@@ -135,7 +135,9 @@ class VariableResource:
     """The state of one resource variable (TensorFlow's `Var`).
 
     `value` is `None` until the first assignment. The stored array is owned by the
-    variable. Updates build a new array and replace it (under `lock`), so a reader may
+    variable, or a view of the flat array a grouped update keeps its variables in
+    (`kernels.state._VariableArena`, which alone writes there). Updates build a new
+    array and replace it (under `lock`), so a reader may
     keep the array it got without copying it while other steps keep updating the
     variable; only an update that finds the array unshared (`unshared`: nothing but
     the variable references it) writes into it instead, as TensorFlow forwards a buffer

@@ -10,7 +10,9 @@ under the variables' locks, taken in a fixed order, so concurrent steps never lo
 update and never deadlock. An update writes into the stored array only when nothing
 else references it (`VariableResource.unshared`, TensorFlow's forwarding of a buffer
 whose reference count is one); otherwise it replaces the array, so a value handed to
-a reader stays unchanged while later steps update the variable (copy-on-write).
+a reader stays unchanged while later steps update the variable (copy-on-write). A
+group of like updates of small variables keeps them side by side and updates them
+at once under the same rule, counted for the whole arena (`_VariableArena`).
 
 The optimizer kernels (`ResourceApplyGradientDescent`, `...Momentum`, `...Adam`,
 `...Adagrad`, `...AdagradV2`, `...RMSProp`, `...CenteredRMSProp`, `...ProximalAdagrad`,
