@@ -1137,11 +1137,10 @@ class GroupedUpdatesKernel(OpKernel):
             and all(part.op == parts[0].op and _own_attrs(part) == _own_attrs(parts[0]) for part in parts)
             else None
         )
-        self._grad_name = (
-            next((name for name, kind in self._same_update.signature if kind == "tensor"), "")
-            if self._same_update is not None
-            else ""
-        )
+        # The gradient's input name (the one "tensor" input of `_same_update`'s signature).
+        self._grad_name = ""
+        if self._same_update is not None:
+            (self._grad_name,) = [name for name, kind in self._same_update.signature if kind == "tensor"]
         self._kernels = kernels
         self._arena: _VariableArena | None = None
         # The variables the parts' handles named last time, and what made them valid

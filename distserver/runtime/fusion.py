@@ -19,6 +19,7 @@ of the chain stay as they are; it waits for every control input of its parts.
 
 from __future__ import annotations
 
+import math
 from collections import Counter, defaultdict
 
 from distserver import errors
@@ -28,7 +29,7 @@ from distserver.protos.graph_pb2 import GraphDef
 from distserver.protos.node_def_pb2 import NodeDef
 from distserver.protos.types_pb2 import DT_DOUBLE, DT_FLOAT
 from distserver.runtime.names import parse_input
-from distserver.tensors import as_numpy_dtype
+from distserver.tensors import as_numpy_dtype, shape_from_proto
 
 _FUSED_TYPES = frozenset({DT_FLOAT, DT_DOUBLE})  # `kernels.math.FUSED_TYPES`
 
@@ -237,17 +238,14 @@ def _of_a_small_variable(update: NodeDef, handles: dict[str, NodeDef]) -> bool:
     handle = handles.get(parse_input(inputs[0])[0]) if inputs else None
     if handle is None or "shape" not in handle.attr or "dtype" not in handle.attr:
         return False
-    shape = handle.attr["shape"].shape
-    if shape.unknown_rank or not shape.dim or any(dim.size < 0 for dim in shape.dim):
-        return False
     try:
+        shape = shape_from_proto(handle.attr["shape"].shape)
         itemsize = as_numpy_dtype(handle.attr["dtype"].type).itemsize
-    except errors.InvalidArgumentError:  # (a dtype without a numpy one: not an arena's)
+    except errors.InvalidArgumentError:  # (a malformed shape, a dtype numpy lacks: not an arena's)
         return False
-    size = 1
-    for dim in shape.dim:
-        size *= dim.size
-    return 0 < size * itemsize <= ARENA_MAX_VARIABLE_BYTES
+    if not shape or None in shape:
+        return False
+    return 0 < math.prod(shape) * itemsize <= ARENA_MAX_VARIABLE_BYTES  # type: ignore[arg-type]
 
 
 def _grouped_node(name: str, parts: list[NodeDef]) -> NodeDef:
