@@ -112,6 +112,10 @@ class CallStreamServer:
         self._streams: set[_ServerStream] = set()
         self._draining = False
 
+    def serves(self, path: str) -> bool:
+        """Whether `dispatch` answers calls to `path` (a unary method of the services)."""
+        return path in self._handlers
+
     def rpc_handler(self) -> Any:
         """The generic handler to add to a `grpc.aio.Server`."""
         service, method = METHOD.strip("/").split("/")

@@ -55,7 +55,7 @@ from distserver.protos.services import SERVICES, STREAMING_METHODS, WORKER_SERVI
 from distserver.protos.worker_pb2 import RecvTensorRequest
 from distserver.security import Security
 from distserver.tensors import tensor_nbytes
-from distserver.transports import call_stream, direct
+from distserver.transports import call_stream, direct, http2
 from distserver.transports.base import (
     Channel,
     ChannelStatistics,
@@ -141,7 +141,7 @@ CHANNEL_OPTIONS = [
 
 # Trailing metadata that marks an error raised by a distserver handler, as opposed
 # to one made by gRPC itself (peer unreachable, deadline, cancelled connection).
-_HANDLER_ERROR_KEY = "distserver-handler-error"
+_HANDLER_ERROR_KEY = http2.HANDLER_ERROR_KEY
 
 _STATUS_BY_CODE = {status.value[0]: status for status in grpc.StatusCode}
 
@@ -320,11 +320,13 @@ class GrpcListener(Listener):
         port: int,
         calls: call_stream.CallStreamServer,
         direct_server: direct.DirectServer | None,
+        front: http2.Http2Front | None = None,
     ) -> None:
         self._server = server
         self._port = port
         self._calls = calls
         self._direct = direct_server
+        self._front = front
         self._started = False
         self._stopped = False
 
@@ -341,16 +343,20 @@ class GrpcListener(Listener):
         if not self._started:
             self._started = True
             await self._server.start()
+            if self._front is not None:
+                await self._front.start()
 
     async def stop(self, grace: float | None) -> None:
         if self._stopped:
             return
         self._stopped = True
         self._calls.drain()  # call streams never end by themselves: the grace would always run out
-        if self._direct is None:
-            await self._server.stop(grace)
-        else:
-            await asyncio.gather(self._server.stop(grace), self._direct.close(grace))
+        closing = [self._server.stop(grace)]
+        if self._front is not None:
+            closing.append(self._front.close(grace))
+        if self._direct is not None:
+            closing.append(self._direct.close(grace))
+        await asyncio.gather(*closing)
 
 
 class TensorPath(abc.ABC):
@@ -769,6 +775,11 @@ async def serve(
 
     With `security`: TLS when it has a certificate (clients' certificates required
     with `require_client_cert`), and every call checked for its token.
+
+    Without TLS, `address` is served by an `http2.Http2Front` (unary calls of the
+    services answered on the event loop, the rest relayed to the grpc.aio server,
+    which then listens on a loopback port of its own); `DISTSERVER_HTTP2_FRONT=0`
+    leaves `address` to grpc.aio.
     """
     interceptors = [_TokenCheck(security)] if security is not None and security.token else []
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
@@ -809,14 +820,25 @@ async def serve(
                 (grpc.method_handlers_generic_handler(service_name, {method_name: stream}),)
             )
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, rpc_handlers),))
+    credentials = _server_credentials(security)
+    use_front = credentials is None and http2.enabled()
+    front = None
     try:
-        port = _bind(server, address, _server_credentials(security))
+        if use_front:
+            sockets = _listening_sockets(address)
+            port = sockets[0].getsockname()[1]
+            relay_port = _bind(server, "127.0.0.1:0", None)
+            relay = grpc.aio.insecure_channel(f"127.0.0.1:{relay_port}", options=_QUIET_CHANNEL_OPTIONS)
+            front = http2.Http2Front(calls.dispatch, calls.serves, relay, security)
+            await front.listen(sockets)
+        else:
+            port = _bind(server, address, credentials)
     except errors.UnknownError:
         await server.stop(None)
         if direct_server is not None:
             await direct_server.close(None)
         raise
-    return GrpcListener(server, port, calls, direct_server)
+    return GrpcListener(server, port, calls, direct_server, front)
 
 
 def _direct_server(
@@ -873,11 +895,55 @@ def _bind(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredent
         else:
             reason = ""
         if port == 0:
-            raise errors.UnknownError(
-                f"Could not start gRPC server: cannot bind {named}{reason}. "
-                "Is another process using that port? Pick a free port or use port 0."
-            )
+            raise _bind_error(named, reason)
     return port
+
+
+def _listening_sockets(address: str) -> list[socket.socket]:
+    """Listening sockets for `address`, by `_bind`'s rules: every address its host names
+    ("localhost": every loopback address), all on one port (the first one's, for port 0)."""
+    host, _, port_text = address.rpartition(":")
+    host = host.strip("[]")
+    hosts = [a.strip("[]") for a in _loopback_addresses()] if host == "localhost" else [host]
+    sockets: list[socket.socket] = []
+    port = int(port_text)
+    try:
+        for name in hosts:
+            named = f"{name}:{port_text}" if name == host else f"{name}:{port_text} (for {address})"
+            try:
+                infos = socket.getaddrinfo(
+                    name or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+                )
+            except socket.gaierror as exc:
+                raise _bind_error(named, f" ({exc})") from None
+            families = {info[0] for info in infos}
+            for family, kind, proto, _, sockaddr in dict.fromkeys(infos):
+                sock = socket.socket(family, kind, proto)
+                sockets.append(sock)
+                try:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    if family == socket.AF_INET6 and socket.AF_INET in families:
+                        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # both bound
+                    if port:
+                        sockaddr = (sockaddr[0], port, *sockaddr[2:])
+                    sock.bind(sockaddr)
+                    sock.listen(1024)
+                except OSError as exc:
+                    raise _bind_error(named, f" ({exc.strerror})") from None
+                sock.setblocking(False)
+                port = sock.getsockname()[1]
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
+def _bind_error(named: str, reason: str) -> errors.UnknownError:
+    return errors.UnknownError(
+        f"Could not start gRPC server: cannot bind {named}{reason}. "
+        "Is another process using that port? Pick a free port or use port 0."
+    )
 
 
 def _server_credentials(security: Security | None) -> grpc.ServerCredentials | None:
