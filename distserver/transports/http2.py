@@ -172,6 +172,7 @@ class _Stream:
         self.messages: asyncio.Queue[bytes | None] | None = None  # relayed: whole messages for the call
         self.queued_bytes = 0  # relayed: bytes in `messages`
         self.withheld = 0  # relayed: received bytes not yet granted back to the client
+        self.owed = 0  # bytes granted back but not yet written in a WINDOW_UPDATE
         self.ended = False  # the client has sent END_STREAM
         self.reset = False  # the stream was reset: write nothing more
         self.task: asyncio.Task[None] | None = None
@@ -189,6 +190,7 @@ class _Connection(asyncio.Protocol):
         self._last_stream_id = 0
         self._pending_headers: tuple[int, int, bytearray] | None = None  # stream id, flags, block so far
         self._send_window = DEFAULT_WINDOW
+        self._owed = 0  # received bytes not yet given back to the connection's window
         self._peer_initial_window = DEFAULT_WINDOW
         self._peer_frame_bytes = DEFAULT_FRAME_BYTES
         self._window_waiters: list[asyncio.Future[None]] = []
@@ -201,7 +203,7 @@ class _Connection(asyncio.Protocol):
     # ----------------------------------------------------------------- asyncio.Protocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = transport  # type: ignore[assignment]  # a stream transport (uvloop's is not a subclass)
+        self._transport = transport
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             with contextlib.suppress(OSError):
@@ -458,21 +460,20 @@ class _Connection(asyncio.Protocol):
         if stream is None or stream.ended:
             if stream_id > self._last_stream_id:
                 raise _ConnectionError(PROTOCOL_ERROR, f"DATA on idle stream {stream_id}")
-            if size:
-                self._write(frame(WINDOW_UPDATE, 0, 0, _WINDOW.pack(size)))  # keep the connection's window
+            self._give_back(None, size)  # the connection's window still counts them
             if stream is not None:
                 self._reset(stream, STREAM_CLOSED)
             return
         data = self._unpad(flags, payload)
         if stream.relayed:
             self._relay_data(stream, size, data)
+        elif len(stream.body) + len(data) > MAX_MESSAGE_BYTES + _MESSAGE_HEAD.size:
+            self._give_back(None, size)
+            self._refuse_large(stream)
+            return
         else:
-            if len(stream.body) + len(data) > MAX_MESSAGE_BYTES + _MESSAGE_HEAD.size:
-                self._refuse_large(stream)
-                return
             stream.body += data
-            if size:
-                self._write(_window_updates(stream_id, size))
+            self._give_back(None if flags & END_STREAM else stream, size)
         if flags & END_STREAM:
             self._end_of_request(stream)
 
@@ -503,7 +504,24 @@ class _Connection(asyncio.Protocol):
         """Give a relayed stream's client back the bytes it sent, unless too many wait for the call."""
         if stream.withheld and stream.queued_bytes <= RELAY_QUEUE_BYTES:
             size, stream.withheld = stream.withheld, 0
-            self._write(_window_updates(stream.id, size))
+            self._give_back(stream, size)
+
+    def _give_back(self, stream: _Stream | None, size: int) -> None:
+        """Return `size` received bytes to the client's windows: the connection's, and
+        `stream`'s unless None. Each is written once half of it is owed, so a small
+        call costs no WINDOW_UPDATE (nor the client a wake-up to read one)."""
+        updates = b""
+        self._owed += size
+        if self._owed >= CONNECTION_WINDOW // 2:
+            updates += frame(WINDOW_UPDATE, 0, 0, _WINDOW.pack(self._owed))
+            self._owed = 0
+        if stream is not None:
+            stream.owed += size
+            if stream.owed >= STREAM_WINDOW // 2:
+                updates += frame(WINDOW_UPDATE, 0, stream.id, _WINDOW.pack(stream.owed))
+                stream.owed = 0
+        if updates:
+            self._write(updates)
 
     def _end_of_request(self, stream: _Stream) -> None:
         stream.ended = True
@@ -702,13 +720,6 @@ class _Connection(asyncio.Protocol):
     @property
     def streams(self) -> int:
         return len(self._streams)
-
-
-def _window_updates(stream_id: int, size: int) -> bytes:
-    """Give `size` bytes back to the client, on the connection and on `stream_id`."""
-    return frame(WINDOW_UPDATE, 0, 0, _WINDOW.pack(size)) + frame(
-        WINDOW_UPDATE, 0, stream_id, _WINDOW.pack(size)
-    )
 
 
 def _trailers(stream_id: int, code: int, message: str, metadata: tuple[tuple[str, Any], ...] = ()) -> bytes:
