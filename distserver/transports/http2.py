@@ -25,7 +25,7 @@ block larger than `MAX_HEADER_BYTES`, a message larger than `MAX_MESSAGE_BYTES` 
 length prefix is read first), more than `MAX_STREAMS` streams at once, a peer that
 sends more than it was allowed (flow control) or breaks the protocol: each ends the
 stream or the connection with the HTTP/2 error code that names it. A connection that
-has not sent the preface within `HANDSHAKE_SECONDS` is closed. A relayed stream's
+has not sent the preface and its SETTINGS within `HANDSHAKE_SECONDS` is closed. A relayed stream's
 client is granted more bytes only as the relay forwards them, so a peer cannot queue
 unbounded data behind a slow call. A client that stops reading its answers is
 written to no further than asyncio's write buffer (the answer waits for it to drain).
@@ -473,6 +473,10 @@ class _Connection(asyncio.Protocol):
             return
         else:
             stream.body += data
+            if _claims_too_much(stream.body):  # answered from the prefix, not after the body
+                self._give_back(None, size)
+                self._refuse_large(stream)
+                return
             self._give_back(None if flags & END_STREAM else stream, size)
         if flags & END_STREAM:
             self._end_of_request(stream)
@@ -482,10 +486,10 @@ class _Connection(asyncio.Protocol):
         body = stream.body
         assert stream.messages is not None
         while len(body) >= _MESSAGE_HEAD.size:
-            compressed, length = _MESSAGE_HEAD.unpack_from(body)
-            if length > MAX_MESSAGE_BYTES:
+            if _claims_too_much(body):
                 self._refuse_large(stream)
                 return
+            compressed, length = _MESSAGE_HEAD.unpack_from(body)
             if len(body) < _MESSAGE_HEAD.size + length:
                 break
             if compressed:
@@ -872,6 +876,11 @@ def _metadata(headers: list[tuple[bytes, bytes]]) -> tuple[tuple[str, str | byte
         for key, value in headers
         if not key.startswith(b":") and key not in _NOT_METADATA and not key.startswith(b"grpc-")
     )
+
+
+def _claims_too_much(body: bytearray) -> bool:
+    """Whether the message starting `body` says it is larger than `MAX_MESSAGE_BYTES`."""
+    return len(body) >= _MESSAGE_HEAD.size and _MESSAGE_HEAD.unpack_from(body)[1] > MAX_MESSAGE_BYTES
 
 
 def _one_message(body: bytearray) -> memoryview | tuple[int, str]:

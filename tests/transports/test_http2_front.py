@@ -1,0 +1,517 @@
+"""The HTTP/2 front of a task's public port (`transports/http2.py`), against real listeners.
+
+gRPC clients get answers from it (served on the loop or relayed to grpc.aio); raw
+HTTP/2 clients that break the protocol or lie about sizes are cut off with the right
+error and the task keeps serving; flow control holds a large answer to the client's
+windows; a stop sends GOAWAY and ends within the grace; DISTSERVER_HTTP2_FRONT=0
+leaves the port to grpc.aio.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import struct
+from dataclasses import dataclass, field
+
+import grpc
+import grpc.aio
+import pytest
+
+import distserver as ds
+from distserver.protos.device_attributes_pb2 import DeviceAttributes
+from distserver.protos.eager_service_pb2 import EnqueueRequest, EnqueueResponse, QueueItem, QueueResponse
+from distserver.protos.master_pb2 import ListDevicesRequest, ListDevicesResponse
+from distserver.protos.services import EAGER_SERVICE, MASTER_SERVICE, WORKER_SERVICE
+from distserver.protos.worker_pb2 import GetStatusRequest, GetStatusResponse
+from distserver.transports import direct, get_transport, http2
+from distserver.transports.hpack import Decoder, encode
+
+TIMEOUT = 10.0  # the bound on every wait: a broken front fails the test, it does not hang it
+
+GET_STATUS = f"/{WORKER_SERVICE}/GetStatus"  # a unary method: served by the front
+STREAMING_ENQUEUE = f"/{EAGER_SERVICE}/StreamingEnqueue"  # a stream: relayed to grpc.aio
+ENDPOINT = f"/{direct.ENDPOINT_SERVICE}/{direct.ENDPOINT_METHOD}"  # not a service method: relayed
+UNKNOWN = "/no.such.Service/Method"
+
+# HTTP/2 (RFC 9113), written here rather than taken from the module under test.
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+DATA, HEADERS, RST_STREAM, SETTINGS, PING, GOAWAY, WINDOW_UPDATE = 0x0, 0x1, 0x3, 0x4, 0x6, 0x7, 0x8
+END_STREAM, ACK, END_HEADERS = 0x1, 0x1, 0x4
+INITIAL_WINDOW_SIZE = 0x4
+PROTOCOL_ERROR, FRAME_SIZE_ERROR, NO_ERROR = 0x1, 0x6, 0x0
+DEFAULT_FRAME_BYTES = 16384
+# gRPC status codes.
+OK, RESOURCE_EXHAUSTED, UNIMPLEMENTED = 0, 8, 12
+
+
+# ----------------------------------------------------------------------------- a task to talk to
+
+
+class Worker:
+    """GetStatus (its `status`, or held until `release` while `hold`) and Enqueue (one
+    empty response per queue item, so a StreamingEnqueue answer shows what it was sent)."""
+
+    def __init__(self) -> None:
+        self.status = GetStatusResponse(
+            device_attributes=[DeviceAttributes(name="/job:worker/replica:0/task:0/device:CPU:0")]
+        )
+        self.hold = False
+        self.started = asyncio.Event()
+        self.release = asyncio.Event()
+        self.cancelled = asyncio.Event()
+
+    async def get_status(self, request: GetStatusRequest) -> GetStatusResponse:
+        if self.hold:
+            self.started.set()
+            try:
+                await self.release.wait()
+            except asyncio.CancelledError:
+                self.cancelled.set()
+                raise
+        return self.status
+
+    async def enqueue(self, request: EnqueueRequest) -> EnqueueResponse:
+        return EnqueueResponse(queue_response=[QueueResponse() for _ in request.queue])
+
+
+@pytest.fixture
+def worker() -> Worker:
+    return Worker()
+
+
+@pytest.fixture
+async def listener(worker, monkeypatch):
+    """A grpc transport listener for `worker`, on the front (whatever the environment says)."""
+    monkeypatch.delenv(http2.ENV, raising=False)
+    services = {WORKER_SERVICE: {"GetStatus": worker.get_status}, EAGER_SERVICE: {"Enqueue": worker.enqueue}}
+    served = await get_transport("grpc").listen("localhost:0", services)
+    await served.start()
+    yield served
+    await served.stop(1)
+
+
+@pytest.fixture
+def front_calls(monkeypatch) -> list[tuple[str, str]]:
+    """(how, path) for each call the front takes: "serve" (answered on the loop) or "relay"."""
+    calls: list[tuple[str, str]] = []
+    for how in ("serve", "relay"):
+        original = getattr(http2.Http2Front, how)
+
+        async def spy(self, connection, stream, _original=original, _how=how):
+            calls.append((_how, stream.path))
+            return await _original(self, connection, stream)
+
+        monkeypatch.setattr(http2.Http2Front, how, spy)
+    return calls
+
+
+# ----------------------------------------------------------------------------- gRPC clients
+
+
+async def get_status(port: int) -> GetStatusResponse:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = channel.unary_unary(
+            GET_STATUS,
+            request_serializer=GetStatusRequest.SerializeToString,
+            response_deserializer=GetStatusResponse.FromString,
+        )
+        return await call(GetStatusRequest(), timeout=TIMEOUT)
+
+
+async def unary(port: int, path: str, request: bytes = b"") -> bytes:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        return await channel.unary_unary(path)(request, timeout=TIMEOUT)
+
+
+async def test_grpc_client_gets_a_served_unary_answer(listener, worker, front_calls):
+    assert await get_status(listener.port) == worker.status
+    assert front_calls == [("serve", GET_STATUS)]
+
+
+async def test_grpc_client_lists_the_devices_of_a_real_server(monkeypatch, front_calls):
+    monkeypatch.delenv(http2.ENV, raising=False)
+    async with ds.AsyncServer({"localhost": ["localhost:0"]}) as server:
+        port = int(server.target.rpartition(":")[2])
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            list_devices = channel.unary_unary(
+                f"/{MASTER_SERVICE}/ListDevices",
+                request_serializer=ListDevicesRequest.SerializeToString,
+                response_deserializer=ListDevicesResponse.FromString,
+            )
+            response = await list_devices(ListDevicesRequest(), timeout=TIMEOUT)
+    names = [device.name for device in response.local_device]
+    assert "/job:localhost/replica:0/task:0/device:CPU:0" in names
+    assert front_calls == [("serve", f"/{MASTER_SERVICE}/ListDevices")]
+
+
+async def test_a_stream_is_relayed_both_ways(listener, front_calls):
+    requests = [EnqueueRequest(context_id=n, queue=[QueueItem()] * n) for n in (1, 2, 3)]
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{listener.port}") as channel:
+        stream = channel.stream_stream(
+            STREAMING_ENQUEUE,
+            request_serializer=EnqueueRequest.SerializeToString,
+            response_deserializer=EnqueueResponse.FromString,
+        )(timeout=TIMEOUT)
+        answers = []
+        for request in requests:  # one at a time: each answer comes back before the next is sent
+            await stream.write(request)
+            answers.append(await asyncio.wait_for(stream.read(), TIMEOUT))
+        await stream.done_writing()
+        assert await asyncio.wait_for(stream.read(), TIMEOUT) is grpc.aio.EOF
+        assert await stream.code() == grpc.StatusCode.OK
+    assert [len(answer.queue_response) for answer in answers] == [1, 2, 3]
+    assert front_calls == [("relay", STREAMING_ENQUEUE)]
+
+
+async def test_the_direct_endpoint_is_relayed(listener, front_calls):
+    announcement = json.loads(await unary(listener.port, ENDPOINT))
+    assert announcement["version"] == direct.VERSION
+    assert announcement["port"] not in (0, listener.port)
+    assert front_calls == [("relay", ENDPOINT)]
+
+
+async def test_an_unknown_path_is_unimplemented(listener, front_calls):
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await unary(listener.port, UNKNOWN)
+    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert front_calls == [("relay", UNKNOWN)]
+
+
+async def test_with_the_front_off_grpc_aio_serves_the_port(monkeypatch, front_calls):
+    monkeypatch.setenv(http2.ENV, "0")
+    async with ds.AsyncServer({"localhost": ["localhost:0"]}) as server:
+        port = int(server.target.rpartition(":")[2])
+        response = ListDevicesResponse.FromString(
+            await unary(port, f"/{MASTER_SERVICE}/ListDevices", ListDevicesRequest().SerializeToString())
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await unary(port, UNKNOWN)
+    assert [device.name for device in response.local_device] == [
+        "/job:localhost/replica:0/task:0/device:CPU:0"
+    ]
+    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert front_calls == []  # the front took no call: grpc.aio answered both
+
+
+# ----------------------------------------------------------------------------- a raw HTTP/2 client
+
+
+def frame_header(length: int, kind: int, flags: int, stream_id: int) -> bytes:
+    return length.to_bytes(3, "big") + bytes([kind, flags]) + stream_id.to_bytes(4, "big")
+
+
+def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
+    return frame_header(len(payload), kind, flags, stream_id) + payload
+
+
+def settings(*pairs: tuple[int, int]) -> bytes:
+    return frame(SETTINGS, 0, 0, b"".join(struct.pack(">HI", key, value) for key, value in pairs))
+
+
+def grpc_message(body: bytes, *, compressed: bool = False, length: int | None = None) -> bytes:
+    """A gRPC length-prefixed message; `length` overrides the length it claims."""
+    return struct.pack(">BI", compressed, len(body) if length is None else length) + body
+
+
+def request_headers(path: str) -> bytes:
+    return encode(
+        [
+            (b":method", b"POST"),
+            (b":scheme", b"http"),
+            (b":path", path.encode()),
+            (b":authority", b"127.0.0.1"),
+            (b"content-type", b"application/grpc"),
+            (b"te", b"trailers"),
+        ]
+    )
+
+
+@dataclass
+class Stream:
+    """What the server sent on one stream."""
+
+    headers: list[tuple[bytes, bytes]] | None = None
+    data: bytearray = field(default_factory=bytearray)
+    data_frames: list[int] = field(default_factory=list)  # each DATA frame's length
+    trailers: dict[bytes, bytes] | None = None
+    reset: int | None = None
+
+    @property
+    def grpc_status(self) -> int | None:
+        return None if self.trailers is None else int(self.trailers[b"grpc-status"])
+
+
+class RawClient:
+    """Writes frames as it is told; reads the server's, keeping what each stream got."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.decoder = Decoder(1 << 20)
+        self.streams: dict[int, Stream] = {}
+        self.goaway: tuple[int, int] | None = None  # last stream id, error code
+        self.pings: list[bytes] = []  # payloads of PING acknowledgements
+        self.eof = False
+        self._ping_ids = itertools.count()
+
+    def send(self, data: bytes) -> None:
+        self.writer.write(data)
+
+    def stream(self, stream_id: int) -> Stream:
+        return self.streams.setdefault(stream_id, Stream())
+
+    def start_call(self, stream_id: int, path: str, body: bytes | None = None, *, end: bool = True) -> None:
+        """HEADERS for `path`, then (unless None) `body` as DATA, ending the request if `end`."""
+        if body is None:
+            self.send(
+                frame(HEADERS, END_HEADERS | (END_STREAM if end else 0), stream_id, request_headers(path))
+            )
+        else:
+            self.send(frame(HEADERS, END_HEADERS, stream_id, request_headers(path)))
+            self.send(frame(DATA, END_STREAM if end else 0, stream_id, body))
+
+    async def read_frame(self) -> bool:
+        """Read one frame and note it; False at the end of the connection."""
+        try:
+            head = await asyncio.wait_for(self.reader.readexactly(9), TIMEOUT)
+            length, kind, flags = int.from_bytes(head[:3], "big"), head[3], head[4]
+            stream_id = int.from_bytes(head[5:], "big") & 0x7FFFFFFF
+            payload = await asyncio.wait_for(self.reader.readexactly(length), TIMEOUT)
+        except asyncio.IncompleteReadError as exc:
+            if exc.partial:
+                raise AssertionError(f"the connection ended inside a frame: {exc.partial!r}") from None
+            self.eof = True
+            return False
+        except ConnectionResetError:
+            self.eof = True
+            return False
+        if kind == HEADERS:
+            fields = self.decoder.decode(payload)
+            if flags & END_STREAM:
+                self.stream(stream_id).trailers = dict(fields)
+            else:
+                self.stream(stream_id).headers = fields
+        elif kind == DATA:
+            self.stream(stream_id).data += payload
+            self.stream(stream_id).data_frames.append(len(payload))
+        elif kind == RST_STREAM:
+            self.stream(stream_id).reset = int.from_bytes(payload, "big")
+        elif kind == GOAWAY:
+            last_stream_id, code = struct.unpack_from(">II", payload)
+            self.goaway = (last_stream_id & 0x7FFFFFFF, code)
+        elif kind == PING and flags & ACK:
+            self.pings.append(payload)
+        return True
+
+    async def until(self, condition, what: str) -> None:
+        """Read frames until `condition()` holds; fails if the connection ends first."""
+        try:
+            async with asyncio.timeout(TIMEOUT):
+                while not condition():
+                    if not await self.read_frame():
+                        raise AssertionError(f"the connection ended before {what}")
+        except TimeoutError:
+            raise AssertionError(f"waited {TIMEOUT} s for {what}") from None
+
+    async def until_closed(self) -> None:
+        try:
+            async with asyncio.timeout(TIMEOUT):
+                while await self.read_frame():
+                    pass
+        except TimeoutError:
+            raise AssertionError(f"the server kept the connection open for {TIMEOUT} s") from None
+
+    async def ping(self) -> None:
+        """A round trip: every frame the server wrote before reading this PING has been read."""
+        payload = next(self._ping_ids).to_bytes(8, "big")
+        self.send(frame(PING, 0, 0, payload))
+        await self.until(lambda: payload in self.pings, "the PING was acknowledged")
+
+    async def close(self) -> None:
+        self.writer.close()
+        with contextlib.suppress(ConnectionError):
+            await asyncio.wait_for(self.writer.wait_closed(), TIMEOUT)
+
+
+@contextlib.asynccontextmanager
+async def raw_client(port: int, handshake: bytes | None = PREFACE + settings()):
+    """A connection to `port` that has sent `handshake` (by default the preface and empty SETTINGS)."""
+    reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), TIMEOUT)
+    client = RawClient(reader, writer)
+    try:
+        if handshake:
+            client.send(handshake)
+        yield client
+    finally:
+        await client.close()
+
+
+async def still_serving(listener, worker) -> None:
+    assert await get_status(listener.port) == worker.status
+
+
+def closed_with(client: RawClient, code: int) -> None:
+    assert client.goaway is not None, "the server closed the connection without GOAWAY"
+    assert client.goaway[1] == code, f"GOAWAY with code {client.goaway[1]:#x}, not {code:#x}"
+    assert client.eof
+
+
+async def test_a_raw_client_gets_a_served_answer(listener, worker):
+    """The raw client itself works: the hostile cases below differ from this only in what they break."""
+    async with raw_client(listener.port) as client:
+        client.start_call(1, GET_STATUS, grpc_message(b""))
+        await client.until(lambda: client.stream(1).trailers is not None, "the answer")
+    answer = client.stream(1)
+    assert dict(answer.headers or [])[b":status"] == b"200"
+    assert answer.grpc_status == OK
+    assert bytes(answer.data) == grpc_message(worker.status.SerializeToString())
+
+
+# ----------------------------------------------------------------------------- hostile clients
+
+
+async def test_a_bad_preface_gets_goaway_and_the_connection_closed(listener, worker):
+    async with raw_client(listener.port, handshake=b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n") as client:
+        await client.until_closed()
+    closed_with(client, PROTOCOL_ERROR)
+    await still_serving(listener, worker)
+
+
+async def test_a_frame_over_the_size_limit_gets_frame_size_error(listener, worker):
+    async with raw_client(listener.port) as client:
+        # Only the header: the server must refuse on the length it claims, before reading on.
+        client.send(frame_header(http2.MAX_FRAME_BYTES + 1, DATA, 0, 1))
+        await client.until_closed()
+    closed_with(client, FRAME_SIZE_ERROR)
+    await still_serving(listener, worker)
+
+
+@pytest.mark.parametrize("path", [GET_STATUS, STREAMING_ENQUEUE], ids=["served", "relayed"])
+async def test_a_message_claiming_more_than_the_limit_is_resource_exhausted(listener, worker, path):
+    assert http2.MAX_MESSAGE_BYTES < 0xFFFFFFFF
+    async with raw_client(listener.port) as client:
+        # The length prefix alone, and the request left open: the answer must come from the
+        # prefix, not from a body the server would have to take in first.
+        client.start_call(1, path, grpc_message(b"", length=0xFFFFFFFF), end=False)
+        await client.until(lambda: client.stream(1).trailers is not None, f"an answer on {path}")
+        assert client.stream(1).grpc_status == RESOURCE_EXHAUSTED
+    await still_serving(listener, worker)
+
+
+@pytest.mark.parametrize("path", [GET_STATUS, STREAMING_ENQUEUE], ids=["served", "relayed"])
+async def test_a_compressed_message_is_unimplemented(listener, worker, path):
+    async with raw_client(listener.port) as client:
+        client.start_call(1, path, grpc_message(b"\x1f\x8b\x08\x00", compressed=True))
+        await client.until(lambda: client.stream(1).trailers is not None, f"an answer on {path}")
+        assert client.stream(1).grpc_status == UNIMPLEMENTED
+    await still_serving(listener, worker)
+
+
+async def test_data_on_an_idle_stream_is_a_protocol_error(listener, worker):
+    async with raw_client(listener.port) as client:
+        client.send(frame(DATA, 0, 1, grpc_message(b"")))
+        await client.until_closed()
+    closed_with(client, PROTOCOL_ERROR)
+    assert client.goaway[0] == 0  # no stream was opened
+    await still_serving(listener, worker)
+
+
+@pytest.mark.parametrize("handshake", [b"", PREFACE], ids=["silent", "preface without SETTINGS"])
+async def test_a_client_that_never_sends_settings_is_closed(listener, worker, monkeypatch, handshake):
+    monkeypatch.setattr(http2, "HANDSHAKE_SECONDS", 0.2)
+    async with raw_client(listener.port) as finished:  # sends its SETTINGS: must stay open
+        await finished.ping()
+        async with raw_client(listener.port, handshake=handshake) as late:
+            await late.until_closed()
+        assert late.eof
+        # The late one was closed after its handshake time, which began after the finished
+        # one's: a client that did send SETTINGS was not closed with it.
+        await finished.ping()
+        finished.start_call(1, GET_STATUS, grpc_message(b""))
+        await finished.until(lambda: finished.stream(1).trailers is not None, "the answer")
+        assert finished.stream(1).grpc_status == OK
+
+
+# ----------------------------------------------------------------------------- flow control
+
+
+def large_status(nbytes: int) -> GetStatusResponse:
+    return GetStatusResponse(device_attributes=[DeviceAttributes(physical_device_desc="x" * nbytes)])
+
+
+async def received_after_a_round_trip(client: RawClient, stream_id: int) -> int:
+    """The DATA bytes `stream_id` has got once everything the server wrote so far is read."""
+    await client.ping()
+    return len(client.stream(stream_id).data)
+
+
+async def test_a_large_answer_waits_for_the_stream_window(listener, worker):
+    window = 1000
+    worker.status = large_status(40_000)
+    expected = grpc_message(worker.status.SerializeToString())
+    async with raw_client(listener.port, PREFACE + settings((INITIAL_WINDOW_SIZE, window))) as client:
+        client.start_call(1, GET_STATUS, grpc_message(b""))
+        answer = client.stream(1)
+        await client.until(lambda: len(answer.data) >= window, "the first window's DATA")
+        assert await received_after_a_round_trip(client, 1) == window
+        client.send(frame(WINDOW_UPDATE, 0, 1, (3000).to_bytes(4, "big")))
+        await client.until(lambda: len(answer.data) >= window + 3000, "the DATA the update allowed")
+        assert await received_after_a_round_trip(client, 1) == window + 3000
+        assert answer.trailers is None
+        client.send(frame(WINDOW_UPDATE, 0, 1, (1 << 20).to_bytes(4, "big")))
+        await client.until(lambda: answer.trailers is not None, "the rest of the answer")
+    assert answer.grpc_status == OK
+    assert bytes(answer.data) == expected
+    assert max(answer.data_frames) <= DEFAULT_FRAME_BYTES  # the client's (default) frame size
+
+
+async def test_a_large_answer_waits_for_the_connection_window(listener, worker):
+    connection_window = 65535  # the client announced no other: HTTP/2's initial value
+    worker.status = large_status(100_000)
+    expected = grpc_message(worker.status.SerializeToString())
+    async with raw_client(listener.port, PREFACE + settings((INITIAL_WINDOW_SIZE, 1 << 20))) as client:
+        client.start_call(1, GET_STATUS, grpc_message(b""))
+        answer = client.stream(1)
+        await client.until(lambda: len(answer.data) >= connection_window, "the connection window's DATA")
+        assert await received_after_a_round_trip(client, 1) == connection_window
+        client.send(frame(WINDOW_UPDATE, 0, 0, (1 << 20).to_bytes(4, "big")))
+        await client.until(lambda: answer.trailers is not None, "the rest of the answer")
+    assert answer.grpc_status == OK
+    assert bytes(answer.data) == expected
+
+
+# ----------------------------------------------------------------------------- stopping
+
+
+async def test_a_stop_lets_a_running_call_answer_within_the_grace(listener, worker):
+    worker.hold = True
+    async with raw_client(listener.port) as client:
+        client.start_call(1, GET_STATUS, grpc_message(b""))
+        await asyncio.wait_for(worker.started.wait(), TIMEOUT)
+        stopping = asyncio.create_task(listener.stop(TIMEOUT))
+        await client.until(lambda: client.goaway is not None, "GOAWAY")
+        assert client.goaway == (1, NO_ERROR)  # stream 1 is still to be answered
+        with pytest.raises(ConnectionRefusedError):  # the port takes no new connections
+            await asyncio.wait_for(asyncio.open_connection("127.0.0.1", listener.port), TIMEOUT)
+        worker.release.set()
+        await client.until_closed()  # the answer, then the end of the connection
+        await asyncio.wait_for(stopping, TIMEOUT)
+    assert client.stream(1).grpc_status == OK
+    assert bytes(client.stream(1).data) == grpc_message(worker.status.SerializeToString())
+    assert not worker.cancelled.is_set()
+
+
+async def test_a_stop_cancels_a_call_that_outlives_the_grace(listener, worker):
+    worker.hold = True  # and never released
+    grace = 0.2
+    async with raw_client(listener.port) as client:
+        client.start_call(1, GET_STATUS, grpc_message(b""))
+        await asyncio.wait_for(worker.started.wait(), TIMEOUT)
+        stopping = asyncio.create_task(listener.stop(grace))
+        await client.until_closed()
+        await asyncio.wait_for(stopping, TIMEOUT)
+    assert client.goaway == (1, NO_ERROR)
+    assert client.stream(1).trailers is None  # no answer: the call was cut off
+    await asyncio.wait_for(worker.cancelled.wait(), TIMEOUT)
