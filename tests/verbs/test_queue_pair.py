@@ -19,6 +19,7 @@ import pytest
 from distserver import errors
 from distserver.transports import verbs
 from distserver.transports.verbs import _qp
+from distserver.transports.verbs._memory import SharedCopy
 
 
 async def _exposed(owner: verbs.QueuePair, other: verbs.QueuePair, nbytes: int, probes) -> verbs.MemoryRegion:
@@ -173,6 +174,26 @@ async def test_large_copies_leave_the_loop_running(qp_pair, probes):
     # executor the loop keeps turning while it runs.
     assert ticks >= 3
     assert region.array(np.uint8, (64 << 20,)).all()
+
+
+async def test_copies_up_to_the_shared_size_stay_on_the_loop(qp_pair, probes, monkeypatch):
+    """At and below `SHARED_COPY_BYTES` the loop copies alone (no thread's GIL hand-off);
+    above it threads share the copy. Either way every byte lands and one completion
+    per write reaches the peer."""
+    qa, qb = qp_pair
+    limit = _qp.SHARED_COPY_BYTES
+    region = await _exposed(qa, qb, 2 * limit + 4096, probes)
+    shared = []
+    monkeypatch.setattr(_qp, "SharedCopy", lambda *a, **k: shared.append(a[2]) or SharedCopy(*a, **k))
+    rng = np.random.default_rng(7)
+    for wr_id, nbytes in enumerate((limit, limit + 1)):
+        payload = rng.integers(0, 255, size=nbytes, dtype=np.uint8)
+        await qb.write(region.id, region.key, 4096, payload, wr_id=wr_id)
+        assert np.array_equal(region.array(np.uint8, (nbytes,), offset=4096), payload)
+        completion = await qa.cq.poll()
+        assert (completion.wr_id, completion.byte_len) == (wr_id, nbytes)
+    assert shared == [limit + 1]
+    assert qa.cq.poll_nowait() == []
 
 
 async def test_async_for_and_poll_nowait(qp_pair, probes):

@@ -39,6 +39,7 @@ from distserver import errors
 __all__ = [
     "ALIGNMENT",
     "OFFLOAD_BYTES",
+    "SHARED_COPY_BYTES",
     "MemoryRegion",
     "PoolSlice",
     "PoolStatistics",
@@ -56,6 +57,11 @@ MIN_COPY_PIECE = 1 << 20
 """The smallest piece a shared copy is cut into as threads take them (`SharedCopy`)."""
 COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
 """Executor threads that copy one large write together."""
+SHARED_COPY_BYTES = 4 << 20
+"""A copy up to this size the event loop makes alone: a thread's share of it would
+end in a GIL hand-off (50-150 us when both threads want the GIL at once) costing more
+than the share saves (a 1.6 MiB copy: ~130 us alone, the shared one done ~250 us
+after it started, traced in a training step)."""
 INLINE_COPY_BYTES = 12 << 20
 """How much of one large write the event loop copies itself while the threads start
 (at most ~0.8 ms of copying: a bounded stall, and the threads' wake-up is hidden)."""

@@ -47,6 +47,7 @@ from distserver.transports.verbs._identity import HostIdentity, host_identity
 from distserver.transports.verbs._memory import (
     INLINE_COPY_BYTES,
     OFFLOAD_BYTES,
+    SHARED_COPY_BYTES,
     MemoryRegion,
     ProtectionDomain,
     SharedCopy,
@@ -141,7 +142,8 @@ class QueuePair:
           regions (its fd is sent once; idempotent). Closing the region withdraws it.
         * `await write(region_id, key, offset, data, wr_id=, imm_data=)` copies `data`
           (bytes-like, or a numpy array of any layout) straight into the peer's region
-          -- one copy, in the executor when larger than `OFFLOAD_BYTES` -- then posts a
+          -- one copy, shared with the executor's threads when larger than
+          `SHARED_COPY_BYTES` -- then posts a
           `RECV_RDMA_WITH_IMM` completion (`wr_id`, `byte_len`, `imm_data`) to the
           peer's completion queue, like `IBV_WR_RDMA_WRITE_WITH_IMM`. It returns the
           local `RDMA_WRITE` completion. A write that started copying is never
@@ -551,7 +553,7 @@ class QueuePair:
         part, the loop), calling `then` in whichever thread copies the last byte;
         returns whether the caller was cancelled meanwhile."""
         try:
-            if nbytes <= OFFLOAD_BYTES:
+            if nbytes <= SHARED_COPY_BYTES:
                 copy_bytes(dst, src)
                 if then is not None:
                     then()
