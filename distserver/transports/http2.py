@@ -85,6 +85,9 @@ CONNECTION_WINDOW = 64 << 20
 # A relayed stream's client may be this many bytes of whole messages ahead of the relay.
 RELAY_QUEUE_BYTES = 4 << 20
 HANDSHAKE_SECONDS = 10.0
+# grpc.aio makes a timeout an absolute deadline in int64 nanoseconds since the epoch: one
+# past ~2262 wraps, and the call fails at once (grpc-timeout allows 99999999 hours).
+MAX_RELAY_TIMEOUT = 1e9
 
 _HEAD = struct.Struct(">BHBBI")  # length (24 bits: high byte + low 16), type, flags, stream id
 _MESSAGE_HEAD = struct.Struct(">BI")  # gRPC: compressed flag, length
@@ -191,6 +194,7 @@ class _Connection(asyncio.Protocol):
         self._pending_headers: tuple[int, int, bytearray] | None = None  # stream id, flags, block so far
         self._send_window = DEFAULT_WINDOW
         self._owed = 0  # received bytes not yet given back to the connection's window
+        self._withheld = 0  # received bytes of relayed streams not yet granted (their `withheld`)
         self._peer_initial_window = DEFAULT_WINDOW
         self._peer_frame_bytes = DEFAULT_FRAME_BYTES
         self._window_waiters: list[asyncio.Future[None]] = []
@@ -343,18 +347,13 @@ class _Connection(asyncio.Protocol):
             return
         if len(payload) % 6:
             raise _ConnectionError(FRAME_SIZE_ERROR, "SETTINGS of a length not a multiple of 6")
+        initial_window = self._peer_initial_window
         for offset in range(0, len(payload), 6):
             key, value = _SETTING.unpack_from(payload, offset)
             if key == INITIAL_WINDOW_SIZE:
                 if value > MAX_WINDOW:
                     raise _ConnectionError(FLOW_CONTROL_ERROR, f"an initial window of {value} bytes")
-                delta = value - self._peer_initial_window
-                self._peer_initial_window = value
-                for stream in self._streams.values():
-                    stream.send_window += delta
-                    if stream.send_window > MAX_WINDOW:
-                        raise _ConnectionError(FLOW_CONTROL_ERROR, "a stream's window overflowed")
-                self._wake(self._window_waiters)
+                initial_window = value  # applied once, below: a frame may repeat it many times
             elif key == MAX_FRAME_SIZE:
                 if not DEFAULT_FRAME_BYTES <= value <= (1 << 24) - 1:
                     raise _ConnectionError(PROTOCOL_ERROR, f"a maximum frame size of {value}")
@@ -362,6 +361,14 @@ class _Connection(asyncio.Protocol):
             elif key == ENABLE_PUSH and value > 1:
                 raise _ConnectionError(PROTOCOL_ERROR, f"ENABLE_PUSH of {value}")
             # Other settings do not bind a server that never pushes or indexes.
+        if initial_window != self._peer_initial_window:
+            delta = initial_window - self._peer_initial_window
+            self._peer_initial_window = initial_window
+            for stream in self._streams.values():
+                stream.send_window += delta
+                if stream.send_window > MAX_WINDOW:
+                    raise _ConnectionError(FLOW_CONTROL_ERROR, "a stream's window overflowed")
+            self._wake(self._window_waiters)
         self._settings_seen = True
         if self._handshake is not None:
             self._handshake.cancel()
@@ -422,6 +429,9 @@ class _Connection(asyncio.Protocol):
     def _on_header_block(self, stream_id: int, flags: int, block: bytes) -> None:
         headers = self._decoder.decode(block)  # always: the table must stay in step
         stream = self._streams.get(stream_id)
+        if stream is not None and stream.ended:  # the client's side is closed: nothing more on it
+            self._reset(stream, STREAM_CLOSED)
+            return
         if stream is not None:  # trailers from the client: they end its side
             if not flags & END_STREAM:
                 raise _ConnectionError(PROTOCOL_ERROR, f"a second header block, not the last, on {stream_id}")
@@ -456,7 +466,12 @@ class _Connection(asyncio.Protocol):
         if not stream_id:
             raise _ConnectionError(PROTOCOL_ERROR, "DATA on stream 0")
         size = len(payload)  # all of it counts against the windows, padding included
+        # What the client may send: the windows we announced, less what it sent since.
+        if self._owed + self._withheld + size > CONNECTION_WINDOW:
+            raise _ConnectionError(FLOW_CONTROL_ERROR, "DATA past the connection's window")
         stream = self._streams.get(stream_id)
+        if stream is not None and stream.owed + stream.withheld + size > STREAM_WINDOW:
+            raise _ConnectionError(FLOW_CONTROL_ERROR, f"DATA past the window of stream {stream_id}")
         if stream is None or stream.ended:
             if stream_id > self._last_stream_id:
                 raise _ConnectionError(PROTOCOL_ERROR, f"DATA on idle stream {stream_id}")
@@ -482,6 +497,9 @@ class _Connection(asyncio.Protocol):
             self._end_of_request(stream)
 
     def _relay_data(self, stream: _Stream, size: int, data: memoryview) -> None:
+        # Withheld until granted; a refusal below gives them back with the stream (`_release`).
+        stream.withheld += size
+        self._withheld += size
         stream.body += data
         body = stream.body
         assert stream.messages is not None
@@ -501,13 +519,13 @@ class _Connection(asyncio.Protocol):
             stream.queued_bytes += len(message)
         # Bytes of a message still arriving are always granted (a message may be larger
         # than the window); whole messages waiting for the call only up to a bound.
-        stream.withheld += size
         self.grant(stream)
 
     def grant(self, stream: _Stream) -> None:
         """Give a relayed stream's client back the bytes it sent, unless too many wait for the call."""
         if stream.withheld and stream.queued_bytes <= RELAY_QUEUE_BYTES:
             size, stream.withheld = stream.withheld, 0
+            self._withheld -= size
             self._give_back(stream, size)
 
     def _give_back(self, stream: _Stream | None, size: int) -> None:
@@ -544,6 +562,7 @@ class _Connection(asyncio.Protocol):
             if stream_id > self._last_stream_id:
                 raise _ConnectionError(PROTOCOL_ERROR, f"RST_STREAM on idle stream {stream_id}")
             return
+        self._release(stream)
         stream.reset = True
         if stream.task is not None:
             stream.task.cancel()
@@ -683,10 +702,22 @@ class _Connection(asyncio.Protocol):
         """`stream` is answered: drop it; a client still sending is told to stop."""
         if self._streams.pop(stream.id, None) is None:
             return
+        self._release(stream)
         if reset_if_open and not stream.reset:
             self._write(frame(RST_STREAM, 0, stream.id, _WINDOW.pack(NO_ERROR)))
         stream.reset = True
         self._close_if_done()
+
+    def _release(self, stream: _Stream) -> None:
+        """`stream` is dropped: the bytes it withheld go back to the connection's window, and
+        its relay's request iterator ends (grpc.aio's task reading it would wait forever once
+        the call has ended; "Task was destroyed but it is pending" when collected)."""
+        if stream.withheld:
+            self._withheld -= stream.withheld
+            self._give_back(None, stream.withheld)
+            stream.withheld = 0
+        if stream.messages is not None:
+            stream.messages.put_nowait(None)
 
     def _reset(self, stream: _Stream, code: int) -> None:
         self._write(frame(RST_STREAM, 0, stream.id, _WINDOW.pack(code)))
@@ -836,6 +867,8 @@ class Http2Front:
         fields = dict(stream.headers)
         timeout_header = fields.get(b"grpc-timeout")
         timeout = None if timeout_header is None else _timeout(timeout_header)
+        if timeout is not None:
+            timeout = min(timeout, MAX_RELAY_TIMEOUT)
         try:
             call = self._relay_channel.stream_stream(
                 stream.path, request_serializer=_raw, response_deserializer=_raw

@@ -3,16 +3,20 @@
 gRPC clients get answers from it (served on the loop or relayed to grpc.aio); raw
 HTTP/2 clients that break the protocol or lie about sizes are cut off with the right
 error and the task keeps serving; flow control holds a large answer to the client's
-windows; a stop sends GOAWAY and ends within the grace; DISTSERVER_HTTP2_FRONT=0
-leaves the port to grpc.aio.
+windows, and a client to ours; a stop sends GOAWAY and ends within the grace;
+DISTSERVER_HTTP2_FRONT=0 leaves the port to grpc.aio. Seeded random frame sequences
+end their connection or are answered, and log no error.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import itertools
 import json
+import logging
+import random
 import struct
 from dataclasses import dataclass, field
 
@@ -42,6 +46,7 @@ DATA, HEADERS, RST_STREAM, SETTINGS, PING, GOAWAY, WINDOW_UPDATE = 0x0, 0x1, 0x3
 END_STREAM, ACK, END_HEADERS = 0x1, 0x1, 0x4
 INITIAL_WINDOW_SIZE = 0x4
 PROTOCOL_ERROR, FRAME_SIZE_ERROR, NO_ERROR = 0x1, 0x6, 0x0
+FLOW_CONTROL_ERROR, STREAM_CLOSED, CANCEL = 0x3, 0x5, 0x8
 DEFAULT_FRAME_BYTES = 16384
 # gRPC status codes.
 OK, RESOURCE_EXHAUSTED, UNIMPLEMENTED = 0, 8, 12
@@ -59,11 +64,13 @@ class Worker:
             device_attributes=[DeviceAttributes(name="/job:worker/replica:0/task:0/device:CPU:0")]
         )
         self.hold = False
+        self.calls = 0  # GetStatus calls begun
         self.started = asyncio.Event()
         self.release = asyncio.Event()
         self.cancelled = asyncio.Event()
 
     async def get_status(self, request: GetStatusRequest) -> GetStatusResponse:
+        self.calls += 1
         if self.hold:
             self.started.set()
             try:
@@ -106,6 +113,28 @@ def front_calls(monkeypatch) -> list[tuple[str, str]]:
 
         monkeypatch.setattr(http2.Http2Front, how, spy)
     return calls
+
+
+@pytest.fixture
+def relay_gate(monkeypatch) -> asyncio.Event:
+    """Relayed calls start only once this is set: until then nothing takes a relayed
+    stream's messages (as when the task's grpc.aio server is slow to read them)."""
+    gate = asyncio.Event()
+    original = http2.Http2Front.relay
+
+    async def late(self, connection, stream):
+        await gate.wait()
+        return await original(self, connection, stream)
+
+    monkeypatch.setattr(http2.Http2Front, "relay", late)
+    return gate
+
+
+def errors_logged(caplog) -> list[str]:
+    """ERROR records (the front's `logger.exception`, asyncio's "Task exception was never
+    retrieved" and "Task was destroyed but it is pending!"), once unreachable tasks are collected."""
+    gc.collect()
+    return [record.getMessage() for record in caplog.records if record.levelno >= logging.ERROR]
 
 
 # ----------------------------------------------------------------------------- gRPC clients
@@ -253,6 +282,7 @@ class RawClient:
         self.streams: dict[int, Stream] = {}
         self.goaway: tuple[int, int] | None = None  # last stream id, error code
         self.pings: list[bytes] = []  # payloads of PING acknowledgements
+        self.window_updates: dict[int, int] = {}  # stream id (0: the connection) -> increments so far
         self.eof = False
         self._ping_ids = itertools.count()
 
@@ -284,7 +314,7 @@ class RawClient:
                 raise AssertionError(f"the connection ended inside a frame: {exc.partial!r}") from None
             self.eof = True
             return False
-        except ConnectionResetError:
+        except ConnectionError:  # reset, or a broken pipe: the server closed with our bytes unread
             self.eof = True
             return False
         if kind == HEADERS:
@@ -303,6 +333,9 @@ class RawClient:
             self.goaway = (last_stream_id & 0x7FFFFFFF, code)
         elif kind == PING and flags & ACK:
             self.pings.append(payload)
+        elif kind == WINDOW_UPDATE:
+            increment = int.from_bytes(payload, "big") & 0x7FFFFFFF
+            self.window_updates[stream_id] = self.window_updates.get(stream_id, 0) + increment
         return True
 
     async def until(self, condition, what: str) -> None:
@@ -434,6 +467,45 @@ async def test_a_client_that_never_sends_settings_is_closed(listener, worker, mo
         assert finished.stream(1).grpc_status == OK
 
 
+async def test_headers_after_the_end_of_a_request_reset_the_stream(listener, worker):
+    """A header block on a stream whose request has ended does not start its call again."""
+    worker.hold = True
+    async with raw_client(listener.port) as client:
+        client.start_call(1, GET_STATUS, grpc_message(b""))
+        await asyncio.wait_for(worker.started.wait(), TIMEOUT)
+        client.send(frame(HEADERS, END_HEADERS | END_STREAM, 1, encode([(b"x-late", b"1")])))
+        await client.ping()
+        worker.release.set()
+        answer = client.stream(1)
+        await client.until(lambda: answer.reset is not None or answer.trailers is not None, "stream 1's end")
+    assert answer.reset == STREAM_CLOSED
+    assert answer.trailers is None
+    assert worker.calls == 1
+    await asyncio.wait_for(worker.cancelled.wait(), TIMEOUT)
+    await still_serving(listener, worker)
+
+
+async def test_a_relayed_call_answered_before_its_request_ended_leaves_no_task(listener, worker, caplog):
+    async with raw_client(listener.port) as client:
+        # grpc.aio answers an unknown method at once, while the request is still open.
+        client.start_call(1, UNKNOWN, grpc_message(b""), end=False)
+        await client.until(lambda: client.stream(1).trailers is not None, "the answer")
+        assert client.stream(1).grpc_status == UNIMPLEMENTED
+    await still_serving(listener, worker)
+    assert errors_logged(caplog) == []
+
+
+async def test_a_relayed_call_with_the_longest_timeout_is_answered(listener, worker):
+    # grpc-timeout takes 8 digits: 99999999 hours is a valid, far deadline, not a past one.
+    async with raw_client(listener.port) as client:
+        timeout = encode([(b"grpc-timeout", b"99999999H")])
+        client.send(frame(HEADERS, END_HEADERS, 1, request_headers(ENDPOINT) + timeout))
+        client.send(frame(DATA, END_STREAM, 1, grpc_message(b"")))
+        await client.until(lambda: client.stream(1).trailers is not None, "the answer")
+    assert client.stream(1).grpc_status == OK
+    assert json.loads(bytes(client.stream(1).data)[5:])["version"] == direct.VERSION
+
+
 # ----------------------------------------------------------------------------- flow control
 
 
@@ -480,6 +552,232 @@ async def test_a_large_answer_waits_for_the_connection_window(listener, worker):
         await client.until(lambda: answer.trailers is not None, "the rest of the answer")
     assert answer.grpc_status == OK
     assert bytes(answer.data) == expected
+
+
+@pytest.mark.parametrize("window", ["stream", "connection"])
+async def test_a_client_sending_past_its_window_gets_flow_control_error(
+    listener, worker, relay_gate, monkeypatch, window
+):
+    # Nothing takes the relayed messages (the relay has not started) and none may wait
+    # for it: each holds the window it used, so a client that sends on regardless is
+    # cut off rather than queued without end.
+    monkeypatch.setattr(http2, "RELAY_QUEUE_BYTES", 0)
+    if window == "stream":
+        allowed, chunk, stream_ids = http2.STREAM_WINDOW, http2.MAX_FRAME_BYTES, [1]
+    else:
+        monkeypatch.setattr(http2, "CONNECTION_WINDOW", 1 << 18)
+        allowed, chunk, stream_ids = 1 << 18, 1 << 16, [1, 3]  # each stream well within its own
+    assert allowed % chunk == 0
+    async with raw_client(listener.port) as client:
+        await client.ping()  # the server's WINDOW_UPDATE for its connection window has been read
+        for stream_id in stream_ids:
+            client.start_call(stream_id, STREAMING_ENQUEUE, end=False)
+        for n in range(allowed // chunk + 1):  # the last one goes past the window
+            client.send(frame(DATA, 0, stream_ids[n % len(stream_ids)], grpc_message(bytes(chunk - 5))))
+        await client.until_closed()
+    closed_with(client, FLOW_CONTROL_ERROR)
+    relay_gate.set()
+    await still_serving(listener, worker)
+
+
+@pytest.mark.parametrize("end", ["reset by the client", "refused by the server"])
+async def test_a_relayed_streams_unused_bytes_go_back_to_the_connection_window(
+    listener, worker, relay_gate, monkeypatch, end
+):
+    monkeypatch.setattr(http2, "RELAY_QUEUE_BYTES", 0)  # the message is withheld until the call takes it
+    monkeypatch.setattr(http2, "CONNECTION_WINDOW", 1 << 17)
+    message = grpc_message(bytes(1 << 16), compressed=end == "refused by the server")
+    assert len(message) >= http2.CONNECTION_WINDOW // 2  # the server gives it back at once
+    async with raw_client(listener.port) as client:
+        await client.ping()
+        client.start_call(1, STREAMING_ENQUEUE, message, end=False)
+        if end == "reset by the client":
+            await client.ping()
+            client.send(frame(RST_STREAM, 0, 1, CANCEL.to_bytes(4, "big")))
+        else:
+            await client.until(lambda: client.stream(1).trailers is not None, "the answer")
+            assert client.stream(1).grpc_status == UNIMPLEMENTED
+        await client.ping()
+        window = 65535 + client.window_updates.get(0, 0) - len(message)
+    assert window == http2.CONNECTION_WINDOW  # all of it: the stream is gone, its bytes with it
+    relay_gate.set()
+    await still_serving(listener, worker)
+
+
+async def test_a_settings_frame_changes_each_streams_window_once(listener, worker, relay_gate, monkeypatch):
+    """A SETTINGS frame of many window sizes costs one change per stream, not one per entry
+    per stream (a megabyte of them and a thousand streams held the loop for seconds)."""
+    changes: list[int] = []
+
+    class CountedStream(http2._Stream):
+        @property
+        def send_window(self) -> int:
+            return self._window
+
+        @send_window.setter
+        def send_window(self, value: int) -> None:
+            changes.append(value)
+            self._window = value
+
+    monkeypatch.setattr(http2, "_Stream", CountedStream)
+    async with raw_client(listener.port) as client:
+        for stream_id in (1, 3):
+            client.start_call(stream_id, STREAMING_ENQUEUE, end=False)
+        await client.ping()
+        assert len(changes) == 2  # each stream's first window
+        client.send(settings(*[(INITIAL_WINDOW_SIZE, 1000 + n % 2) for n in range(1000)]))
+        await client.ping()
+    assert changes[2:] == [1001, 1001]
+
+
+# ----------------------------------------------------------------------------- fuzzing
+
+FUZZ_SEED = 9113
+FUZZ_CONNECTIONS = 300
+FUZZ_PATHS = [GET_STATUS, STREAMING_ENQUEUE, ENDPOINT, UNKNOWN, "/", ""]
+PRIORITY, PUSH_PROMISE, CONTINUATION = 0x2, 0x5, 0x9
+PADDED, PRIORITY_FLAG = 0x8, 0x20
+
+
+def fuzz_header_block(rng: random.Random) -> bytes:
+    """A request's header block, one with odd fields, a mutated one, or random bytes."""
+    pick = rng.random()
+    if pick < 0.25:
+        return rng.randbytes(rng.randrange(24))
+    fields = [
+        (b":method", rng.choice([b"POST", b"POST", b"GET"])),
+        (b":scheme", b"http"),
+        (b":path", rng.choice(FUZZ_PATHS).encode()),
+        (b"content-type", rng.choice([b"application/grpc", b"application/grpc", b"text/plain"])),
+    ]
+    if pick < 0.5:
+        odd = [
+            (b"grpc-timeout", rng.choice([b"1S", b"0n", b"99999999H", b"5", b"-1m"])),
+            (b"grpc-encoding", b"gzip"),
+            (b"x-data-bin", rng.randbytes(rng.randrange(8))),
+            (b"X-Upper", b"1"),
+            (rng.randbytes(rng.randrange(1, 6)), rng.randbytes(rng.randrange(6))),
+        ]
+        fields += rng.sample(odd, rng.randrange(1, len(odd)))
+    block = bytearray(encode(fields))
+    if pick > 0.85:
+        for _ in range(rng.randrange(1, 4)):
+            block[rng.randrange(len(block))] = rng.randrange(256)
+    return bytes(block)
+
+
+def fuzz_message(rng: random.Random) -> bytes:
+    """A gRPC message whose prefix may lie about its length or compression."""
+    body = rng.randbytes(rng.randrange(24))
+    length = rng.choice([len(body)] * 4 + [0, len(body) + 1, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF])
+    return struct.pack(">BI", rng.choice([0, 0, 0, 1, 0xFF]), length) + body
+
+
+def fuzz_settings(rng: random.Random) -> bytes:
+    """A SETTINGS frame, its values often out of range."""
+    values = [0, 1, 2, 16383, 16384, (1 << 24) - 1, 1 << 24, (1 << 31) - 1, 1 << 31, 0xFFFFFFFF]
+    return settings(*[(rng.randrange(1, 9), rng.choice(values)) for _ in range(rng.randrange(4))])
+
+
+def fuzz_frame(rng: random.Random, stream_ids: list[int]) -> bytes:
+    """One frame of any type, with random flags, stream and payload (its length header true)."""
+    kind = rng.randrange(12)  # 10, 11: unknown types
+    flags = rng.choice([0, END_STREAM, END_HEADERS, END_STREAM | END_HEADERS, PADDED, PRIORITY_FLAG])
+    flags |= rng.getrandbits(8) if rng.random() < 0.2 else 0
+    # Open, closed, idle, even, the largest, the reserved bit set, any.
+    stream_id = rng.choice(
+        [*stream_ids, 0, 2, max(stream_ids) + 2, 0x7FFFFFFF, 0x80000000 | stream_ids[-1], rng.getrandbits(32)]
+    )
+    if kind == DATA:
+        payload = fuzz_message(rng)
+    elif kind in (HEADERS, CONTINUATION, PUSH_PROMISE):
+        payload = fuzz_header_block(rng)
+        if kind == HEADERS and flags & PRIORITY_FLAG and rng.random() < 0.8:
+            payload = rng.randbytes(5) + payload
+    elif kind == PRIORITY:
+        payload = rng.randbytes(rng.choice([5, 5, 4]))
+    elif kind == RST_STREAM:
+        payload = struct.pack(">I", rng.randrange(16))
+    elif kind == SETTINGS:
+        payload = fuzz_settings(rng)[9:]
+    elif kind == PING:
+        payload = rng.randbytes(8)
+    elif kind == GOAWAY:
+        payload = struct.pack(">II", rng.getrandbits(31), rng.randrange(14)) + rng.randbytes(rng.randrange(4))
+    elif kind == WINDOW_UPDATE:
+        payload = struct.pack(">I", rng.choice([0, 1, (1 << 31) - 1, 1 << 31, rng.getrandbits(32)]))
+    else:
+        payload = rng.randbytes(rng.randrange(16))
+    if flags & PADDED and kind in (DATA, HEADERS):
+        payload = bytes([rng.randrange(len(payload) + 3)]) + payload + bytes(rng.randrange(3))
+    if rng.random() < 0.1:  # a length the type does not allow
+        payload = payload[: rng.randrange(len(payload) + 1)] + rng.randbytes(rng.randrange(3))
+    return frame(kind, flags, stream_id, payload)
+
+
+def fuzz_connection(rng: random.Random) -> tuple[bytes, bool]:
+    """What one fuzzing connection sends after its handshake, and whether it ends inside a frame."""
+    out = bytearray()
+    stream_ids = [1]
+    for _ in range(rng.randrange(1, 12)):
+        pick = rng.random()
+        stream_id = stream_ids[-1] + 2
+        if pick < 0.25:  # a call, maybe well formed
+            flags = END_HEADERS | (END_STREAM if rng.random() < 0.2 else 0)
+            out += frame(HEADERS, flags, stream_id, fuzz_header_block(rng))
+            if rng.random() < 0.8:
+                out += frame(DATA, rng.choice([0, END_STREAM, END_STREAM]), stream_id, fuzz_message(rng))
+            stream_ids.append(stream_id)
+        elif pick < 0.35:  # a header block split across HEADERS and CONTINUATION
+            block = fuzz_header_block(rng)
+            cut = rng.randrange(len(block) + 1)
+            out += frame(HEADERS, rng.choice([0, END_STREAM]), stream_id, block[:cut])
+            if rng.random() < 0.8:
+                out += frame(CONTINUATION, END_HEADERS, rng.choice([stream_id, stream_id + 2]), block[cut:])
+            stream_ids.append(stream_id)
+        else:
+            out += fuzz_frame(rng, stream_ids)
+    if rng.random() < 0.05:
+        cut = len(out) - rng.randrange(1, 9)
+        return bytes(out[: max(cut, 0)]) + frame_header(rng.randrange(1, 64), rng.randrange(12), 0, 1), True
+    return bytes(out), False
+
+
+async def test_fuzzed_frames_end_the_connection_or_are_answered(listener, worker, caplog):
+    """Random frame sequences after a valid handshake: each connection is answered (a PING
+    sent last is acknowledged) or ended, nothing is logged as an error, and the task still
+    serves."""
+    rng = random.Random(FUZZ_SEED)
+    done = b"fuzzdone"
+    for case in range(FUZZ_CONNECTIONS):
+        sent, truncated = fuzz_connection(rng)
+        chunked = rng.random() < 0.2
+        what = f"fuzz case {case} (seed {FUZZ_SEED}): {sent.hex()}"
+        handshake = PREFACE + (settings() if rng.random() < 0.8 else fuzz_settings(rng))
+        async with raw_client(listener.port, handshake) as client:
+            if chunked:  # in pieces, the server's tasks running in between
+                for start in range(0, len(sent), 7):
+                    if client.writer.is_closing() or client.reader.at_eof():
+                        break
+                    client.send(sent[start : start + 7])
+                    await asyncio.sleep(0)
+            else:
+                client.send(sent)
+            if truncated:  # the server waits for the rest of the frame; our end of the stream ends it
+                with contextlib.suppress(OSError):  # unless the server has closed already
+                    client.writer.write_eof()
+                await client.until_closed()
+            else:
+                client.send(frame(PING, 0, 0, done))
+                try:
+                    async with asyncio.timeout(TIMEOUT):
+                        while done not in client.pings and await client.read_frame():
+                            pass
+                except TimeoutError:
+                    raise AssertionError(f"neither answered nor ended: {what}") from None
+        assert errors_logged(caplog) == [], what
+    await still_serving(listener, worker)
+    assert errors_logged(caplog) == []
 
 
 # ----------------------------------------------------------------------------- stopping
