@@ -481,13 +481,24 @@ class DirectServer:
         self.port = 0
 
     async def _listen(self) -> None:
+        """Bind and serve the port; on any failure, a cancelled caller included, close
+        whatever was bound (closing a socket a server took over is harmless)."""
         context = _server_ssl_context(self._security)
         loop = asyncio.get_running_loop()
-        for sock in _listening_sockets(self._address):
-            self.port = sock.getsockname()[1]
-            self._servers.append(
-                await loop.create_server(lambda: _ServerConnection(self), sock=sock, ssl=context)
-            )
+        sockets = _listening_sockets(self._address)
+        try:
+            for sock in sockets:
+                self.port = sock.getsockname()[1]
+                self._servers.append(
+                    await loop.create_server(lambda: _ServerConnection(self), sock=sock, ssl=context)
+                )
+        except BaseException:
+            for server in self._servers:
+                server.close()
+            self._servers.clear()
+            for sock in sockets:
+                sock.close()
+            raise
 
     def admits(self, token_value: bytes) -> bool:
         if self._security is None:
@@ -505,9 +516,6 @@ class DirectServer:
                     await self._listen()
                 except OSError as exc:
                     self._bind_failed = True
-                    for server in self._servers:
-                        server.close()
-                    self._servers.clear()
                     logger.warning("no direct path for %s (%s): peers use gRPC alone", self._address, exc)
         if not self._servers or self.draining:
             return None

@@ -407,3 +407,29 @@ async def test_the_direct_port_is_bound_only_when_a_peer_asks_for_it():
         assert listener._direct.port not in (0, listener.port)
     finally:
         await listener.stop(1)
+
+
+async def test_an_announcement_cancelled_while_binding_leaves_no_socket_open(monkeypatch):
+    async def serve(path, payload):
+        return [b""]
+
+    bound: list[socket.socket] = []
+    bind = direct._listening_sockets
+
+    def listening_sockets(address):
+        bound.extend(sockets := bind(address))
+        return sockets
+
+    monkeypatch.setattr(direct, "_listening_sockets", listening_sockets)
+    server = direct.DirectServer("localhost:0", serve, None)
+    announcing = asyncio.ensure_future(server.announcement())
+    await asyncio.sleep(0)  # it has bound the sockets and waits for the event loop's server
+    announcing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await announcing
+    assert bound
+    assert all(sock.fileno() == -1 for sock in bound)
+    # A later announcement binds again and serves.
+    assert await server.announcement() is not None
+    assert server.port
+    await server.close(None)
