@@ -25,10 +25,13 @@ block larger than `MAX_HEADER_BYTES`, a message larger than `MAX_MESSAGE_BYTES` 
 length prefix is read first), more than `MAX_STREAMS` streams at once, a peer that
 sends more than it was allowed (flow control) or breaks the protocol: each ends the
 stream or the connection with the HTTP/2 error code that names it. A connection that
-has not sent the preface and its SETTINGS within `HANDSHAKE_SECONDS` is closed. A relayed stream's
-client is granted more bytes only as the relay forwards them, so a peer cannot queue
-unbounded data behind a slow call. A client that stops reading its answers is
-written to no further than asyncio's write buffer (the answer waits for it to drain).
+has not sent the preface and its SETTINGS within `HANDSHAKE_SECONDS` is closed. A
+relayed stream's client is granted more bytes only as the relay forwards them, so a
+peer cannot queue unbounded data behind a slow call. A client that stops reading its
+answers is written to no further than asyncio's write buffer (the answer waits for it
+to drain); one that keeps sending frames the server must answer (PING, SETTINGS,
+requests refused at once) but reads none of the answers is cut off once
+`MAX_UNREAD_ANSWER_BYTES` of them wait.
 
 Stopping: `close(grace)` refuses new connections and streams (GOAWAY), lets running
 calls answer within the grace, then cancels what is left and closes.
@@ -85,6 +88,10 @@ CONNECTION_WINDOW = 64 << 20
 # A relayed stream's client may be this many bytes of whole messages ahead of the relay.
 RELAY_QUEUE_BYTES = 4 << 20
 HANDSHAKE_SECONDS = 10.0
+# Answers to the client's own frames (PING and SETTINGS acknowledgements, resets, error
+# trailers, window updates) queued while it reads nothing: a client that keeps asking
+# and never reads is cut off once this many bytes of answers wait for it.
+MAX_UNREAD_ANSWER_BYTES = 1 << 20
 # grpc.aio makes a timeout an absolute deadline in int64 nanoseconds since the epoch: one
 # past ~2262 wraps, and the call fails at once (grpc-timeout allows 99999999 hours).
 MAX_RELAY_TIMEOUT = 1e9
@@ -200,6 +207,7 @@ class _Connection(asyncio.Protocol):
         self._window_waiters: list[asyncio.Future[None]] = []
         self._drain_waiters: list[asyncio.Future[None]] = []
         self._paused = False
+        self._unread = 0  # bytes of `_write` answers queued since writing paused
         self._closed = False
         self._going_away = False
         self._handshake: asyncio.TimerHandle | None = None
@@ -265,6 +273,7 @@ class _Connection(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self._paused = False
+        self._unread = 0
         self._wake(self._drain_waiters)
 
     # ----------------------------------------------------------------- reading
@@ -608,8 +617,16 @@ class _Connection(asyncio.Protocol):
     # ----------------------------------------------------------------- writing
 
     def _write(self, data: bytes) -> None:
-        if not self._closed and self._transport is not None:
-            self._transport.write(data)
+        if self._closed or self._transport is None:
+            return
+        if self._paused:
+            self._unread += len(data)
+            if self._unread > MAX_UNREAD_ANSWER_BYTES:
+                logger.debug("ending an HTTP/2 connection: its client reads none of its answers")
+                self._closed = True
+                self._transport.abort()  # (a GOAWAY would wait behind what it does not read)
+                return
+        self._transport.write(data)
 
     def headers_frame(self, stream: _Stream, metadata: tuple[tuple[str, Any], ...] = ()) -> bytes:
         """The response's HEADERS frame for `stream` (its initial metadata, if any)."""

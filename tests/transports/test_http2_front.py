@@ -17,6 +17,7 @@ import itertools
 import json
 import logging
 import random
+import socket
 import struct
 from dataclasses import dataclass, field
 
@@ -403,6 +404,34 @@ async def test_a_raw_client_gets_a_served_answer(listener, worker):
 
 
 # ----------------------------------------------------------------------------- hostile clients
+
+
+async def test_a_client_that_asks_and_never_reads_is_cut_off(listener, worker):
+    """PINGs sent without reading one acknowledgement: once the kernel's buffers and
+    `MAX_UNREAD_ANSWER_BYTES` of acknowledgements wait, the server drops the connection
+    instead of queueing answers without end."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # little room for unread answers
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", listener.port))
+    _, writer = await asyncio.open_connection(sock=sock)
+    writer.write(PREFACE + settings())
+    pings = frame(PING, 0, 0, bytes(8)) * 20_000  # 340 KB: 20,000 answers of 17 bytes
+
+    async def ping_without_reading() -> int:
+        sent = 0
+        while sent < 64 << 20:  # far past any kernel buffer and the bound
+            writer.write(pings)
+            await asyncio.wait_for(writer.drain(), TIMEOUT)
+            sent += len(pings)
+        return sent
+
+    try:
+        with pytest.raises(ConnectionError):
+            await ping_without_reading()
+    finally:
+        writer.close()
+    await still_serving(listener, worker)
 
 
 async def test_a_bad_preface_gets_goaway_and_the_connection_closed(listener, worker):
