@@ -75,6 +75,13 @@ MARKS = [
         "has the peer's tensor",
     ),
     (
+        "distserver.runtime.clients",
+        "RemoteWorker",
+        "recv_tensors",
+        "asks a peer for a batch",
+        "has the peer's batch",
+    ),
+    (
         "distserver.runtime.worker",
         "Worker",
         "run_graph_rpc",
