@@ -755,11 +755,42 @@ class _ReductionKernel(OpKernel):
         raise NotImplementedError
 
 
+# A sum over one inner axis, of an array with many rows before that axis and few values
+# after it, is added slice by slice: numpy's reduction runs a short inner loop per row
+# (an embedding's looked-up rows pooled, [256, 8, 32] over axis 1: 41 -> 21 us). Both
+# add the entries of each output in axis order, so the bits are the same. Where the
+# slices pay (measured): ...
+_SLICED_SUM_MIN_ROWS = 64  # ... at least this many rows before the axis,
+_SLICED_SUM_MAX_ENTRIES = 64  # at most this many entries along it,
+_SLICED_SUM_MAX_AFTER = 64  # and at most this many values after it.
+
+
+def _sum(x: np.ndarray, axes: tuple[int, ...], keep_dims: bool) -> Any:
+    """`x` summed over `axes` in its dtype, as np.add.reduce sums it."""
+    if len(axes) == 1 and x.flags.c_contiguous:
+        (axis,) = axes
+        rows = _math.prod(x.shape[:axis])
+        entries = x.shape[axis]
+        after = _math.prod(x.shape[axis + 1 :])
+        if (
+            rows >= _SLICED_SUM_MIN_ROWS
+            and 2 <= entries <= _SLICED_SUM_MAX_ENTRIES
+            and 2 <= after <= _SLICED_SUM_MAX_AFTER
+        ):
+            slices = x.reshape(rows, entries, after)
+            total = slices[:, 0].copy()
+            for i in range(1, entries):
+                total += slices[:, i]
+            shape = (*x.shape[:axis], *((1,) if keep_dims else ()), *x.shape[axis + 1 :])
+            return total.reshape(shape)
+    return np.add.reduce(x, axis=axes, dtype=x.dtype, keepdims=keep_dims)  # type: ignore[call-overload]
+
+
 @register_kernel("Sum")
 class SumKernel(_ReductionKernel):
     def reduce(self, x: np.ndarray, axes: tuple[int, ...]) -> Any:
         # np.sum's own reduction, without its Python wrapper (a gradient's Sum: 30 a step).
-        return np.add.reduce(x, axis=axes, dtype=x.dtype, keepdims=self.keep_dims)  # type: ignore[call-overload]
+        return _sum(x, axes, self.keep_dims)
 
 
 @register_kernel("Prod")
@@ -793,7 +824,7 @@ class AnyKernel(_LogicalReductionKernel):
 @register_kernel("Mean")
 class MeanKernel(_ReductionKernel):
     def reduce(self, x: np.ndarray, axes: tuple[int, ...]) -> Any:
-        total = np.sum(x, axis=axes, dtype=x.dtype, keepdims=self.keep_dims)
+        total = _sum(x, axes, self.keep_dims)
         count = _math.prod(x.shape[a] for a in axes)
         if x.dtype in INTEGERS:
             if count == 0:

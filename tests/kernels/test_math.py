@@ -453,6 +453,41 @@ def test_reductions_match_numpy(run_op, op, shape, axes, keep_dims, index_type):
     np.testing.assert_allclose(out, expected)
 
 
+# Shapes whose sum over axis 1 is added slice by slice (`math._sum`), and two that are not.
+SLICED_SUMS = [(64, 2, 2), (256, 8, 32), (128, 64, 64), (8, 8, 4, 3, 5), (1024, 3, 7), (32, 8, 32), (256, 8, 128)]
+
+
+@pytest.mark.parametrize("keep_dims", [False, True])
+@pytest.mark.parametrize("shape", SLICED_SUMS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32, np.complex64])
+def test_sums_over_an_inner_axis_keep_numpys_bits(run_op, shape, dtype, keep_dims):
+    """Added slice by slice or not, a Sum (and a Mean) over an inner axis has the bits of
+    numpy's own reduction: each output adds its entries in the same order."""
+    rng = np.random.default_rng(len(shape))
+    # Magnitudes over many octaves: a different order of additions changes the bits.
+    x = (rng.normal(size=shape) * 10.0 ** rng.integers(-6, 7, size=shape)).astype(dtype)
+    if dtype == np.complex64:
+        x = x + 1j * x[..., ::-1]
+    axis = np.array([1], np.int32)
+    (total,) = run_op("Sum", x, axis, T=dtype, Tidx=np.int32, keep_dims=keep_dims)
+    expected = np.add.reduce(x, axis=1, dtype=x.dtype, keepdims=keep_dims)
+    assert total.dtype == x.dtype
+    assert total.shape == expected.shape
+    assert np.array_equal(total.view(np.uint8), np.ascontiguousarray(expected).view(np.uint8))
+    if dtype != np.int32:
+        (mean,) = run_op("Mean", x, axis, T=dtype, Tidx=np.int32, keep_dims=keep_dims)
+        np.testing.assert_array_equal(mean, np.true_divide(expected, shape[1]))
+
+
+def test_a_sliced_sum_leaves_its_input_alone(run_op):
+    x = np.arange(256 * 4 * 8, dtype=np.float32).reshape(256, 4, 8)
+    before = x.copy()
+    (total,) = run_op("Sum", x, np.array(1, np.int32), T=np.float32, Tidx=np.int32)
+    np.testing.assert_array_equal(x, before)
+    np.testing.assert_array_equal(total, before.sum(axis=1))
+    assert not np.shares_memory(total, x)
+
+
 def test_reductions_of_empty_ranges(run_op):
     empty = np.zeros((0, 3), np.float32)
     axis = np.array([0], np.int32)
