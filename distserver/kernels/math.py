@@ -789,7 +789,8 @@ def _sum(x: np.ndarray, axes: tuple[int, ...], keep_dims: bool) -> Any:
 @register_kernel("Sum")
 class SumKernel(_ReductionKernel):
     def reduce(self, x: np.ndarray, axes: tuple[int, ...]) -> Any:
-        # np.sum's own reduction, without its Python wrapper (a gradient's Sum: 30 a step).
+        # `_sum`: numpy's reduction (or slices) without np.sum's Python wrapper (a
+        # gradient's Sum: 30 a step).
         return _sum(x, axes, self.keep_dims)
 
 
