@@ -767,16 +767,13 @@ _SLICED_SUM_MAX_AFTER = 64  # and at most this many values after it.
 
 def _sum(x: np.ndarray, axes: tuple[int, ...], keep_dims: bool) -> Any:
     """`x` summed over `axes` in its dtype, as np.add.reduce sums it."""
-    if len(axes) == 1 and x.flags.c_contiguous:
+    # (Checked cheapest first: most Sums reduce axis 0, or every axis.)
+    if len(axes) == 1 and axes[0] and 2 <= x.shape[axes[0]] <= _SLICED_SUM_MAX_ENTRIES:
         (axis,) = axes
         rows = _math.prod(x.shape[:axis])
         entries = x.shape[axis]
         after = _math.prod(x.shape[axis + 1 :])
-        if (
-            rows >= _SLICED_SUM_MIN_ROWS
-            and 2 <= entries <= _SLICED_SUM_MAX_ENTRIES
-            and 2 <= after <= _SLICED_SUM_MAX_AFTER
-        ):
+        if rows >= _SLICED_SUM_MIN_ROWS and 2 <= after <= _SLICED_SUM_MAX_AFTER and x.flags.c_contiguous:
             slices = x.reshape(rows, entries, after)
             total = slices[:, 0].copy()
             for i in range(1, entries):
