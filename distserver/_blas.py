@@ -6,8 +6,9 @@ to every matrix product, and on a machine whose cores are busy those threads wai
 for each other: a 256x784 @ 784x512 float32 product took 8.5 ms with OpenBLAS's
 default threads and 1.3 ms with one, on a 2-core VM running other work
 (docs/benchmarks.md, "Training steps"). `distserver serve` therefore gives BLAS
-half of this task's share of the host's cores (`threads_per_local_task`: one
-thread on this 2-core VM, 16 for a single task on 32 cores), unless told
+half of this task's share of the host's cores when tasks share the host
+(`threads_per_local_task`: one thread for each of three tasks on this 2-core VM),
+and every core to a task alone on it (two here, 32 on 32 cores), unless told
 otherwise (`--blas-threads`, or OPENBLAS_NUM_THREADS / OMP_NUM_THREADS set by the
 user, which OpenBLAS reads itself).
 """
@@ -15,6 +16,7 @@ user, which OpenBLAS reads itself).
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import socket
 from collections.abc import Iterable
@@ -35,11 +37,16 @@ _SETTERS = (
 
 
 def threads_per_local_task(addresses: Iterable[str], cpus: int) -> int:
-    """Half of this task's share of `cpus` among the tasks of `addresses` on this host,
-    at least one (a task whose host is not recognised as this one does not count).
+    """Every one of `cpus` for a task alone on this host, as TensorFlow's intra-op pool
+    takes; else half of this task's share of `cpus` among the tasks of `addresses` on
+    this host, at least one (a task whose host is not recognised as this one does not
+    count).
 
     Half: the task's own kernel pool, event loop and transport threads use the rest,
-    as TensorFlow splits its inter-op and intra-op threads.
+    and the other tasks' products run at the same time as this one's. A lone task's
+    kernels mostly wait for each other: its large products are where the cores go
+    (a one-task mlp step, 2 CPUs: 4.8 ms with one BLAS thread and the intra-op
+    helper, 3.8 ms with two).
     """
     local_names = {"localhost", "127.0.0.1", "::1", "0.0.0.0", socket.gethostname()}
     local = 0
@@ -47,7 +54,54 @@ def threads_per_local_task(addresses: Iterable[str], cpus: int) -> int:
         host = address.rpartition(":")[0].strip("[]") if ":" in address else address
         if host in local_names or host.startswith("127."):
             local += 1
-    return max(1, cpus // max(1, local) // 2)
+    if local <= 1:
+        return max(1, cpus)
+    return max(1, cpus // local // 2)
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on: those its affinity allows, fewer when a
+    cgroup's CPU quota (a container's CPU limit: cgroup v2 `cpu.max`, v1
+    `cpu.cfs_quota_us`) allows less time than that, rounded up; at least one.
+    `os.cpu_count()` counts the host's, which a container limited to 2 of a host's 64
+    CPUs would turn into 64 BLAS threads."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    quota = _cgroup_cpu_quota()
+    if quota is not None:
+        cpus = min(cpus, math.ceil(quota))
+    return max(1, cpus)
+
+
+def _cgroup_cpu_quota() -> float | None:
+    """CPUs' worth of time per period this process's cgroup allows, or None when it
+    sets no limit (or this is not Linux)."""
+    for quota_path, period_path in _CGROUP_QUOTA_FILES:
+        try:
+            with open(quota_path) as f:
+                fields = f.read().split()
+            if period_path is not None:
+                with open(period_path) as f:
+                    fields += f.read().split()
+        except OSError:
+            continue
+        if len(fields) != 2 or fields[0] in ("max", "-1"):
+            return None
+        try:
+            quota, period = int(fields[0]), int(fields[1])
+        except ValueError:
+            return None
+        return quota / period if quota > 0 and period > 0 else None
+    return None
+
+
+# (file of the quota, file of its period or None when the first holds both)
+_CGROUP_QUOTA_FILES: tuple[tuple[str, str | None], ...] = (
+    ("/sys/fs/cgroup/cpu.max", None),  # cgroup v2: "max 100000" or "200000 100000"
+    ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us"),  # v1
+)
 
 
 def user_chose_threads() -> bool:

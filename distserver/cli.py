@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import json
 import logging
-import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -28,7 +27,7 @@ from typing import Any
 from google.protobuf.empty_pb2 import Empty
 
 from distserver import __version__, _malloc, errors
-from distserver._blas import set_blas_threads, threads_per_local_task, user_chose_threads
+from distserver._blas import set_blas_threads, threads_per_local_task, usable_cpus, user_chose_threads
 from distserver._process import die_with_parent, exit_quietly_on_interrupt, run
 from distserver.bench import command as bench_command
 from distserver.cluster import ClusterSpec, TFConfigClusterResolver
@@ -123,9 +122,10 @@ async def _serve(args: argparse.Namespace) -> int:
     elif not user_chose_threads():
         spec = ClusterSpec(cluster)
         addresses = [address for name in spec.jobs for address in spec.job_tasks(name) if address]
-        threads = threads_per_local_task(addresses, os.cpu_count() or 1)
+        cpus = usable_cpus()
+        threads = threads_per_local_task(addresses, cpus)
         set_blas_threads(threads)
-        if threads == 1 and (os.cpu_count() or 1) > 1:
+        if threads == 1 and cpus > 1:
             intra_op.enable()  # a large product takes a second thread of its own
     server = AsyncServer(
         cluster,
@@ -366,8 +366,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--blas-threads",
         type=int,
         metavar="N",
-        help="threads numpy's BLAS may use per matrix product (default: half of this task's "
-        "share of the host's CPUs, at least 1, unless OPENBLAS_NUM_THREADS or OMP_NUM_THREADS is set)",
+        help="threads numpy's BLAS may use per matrix product (default: every CPU for a task alone "
+        "on its host, else half of this task's share of the host's CPUs, at least 1; unless "
+        "OPENBLAS_NUM_THREADS or OMP_NUM_THREADS is set)",
     )
     serve.add_argument(
         "--log-level",

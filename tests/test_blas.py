@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
 
 import pytest
 
-from distserver._blas import set_blas_threads, threads_per_local_task
+from distserver import _blas
+from distserver._blas import set_blas_threads, threads_per_local_task, usable_cpus
 
 PROBE = """
 import sys
@@ -45,11 +47,60 @@ def test_a_thread_count_below_one_is_refused():
         set_blas_threads(0)
 
 
-def test_each_task_gets_half_its_share_of_the_hosts_cpus():
+def test_tasks_sharing_a_host_get_half_their_share_of_its_cpus():
     three_local = ["localhost:1", "127.0.0.1:2", "[::1]:3"]
     assert threads_per_local_task(three_local, 2) == 1
     assert threads_per_local_task(three_local, 12) == 2
-    assert threads_per_local_task(["localhost:1"], 2) == 1
-    assert threads_per_local_task(["localhost:1"], 32) == 16
-    assert threads_per_local_task(["localhost:1", "far.example.com:2"], 8) == 4  # another host
-    assert threads_per_local_task([], 8) == 4
+    assert threads_per_local_task(["localhost:1", "localhost:2"], 2) == 1
+    assert threads_per_local_task(["localhost:1", "localhost:2"], 32) == 8
+
+
+def test_a_task_alone_on_its_host_gets_every_cpu():
+    assert threads_per_local_task(["localhost:1"], 2) == 2
+    assert threads_per_local_task(["localhost:1"], 32) == 32
+    assert threads_per_local_task(["localhost:1", "far.example.com:2"], 8) == 8  # another host
+    assert threads_per_local_task([], 8) == 8
+    assert threads_per_local_task(["localhost:1"], 1) == 1
+
+
+@pytest.mark.parametrize(
+    ("files", "cpus"),
+    [
+        ({"cpu.max": "150000 100000\n"}, 1.5),  # cgroup v2, a limit of 1.5 CPUs
+        ({"cpu.max": "max 100000\n"}, None),  # v2, no limit
+        ({"cfs_quota_us": "50000\n", "cfs_period_us": "100000\n"}, 0.5),  # v1
+        ({"cfs_quota_us": "-1\n", "cfs_period_us": "100000\n"}, None),  # v1, no limit
+        ({"cpu.max": "garbled\n"}, None),
+        ({}, None),  # no cgroup files
+    ],
+)
+def test_a_containers_cpu_limit_is_read_from_its_cgroup(tmp_path, monkeypatch, files, cpus):
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    monkeypatch.setattr(
+        _blas,
+        "_CGROUP_QUOTA_FILES",
+        (
+            (str(tmp_path / "cpu.max"), None),
+            (str(tmp_path / "cfs_quota_us"), str(tmp_path / "cfs_period_us")),
+        ),
+    )
+    assert _blas._cgroup_cpu_quota() == cpus
+    allowed = len(os.sched_getaffinity(0))
+    assert usable_cpus() == (allowed if cpus is None else min(allowed, math.ceil(cpus)))
+
+
+def test_usable_cpus_are_those_the_affinity_allows():
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import os; from distserver._blas import usable_cpus; "
+            "os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); print(usable_cpus())",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    assert int(out) == 1
