@@ -113,6 +113,7 @@ def _milliseconds_from_env(name: str, default: int) -> int:
 
 KEEPALIVE_MS = _milliseconds_from_env(KEEPALIVE_ENV, 5000)
 KEEPALIVE_TIMEOUT_MS = _milliseconds_from_env(KEEPALIVE_TIMEOUT_ENV, 4000)
+CONNECT_TIMEOUT_MS = KEEPALIVE_MS + KEEPALIVE_TIMEOUT_MS
 SERVER_OPTIONS = [
     *_MESSAGE_LIMITS,
     ("grpc.so_reuseport", 0),
@@ -125,8 +126,12 @@ _QUIET_CHANNEL_OPTIONS = [
     # Reconnect quickly to a task that was down or restarted: a caller otherwise keeps
     # getting "connection refused" for up to the backoff after the task is back.
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 250),
+    # gRPC core gives a connection attempt this long to finish its handshake (the
+    # peer's HTTP/2 SETTINGS). At 100 ms a peer that was up but busy for a moment
+    # (a loaded host, a pause) failed its callers with UNAVAILABLE at once; a silent
+    # peer is given the time keepalive gives one on an open connection.
+    ("grpc.min_reconnect_backoff_ms", CONNECT_TIMEOUT_MS),
 ]
 CHANNEL_OPTIONS = [
     *_QUIET_CHANNEL_OPTIONS,

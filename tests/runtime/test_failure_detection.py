@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -101,3 +104,61 @@ def test_create_session_waits_for_an_absent_task_only_as_long_as_told():
             session.run(value)
         assert time.monotonic() - started < 10
         assert "/job:ps/replica:0/task:0" in info.value.message
+
+
+# A client that connects while its task is paused (SIGSTOP: the kernel accepts the
+# connection, nobody answers it), then prints what its step gave and when.
+_CONNECTING_CLIENT = """
+import json, os, signal, sys, threading, time
+import distserver as ds
+target, pid, pause = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+graph = ds.Graph()
+with graph.as_default():
+    value = ds.constant(3.0) * 2.0
+os.kill(pid, signal.SIGSTOP)
+resume = threading.Timer(pause, os.kill, (pid, signal.SIGCONT))
+resume.daemon = True  # the test resumes the task too, once this client is done
+resume.start()
+started = time.monotonic()
+try:
+    with ds.Session(target, graph=graph) as session:
+        outcome = float(session.run(value))
+except ds.errors.OpError as exc:
+    outcome = type(exc).__name__ + ": " + exc.message
+print(json.dumps([outcome, time.monotonic() - started]))
+"""
+
+
+def _connect_while_paused(pause, **env):
+    with LocalCluster({"worker": 1}) as cluster:
+        pid = cluster.process("worker").pid
+        try:
+            out = subprocess.run(
+                [sys.executable, "-c", _CONNECTING_CLIENT, cluster.target("worker"), str(pid), str(pause)],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                env={**os.environ, **env},
+            )
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert out.returncode == 0, out.stderr
+        outcome, took = json.loads(out.stdout.splitlines()[-1])
+        return outcome, took
+
+
+def test_a_new_connection_waits_for_a_task_busy_for_a_moment():
+    # gRPC core's handshake timeout was 100-250 ms: any pause longer failed the call.
+    outcome, took = _connect_while_paused(1.5)
+    assert outcome == 6.0
+    assert took >= 1.4
+
+
+def test_a_new_connection_to_a_silent_task_fails_within_the_keepalive_bound():
+    # DISTSERVER_KEEPALIVE_MS + DISTSERVER_KEEPALIVE_TIMEOUT_MS: 1 s to finish a handshake.
+    outcome, took = _connect_while_paused(
+        20.0, DISTSERVER_KEEPALIVE_MS="500", DISTSERVER_KEEPALIVE_TIMEOUT_MS="500"
+    )
+    assert outcome.startswith("UnavailableError"), outcome
+    assert "SETTINGS" in outcome or "connect" in outcome, outcome
+    assert took < 5, took
