@@ -525,7 +525,6 @@ def _measure_workload(
 def _time_block(options: dict[str, Any], series: Series, into: dict[str, Any]) -> None:
     runtime, client = series.runtime, series.client
     pids = {**runtime.pids, "client": client.pid}
-    time.sleep(options["idle"])
     if options["settle"]:
         client.request("block", id=series.name, repeat=options["settle"])
     calls_before = runtime.call_counts()
@@ -575,8 +574,7 @@ def run_training_benchmark(
     blocks: int = 4,
     steps: int = 15,
     warmup: int = 10,
-    settle: int = 10,
-    idle: float = 0.25,
+    settle: int = 3,
     trees: dict[str, str] | None = None,
     tf_python: str | None = None,
     profile: str | None = None,
@@ -596,11 +594,7 @@ def run_training_benchmark(
         steps: timed steps per block.
         warmup: untimed steps after initialisation.
         settle: untimed steps before each block (a runtime that sat idle is slow for
-            a few steps: TensorFlow's one-task mlp ran 0.3-0.6 ms slower a step with 3
-            after `idle` than with 10).
-        idle: seconds every process sits idle before each block's settle steps:
-            OpenBLAS's threads spin for ~0.1 s after a product (measured here), which
-            takes a core from whichever runtime is timed next.
+            a few steps).
         trees: name -> another source tree of distserver, run as more runtimes
             ("grpc[name]", ...).
         tf_python: TensorFlow's interpreter (default: `tfenv.find_installed`: $DISTSERVER_TF_PYTHON,
@@ -621,10 +615,8 @@ def run_training_benchmark(
         unknown = [v for v in values if v not in allowed]
         if unknown:
             raise ValueError(f"unknown {name} {unknown}; choose from {list(allowed)}")
-    if blocks < 1 or steps < 1 or warmup < 0 or settle < 0 or not 0 <= idle <= 60:
-        raise ValueError(
-            "blocks and steps must be at least 1, warmup and settle at least 0, idle 0-60 seconds"
-        )
+    if blocks < 1 or steps < 1 or warmup < 0 or settle < 0:
+        raise ValueError("blocks and steps must be at least 1, warmup and settle at least 0")
     if tf_python is None:
         tf_python = _tfenv.find_installed(None).python
     options = {
@@ -635,7 +627,6 @@ def run_training_benchmark(
         "steps": steps,
         "warmup": warmup,
         "settle": settle,
-        "idle": idle,
         "trees": {k: str(Path(v).resolve()) for k, v in (trees or {}).items()},
         "tf_python": tf_python,
         "profile": str(Path(profile).resolve()) if profile else None,
@@ -818,14 +809,7 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=4, help="timed blocks per runtime (4)")
     parser.add_argument("--steps", type=int, default=15, help="timed steps per block (15)")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps after initialisation (10)")
-    parser.add_argument("--settle", type=int, default=10, help="untimed steps before each block (10)")
-    parser.add_argument(
-        "--idle",
-        type=float,
-        default=0.25,
-        help="seconds every process sits idle before each block (0.25): OpenBLAS's threads spin "
-        "~0.1 s after a product, taking a core from the runtime timed next",
-    )
+    parser.add_argument("--settle", type=int, default=3, help="untimed steps before each block (3)")
     parser.add_argument(
         "--tree", action="append", default=[], metavar="NAME=PATH", help="another distserver tree"
     )
@@ -848,7 +832,6 @@ def main() -> None:
             steps=args.steps,
             warmup=args.warmup,
             settle=args.settle,
-            idle=args.idle,
             trees=trees,
             profile=args.profile,
             max_seconds=args.max_seconds,
