@@ -76,32 +76,54 @@ def usable_cpus() -> int:
 
 
 def _cgroup_cpu_quota() -> float | None:
-    """CPUs' worth of time per period this process's cgroup allows, or None when it
-    sets no limit (or this is not Linux)."""
-    for quota_path, period_path in _CGROUP_QUOTA_FILES:
-        try:
-            with open(quota_path) as f:
-                fields = f.read().split()
-            if period_path is not None:
-                with open(period_path) as f:
-                    fields += f.read().split()
-        except OSError:
-            continue
-        if len(fields) != 2 or fields[0] in ("max", "-1"):
-            return None
-        try:
-            quota, period = int(fields[0]), int(fields[1])
-        except ValueError:
-            return None
-        return quota / period if quota > 0 and period > 0 else None
-    return None
+    """The smallest CPU quota (CPUs' worth of time per period) set on this process's
+    cgroup or an ancestor of it, or None when none sets one (or this is not Linux)."""
+    quotas = [_read_quota(os.path.join(directory, "cpu.max")) for directory in _cgroup_v2_directories()]
+    quotas.append(  # cgroup v1, at its controller's mount
+        _read_quota(
+            os.path.join(CGROUP_ROOT, "cpu", "cpu.cfs_quota_us"),
+            os.path.join(CGROUP_ROOT, "cpu", "cpu.cfs_period_us"),
+        )
+    )
+    found = [quota for quota in quotas if quota is not None]
+    return min(found) if found else None
 
 
-# (file of the quota, file of its period or None when the first holds both)
-_CGROUP_QUOTA_FILES: tuple[tuple[str, str | None], ...] = (
-    ("/sys/fs/cgroup/cpu.max", None),  # cgroup v2: "max 100000" or "200000 100000"
-    ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us"),  # v1
-)
+# Where cgroups are mounted, and the file naming this process's cgroup (tests point
+# them elsewhere).
+CGROUP_ROOT = "/sys/fs/cgroup"
+PROC_CGROUP = "/proc/self/cgroup"
+
+
+def _cgroup_v2_directories() -> list[str]:
+    """The cgroup v2 directory of this process (the "0::" line of /proc/self/cgroup:
+    "/" in a container with its own cgroup namespace, a service's path on a host)
+    and its ancestors' up to the root."""
+    try:
+        with open(PROC_CGROUP) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        if line.startswith("0::"):
+            parts = [part for part in line[3:].split("/") if part and part != ".."]
+            return [os.path.join(CGROUP_ROOT, *parts[:n]) for n in range(len(parts), -1, -1)]
+    return []
+
+
+def _read_quota(path: str, period_path: str | None = None) -> float | None:
+    """A quota file's limit in CPUs: v2's "QUOTA PERIOD" ("max PERIOD": none), or v1's
+    quota ("-1": none) with its period in `period_path`; None when absent or unreadable."""
+    try:
+        with open(path) as f:
+            fields = f.read().split()
+        if period_path is not None:
+            with open(period_path) as f:
+                fields += f.read().split()
+        quota, period = int(fields[0]), int(fields[1])
+    except (OSError, ValueError, IndexError):  # absent, "max", garbled
+        return None
+    return quota / period if quota > 0 and period > 0 else None
 
 
 def user_chose_threads() -> bool:

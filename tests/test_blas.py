@@ -64,27 +64,26 @@ def test_a_task_alone_on_its_host_gets_every_cpu():
 
 
 @pytest.mark.parametrize(
-    ("files", "cpus"),
+    ("own", "files", "cpus"),
     [
-        ({"cpu.max": "150000 100000\n"}, 1.5),  # cgroup v2, a limit of 1.5 CPUs
-        ({"cpu.max": "max 100000\n"}, None),  # v2, no limit
-        ({"cfs_quota_us": "50000\n", "cfs_period_us": "100000\n"}, 0.5),  # v1
-        ({"cfs_quota_us": "-1\n", "cfs_period_us": "100000\n"}, None),  # v1, no limit
-        ({"cpu.max": "garbled\n"}, None),
-        ({}, None),  # no cgroup files
+        ("0::/", {"cpu.max": "200000 100000"}, 2.0),  # a container's cgroup v2 namespace
+        ("0::/", {"cpu.max": "max 100000"}, None),  # no limit
+        ("0::/a/b", {"a/b/cpu.max": "150000 100000", "a/cpu.max": "max 100000"}, 1.5),
+        ("0::/a/b", {"a/b/cpu.max": "300000 100000", "a/cpu.max": "100000 100000"}, 1.0),  # the parent's
+        ("1:cpu:/", {"cpu/cpu.cfs_quota_us": "50000", "cpu/cpu.cfs_period_us": "100000"}, 0.5),  # v1
+        ("1:cpu:/", {"cpu/cpu.cfs_quota_us": "-1", "cpu/cpu.cfs_period_us": "100000"}, None),
+        ("0::/", {"cpu.max": "garbled"}, None),
+        ("0::/", {}, None),  # no cgroup files
     ],
 )
-def test_a_containers_cpu_limit_is_read_from_its_cgroup(tmp_path, monkeypatch, files, cpus):
+def test_a_containers_cpu_limit_is_read_from_its_cgroups(tmp_path, monkeypatch, own, files, cpus):
+    root = tmp_path / "cgroup"
     for name, text in files.items():
-        (tmp_path / name).write_text(text)
-    monkeypatch.setattr(
-        _blas,
-        "_CGROUP_QUOTA_FILES",
-        (
-            (str(tmp_path / "cpu.max"), None),
-            (str(tmp_path / "cfs_quota_us"), str(tmp_path / "cfs_period_us")),
-        ),
-    )
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text + "\n")
+    (tmp_path / "own").write_text(own + "\n")
+    monkeypatch.setattr(_blas, "CGROUP_ROOT", str(root))
+    monkeypatch.setattr(_blas, "PROC_CGROUP", str(tmp_path / "own"))
     assert _blas._cgroup_cpu_quota() == cpus
     allowed = len(os.sched_getaffinity(0))
     assert usable_cpus() == (allowed if cpus is None else min(allowed, math.ceil(cpus)))
