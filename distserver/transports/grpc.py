@@ -43,7 +43,7 @@ import logging
 import os
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 import grpc.aio
@@ -788,8 +788,14 @@ async def serve(
     """
     interceptors = [_TokenCheck(security)] if security is not None and security.token else []
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
+    handlers: list[Any] = []  # every generic handler `server` has, for the front's routing
+
+    def add_handlers(*generic: Any) -> None:
+        server.add_generic_rpc_handlers(generic)
+        handlers.extend(generic)
+
     if extra_handlers:
-        server.add_generic_rpc_handlers(tuple(extra_handlers))
+        add_handlers(*extra_handlers)
     calls = call_stream.CallStreamServer(
         {
             f"/{service}/{method}": handler.get(method) or _unimplemented(service, method)
@@ -799,9 +805,9 @@ async def serve(
         },
         _log_unexpected,
     )
-    server.add_generic_rpc_handlers((calls.rpc_handler(),))
+    add_handlers(calls.rpc_handler())
     direct_server = _direct_server(address, calls, tensors, security)
-    server.add_generic_rpc_handlers((direct.endpoint_handler(lambda: direct_server),))
+    add_handlers(direct.endpoint_handler(lambda: direct_server))
     for service, handler in services.items():
         rpc_handlers = {}
         for method, (request_cls, _) in SERVICES[service].items():
@@ -821,10 +827,8 @@ async def serve(
             unary, stream = _recv_tensor_handlers(tensors)
             rpc_handlers["RecvTensor"] = unary
             service_name, method_name = STREAM_METHOD.strip("/").split("/")
-            server.add_generic_rpc_handlers(
-                (grpc.method_handlers_generic_handler(service_name, {method_name: stream}),)
-            )
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, rpc_handlers),))
+            add_handlers(grpc.method_handlers_generic_handler(service_name, {method_name: stream}))
+        add_handlers(grpc.method_handlers_generic_handler(service, rpc_handlers))
     credentials = _server_credentials(security)
     use_front = credentials is None and http2.enabled()
     front = None
@@ -834,7 +838,7 @@ async def serve(
             port = sockets[0].getsockname()[1]
             relay_port = _bind(server, "127.0.0.1:0", None)
             relay = grpc.aio.insecure_channel(f"127.0.0.1:{relay_port}", options=_QUIET_CHANNEL_OPTIONS)
-            front = http2.Http2Front(calls.dispatch, calls.serves, relay, security)
+            front = http2.Http2Front(calls.dispatch, calls.serves, _handled_by(handlers), relay, security)
             await front.listen(sockets)
         else:
             port = _bind(server, address, credentials)
@@ -844,6 +848,23 @@ async def serve(
             await direct_server.close(None)
         raise
     return GrpcListener(server, port, calls, direct_server, front)
+
+
+class _CallDetails(NamedTuple):
+    """What grpc.aio asks a generic handler about a call (`grpc.HandlerCallDetails`)."""
+
+    method: str
+    invocation_metadata: tuple[Any, ...]
+
+
+def _handled_by(handlers: list[Any]) -> Callable[[str], bool]:
+    """Whether one of `handlers` (generic RPC handlers) takes calls of a path."""
+
+    def handles(path: str) -> bool:
+        details = _CallDetails(path, ())
+        return any(handler.service(details) is not None for handler in handlers)
+
+    return handles
 
 
 def _direct_server(

@@ -9,11 +9,13 @@ round 15).
 
 What: `Http2Front` listens on the task's address. It answers the unary methods of the
 task's services itself (`serves(path)`, the same handlers the call stream and direct
-connections use). Every other call (RecvTensor, streams, the direct-path endpoint,
-handlers other transports add) is relayed, one grpc.aio call per HTTP/2 stream, to the
-task's grpc.aio server, which listens on a loopback port of its own: metadata,
-deadline, messages in both directions, status and trailing metadata go across as
-they are. Not used with TLS: then grpc.aio serves the address itself.
+connections use). Every other call a handler of the task's grpc.aio server takes
+(RecvTensor, streams, the direct-path endpoint, handlers other transports add) is
+relayed, one grpc.aio call per HTTP/2 stream, to that server, which listens on a
+loopback port of its own: metadata, deadline, messages in both directions, status and
+trailing metadata go across as they are. A call of a path no handler takes is
+answered UNIMPLEMENTED here. Not used with TLS: then grpc.aio serves the address
+itself.
 
 HTTP/2 (RFC 9113) as a gRPC server needs it: the connection preface and SETTINGS, HEADERS
 and CONTINUATION (HPACK, `distserver.transports.hpack`), DATA with flow control both
@@ -465,6 +467,13 @@ class _Connection(asyncio.Protocol):
             self._forget(stream, reset_if_open=not flags & END_STREAM)
             return
         if not self._front.serves(path):
+            if not self._front.relays(path):
+                # No handler of the task takes it: answered here as grpc.aio answers it,
+                # token or not (relayed, a client that reset it meanwhile made grpc.aio
+                # log an error).
+                stream.ended = bool(flags & END_STREAM)
+                self._answer_error(stream, errors.UNIMPLEMENTED, f"Method not found: {path}")
+                return
             stream.relayed = True
             stream.messages = asyncio.Queue()
             stream.task = asyncio.get_running_loop().create_task(self._front.relay(self, stream))
@@ -790,18 +799,21 @@ class Http2Front:
     """The public port of a task (see the module's docstring).
 
     `dispatch(path, request)` answers the unary calls `serves(path)` accepts (it raises
-    OpErrors only); `relay_channel` reaches the task's grpc.aio server, for every other call.
+    OpErrors only); `relay_channel` reaches the task's grpc.aio server, for the calls
+    `relays(path)` accepts (its handlers'); any other call is answered UNIMPLEMENTED.
     """
 
     def __init__(
         self,
         dispatch: Dispatch,
         serves: Callable[[str], bool],
+        relays: Callable[[str], bool],
         relay_channel: grpc.aio.Channel,
         security: Security | None,
     ) -> None:
         self._dispatch = dispatch
         self.serves = serves
+        self.relays = relays
         self._security = security
         self._relay_channel = relay_channel
         self._servers: list[asyncio.AbstractServer] = []

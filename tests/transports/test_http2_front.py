@@ -203,11 +203,12 @@ async def test_the_direct_endpoint_is_relayed(listener, front_calls):
     assert front_calls == [("relay", ENDPOINT)]
 
 
-async def test_an_unknown_path_is_unimplemented(listener, front_calls):
+async def test_an_unknown_path_is_unimplemented_without_a_relay(listener, front_calls):
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await unary(listener.port, UNKNOWN)
     assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
-    assert front_calls == [("relay", UNKNOWN)]
+    assert UNKNOWN in info.value.details()
+    assert front_calls == []  # answered as the headers came: neither served nor relayed
 
 
 async def test_with_the_front_off_grpc_aio_serves_the_port(monkeypatch, front_calls):
@@ -514,9 +515,26 @@ async def test_headers_after_the_end_of_a_request_reset_the_stream(listener, wor
     await still_serving(listener, worker)
 
 
-async def test_a_relayed_call_answered_before_its_request_ended_leaves_no_task(listener, worker, caplog):
+async def test_an_unknown_path_is_answered_while_its_request_is_open(listener, worker, caplog, front_calls):
     async with raw_client(listener.port) as client:
-        # grpc.aio answers an unknown method at once, while the request is still open.
+        client.start_call(1, UNKNOWN, grpc_message(b""), end=False)
+        await client.until(lambda: client.stream(1).reset is not None, "the answer and the reset")
+        assert client.stream(1).grpc_status == UNIMPLEMENTED
+        assert client.stream(1).reset == NO_ERROR  # after the answer: the client is told to stop sending
+        client.send(frame(DATA, END_STREAM, 1, grpc_message(b"late")))  # in flight meanwhile
+        await client.ping()
+    assert front_calls == []
+    await still_serving(listener, worker)
+    assert errors_logged(caplog) == []
+
+
+async def test_a_relayed_call_answered_before_its_request_ended_leaves_no_task(
+    listener, worker, caplog, monkeypatch
+):
+    # grpc.aio answers an unknown method at once, while the request is still open: relayed
+    # here as if grpc.aio had a handler for it.
+    monkeypatch.setattr(listener._front, "relays", lambda path: True)
+    async with raw_client(listener.port) as client:
         client.start_call(1, UNKNOWN, grpc_message(b""), end=False)
         await client.until(lambda: client.stream(1).trailers is not None, "the answer")
         assert client.stream(1).grpc_status == UNIMPLEMENTED
