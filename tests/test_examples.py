@@ -47,7 +47,9 @@ def steps_per_worker(out):
 def test_parameter_server_training_on_a_local_cluster(python_env, protocol):
     out = run_example(
         "parameter_server_training.py",
-        *("--local", "--dataset", DATASET, "--steps", "300", "--protocol", protocol),
+        # 600 steps: at 300, asynchronous updates left the accuracy anywhere in 0.78-0.96
+        # (0.78 in a loaded CI run); at 600, 0.93-0.96 in six runs.
+        *("--local", "--dataset", DATASET, "--steps", "600", "--protocol", protocol),
         env=python_env,
     )
     final, initial, accuracy = training_result(out)
@@ -55,16 +57,16 @@ def test_parameter_server_training_on_a_local_cluster(python_env, protocol):
     assert accuracy > 0.8
     per_worker, rescheduled = steps_per_worker(out)
     assert set(per_worker) == {0, 1, 2}, per_worker  # 3 workers all trained
-    assert sum(per_worker.values()) == 300
+    assert sum(per_worker.values()) == 600
     assert rescheduled == 0
-    assert "global step   300" in out
+    assert "global step   600" in out
     assert "cluster stopped" in out
 
 
 def test_parameter_server_training_goes_on_after_a_worker_is_killed(python_env):
     out = run_example(
         "parameter_server_training.py",
-        *("--local", "--dataset", DATASET, "--steps", "400", "--kill-worker-after", "150"),
+        *("--local", "--dataset", DATASET, "--steps", "600", "--kill-worker-after", "150"),
         env=python_env,
     )
     assert re.search(r"killed worker 1 \(pid \d+\) after 150 steps", out), out
@@ -72,7 +74,7 @@ def test_parameter_server_training_goes_on_after_a_worker_is_killed(python_env):
     assert final < initial * 0.5
     assert accuracy > 0.8
     per_worker, _ = steps_per_worker(out)
-    assert sum(per_worker.values()) == 400  # every step ran, worker 1's on the others
+    assert sum(per_worker.values()) == 600  # every step ran, worker 1's on the others
     assert per_worker[1] < 150
     assert "workers up [0, 2]" in out
     assert "cluster stopped" in out
