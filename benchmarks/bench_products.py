@@ -19,7 +19,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from distserver._blas import set_blas_threads, usable_cpus
+from distserver._blas import set_blas_threads
+from distserver._cpus import usable_cpus
 from distserver.kernels import _intra_op
 from distserver.kernels.math import _matmul
 

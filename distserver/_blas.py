@@ -16,7 +16,6 @@ user, which OpenBLAS reads itself).
 from __future__ import annotations
 
 import ctypes
-import math
 import os
 import socket
 from collections.abc import Iterable
@@ -57,73 +56,6 @@ def threads_per_local_task(addresses: Iterable[str], cpus: int) -> int:
     if local <= 1:
         return max(1, cpus)
     return max(1, cpus // local // 2)
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on: those its affinity allows, fewer when a
-    cgroup's CPU quota (a container's CPU limit: cgroup v2 `cpu.max`, v1
-    `cpu.cfs_quota_us`) allows less time than that, rounded up; at least one.
-    `os.cpu_count()` counts the host's, which a container limited to 2 of a host's 64
-    CPUs would turn into 64 BLAS threads."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    quota = _cgroup_cpu_quota()
-    if quota is not None:
-        cpus = min(cpus, math.ceil(quota))
-    return max(1, cpus)
-
-
-def _cgroup_cpu_quota() -> float | None:
-    """The smallest CPU quota (CPUs' worth of time per period) set on this process's
-    cgroup or an ancestor of it, or None when none sets one (or this is not Linux)."""
-    quotas = [_read_quota(os.path.join(directory, "cpu.max")) for directory in _cgroup_v2_directories()]
-    quotas.append(  # cgroup v1, at its controller's mount
-        _read_quota(
-            os.path.join(CGROUP_ROOT, "cpu", "cpu.cfs_quota_us"),
-            os.path.join(CGROUP_ROOT, "cpu", "cpu.cfs_period_us"),
-        )
-    )
-    found = [quota for quota in quotas if quota is not None]
-    return min(found) if found else None
-
-
-# Where cgroups are mounted, and the file naming this process's cgroup (tests point
-# them elsewhere).
-CGROUP_ROOT = "/sys/fs/cgroup"
-PROC_CGROUP = "/proc/self/cgroup"
-
-
-def _cgroup_v2_directories() -> list[str]:
-    """The cgroup v2 directory of this process (the "0::" line of /proc/self/cgroup:
-    "/" in a container with its own cgroup namespace, a service's path on a host)
-    and its ancestors' up to the root."""
-    try:
-        with open(PROC_CGROUP) as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return []
-    for line in lines:
-        if line.startswith("0::"):
-            parts = [part for part in line[3:].split("/") if part and part != ".."]
-            return [os.path.join(CGROUP_ROOT, *parts[:n]) for n in range(len(parts), -1, -1)]
-    return []
-
-
-def _read_quota(path: str, period_path: str | None = None) -> float | None:
-    """A quota file's limit in CPUs: v2's "QUOTA PERIOD" ("max PERIOD": none), or v1's
-    quota ("-1": none) with its period in `period_path`; None when absent or unreadable."""
-    try:
-        with open(path) as f:
-            fields = f.read().split()
-        if period_path is not None:
-            with open(period_path) as f:
-                fields += f.read().split()
-        quota, period = int(fields[0]), int(fields[1])
-    except (OSError, ValueError, IndexError):  # absent, "max", garbled
-        return None
-    return quota / period if quota > 0 and period > 0 else None
 
 
 def user_chose_threads() -> bool:

@@ -27,7 +27,8 @@ from typing import Any
 from google.protobuf.empty_pb2 import Empty
 
 from distserver import __version__, _malloc, errors
-from distserver._blas import set_blas_threads, threads_per_local_task, usable_cpus, user_chose_threads
+from distserver._blas import set_blas_threads, threads_per_local_task, user_chose_threads
+from distserver._cpus import usable_cpus
 from distserver._process import die_with_parent, exit_quietly_on_interrupt, run
 from distserver.bench import command as bench_command
 from distserver.cluster import ClusterSpec, TFConfigClusterResolver

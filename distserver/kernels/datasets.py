@@ -33,7 +33,6 @@ import contextlib
 import dataclasses
 import itertools
 import math
-import os
 import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -41,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from distserver import errors
+from distserver._cpus import usable_cpus
 from distserver.kernels._common import handle_input, handle_output
 from distserver.kernels.functional import to_bool
 from distserver.kernels.optionals import OptionalValue, optional_tensor
@@ -924,7 +924,7 @@ class InterleaveDatasetKernel(_DatasetKernel):
         end = len(inputs) - self.trailing
         cycle_length = _count(inputs[end], "cycle_length")
         if cycle_length == AUTOTUNE:
-            cycle_length = _schedulable_cpus()  # TensorFlow's choice
+            cycle_length = usable_cpus()  # TensorFlow's choice (its schedulable CPUs)
         return Interleave(
             _dataset(inputs[0]),
             self.node.attr["f"].func,
@@ -932,13 +932,6 @@ class InterleaveDatasetKernel(_DatasetKernel):
             cycle_length,
             _count(inputs[end + 1], "block_length"),
         )
-
-
-def _schedulable_cpus() -> int:
-    """The CPUs this process may run on (TensorFlow's `MaxParallelism`)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 @register_kernel("ParallelInterleaveDatasetV4")
