@@ -28,7 +28,7 @@ from distserver.protos.tensorflow_server_pb2 import ServerDef
 from distserver.runtime.master import DEFAULT_SESSION_GC_SECONDS
 from distserver.security import Security
 from distserver.server import AsyncServer, ServerStatistics
-from distserver.session import AsyncSession
+from distserver.session import AsyncSession, implicit_servers
 
 T = TypeVar("T")
 
@@ -107,9 +107,17 @@ class _LoopThread:
             return
 
         async def stop_all() -> None:
-            servers = list(self._servers)
+            # The servers made here and the implicit one of in-process sessions (target "").
+            servers = {*self._servers, *implicit_servers()}
             if servers:
                 await asyncio.wait([asyncio.ensure_future(s.stop(grace=0)) for s in servers], timeout=5)
+            # Anything still running (a call left behind): cancelled and given its
+            # chance to end, not destroyed pending when the loop closes.
+            rest = asyncio.all_tasks() - {asyncio.current_task()}
+            for task in rest:
+                task.cancel()
+            if rest:
+                await asyncio.wait(rest, timeout=5)
 
         try:
             asyncio.run_coroutine_threadsafe(stop_all(), loop).result(timeout=10)

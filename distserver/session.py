@@ -48,6 +48,12 @@ async def _implicit_server() -> AsyncServer:
     return server
 
 
+def implicit_servers() -> list[AsyncServer]:
+    """The implicit in-process server of the running event loop, if it made one."""
+    server = _IMPLICIT_SERVERS.get(asyncio.get_running_loop())
+    return [] if server is None else [server]
+
+
 def _parse_target(target: str) -> tuple[str, str]:
     scheme, sep, address = target.partition("://")
     if not sep:

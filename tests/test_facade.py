@@ -47,6 +47,27 @@ def test_a_running_server_does_not_keep_the_interpreter_alive(python_env):
     assert "grpc://localhost:" in result.stdout
 
 
+@pytest.mark.parametrize("close", [True, False])
+def test_an_in_process_session_exits_without_a_word(python_env, close):
+    # A TF 1.x script's `Session("")`, closed or not: its implicit server is stopped at
+    # exit with the loop thread, so nothing is left pending ("Task was destroyed but it
+    # is pending!") and nothing else reaches stderr.
+    code = (
+        "import distserver as ds\n"
+        "g = ds.Graph()\n"
+        "with g.as_default():\n"
+        "    total = ds.reduce_sum(ds.constant([1.0, 2.0]))\n"
+        "s = ds.Session('', graph=g)\n"
+        "print(s.run(total), flush=True)\n" + ("s.close()\n" if close else "")
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=python_env
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "3.0"
+    assert result.stderr == ""
+
+
 def test_ctrl_c_interrupts_join(python_env):
     code = (
         "import distserver as ds\n"
