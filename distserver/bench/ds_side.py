@@ -26,13 +26,15 @@ import distserver as ds
 from distserver.bench import train_side
 
 
-def build(workload: str, layout: str) -> tuple[ds.Graph, Any, list[Any], list[Any], list[Any]]:
+def build(
+    workload: str, layout: str, worker: int = 0
+) -> tuple[ds.Graph, Any, list[Any], list[Any], list[Any]]:
     """(graph, initializer, [train_op, loss], feed placeholders, feed values), as
     `train_side.build` returns them for TensorFlow."""
     graph = ds.Graph()
     values = train_side.feed_values(workload)
     if layout == "cluster":
-        device: Any = ds.replica_device_setter(ps_tasks=1, worker_device="/job:worker/task:0")
+        device: Any = ds.replica_device_setter(ps_tasks=1, worker_device=f"/job:worker/task:{worker}")
     elif layout == "one":
         device = None
     else:
@@ -87,8 +89,8 @@ def build(workload: str, layout: str) -> tuple[ds.Graph, Any, list[Any], list[An
     return graph, init, [train, loss], feeds, values
 
 
-def prepare(target: str, workload: str, layout: str, warmup: int) -> train_side.Trainer:
-    graph, init, fetches, feeds, values = build(workload, layout)
+def prepare(target: str, workload: str, layout: str, warmup: int, worker: int = 0) -> train_side.Trainer:
+    graph, init, fetches, feeds, values = build(workload, layout, worker)
     config = ds.ConfigProto(
         operation_timeout_in_ms=train_side.OPERATION_TIMEOUT_MS, isolate_session_state=True
     )

@@ -11,16 +11,17 @@ speaks the same protocol (`serve`, `Trainer`). It announces itself with
 ``@@result {"ok": true, "result": {"version": ...}}`` and answers one JSON command per
 stdin line with one ``@@result {...}`` line on stdout:
 
-* ``{"op": "prepare", "id", "target", "workload", "layout", "warmup"}``: build the
-  graph, open a session, initialise, run the warm-up steps; the result has the first
-  loss and the initialisation time.
+* ``{"op": "prepare", "id", "target", "workload", "layout", "warmup"[, "worker"]}``:
+  build the graph (layout "cluster": computing on worker task ``worker``, 0 by
+  default), open a session, initialise, run the warm-up steps; the result has the
+  first loss and the initialisation time.
 * ``{"op": "block", "id", "repeat"}``: time that many steps; the result has the step
   times (seconds), the loss of every step and the last loss.
 * ``{"op": "close", "id"}``, ``{"op": "quit"}``.
 
 Workloads (`layout` "cluster": variables on ``/job:ps/task:0`` through
-`replica_device_setter`, compute on ``/job:worker/task:0``, the session's target that
-worker; layout "one": a one-task cluster, everything on it):
+`replica_device_setter`, compute on ``/job:worker/task:<worker>``, the session's target
+that worker; layout "one": a one-task cluster, everything on it):
 
 * ``mlp``: 784-512-10 dense classifier, batch 256, Adam, a global step.
 * ``embedding``: a 50,000 x 32 embedding split in two shards, 256 x 8 ids per step,
@@ -82,13 +83,16 @@ def feed_values(workload: str) -> list[np.ndarray]:
     raise ValueError(f"unknown workload {workload!r}; choose from {list(WORKLOADS)}")
 
 
-def build(tf: Any, workload: str, layout: str) -> tuple[Any, Any, list[Any], list[Any], list[Any]]:
-    """(graph, initializer, [train_op, loss], feed placeholders, feed values)."""
+def build(
+    tf: Any, workload: str, layout: str, worker: int = 0
+) -> tuple[Any, Any, list[Any], list[Any], list[Any]]:
+    """(graph, initializer, [train_op, loss], feed placeholders, feed values); layout
+    "cluster" computes on worker task `worker`."""
     tf1 = tf.compat.v1
     graph = tf.Graph()
     values = feed_values(workload)
     if layout == "cluster":
-        device: Any = tf1.train.replica_device_setter(ps_tasks=1, worker_device="/job:worker/task:0")
+        device: Any = tf1.train.replica_device_setter(ps_tasks=1, worker_device=f"/job:worker/task:{worker}")
     elif layout == "one":
         device = None
     else:
@@ -167,9 +171,9 @@ class Trainer:
         self.session.close()
 
 
-def serve(version: str, prepare: Callable[[str, str, str, int], Trainer]) -> None:
+def serve(version: str, prepare: Callable[[str, str, str, int, int], Trainer]) -> None:
     """Answer the orchestrator's commands on stdin (see the module docstring);
-    `prepare(target, workload, layout, warmup)` builds, initialises and warms up."""
+    `prepare(target, workload, layout, warmup, worker)` builds, initialises and warms up."""
     _die_with_parent()
     trainers: dict[str, Trainer] = {}
     _emit({"ok": True, "result": {"version": version}})
@@ -185,7 +189,11 @@ def serve(version: str, prepare: Callable[[str, str, str, int], Trainer]) -> Non
                 break
             if op == "prepare":
                 trainer = prepare(
-                    command["target"], command["workload"], command["layout"], command["warmup"]
+                    command["target"],
+                    command["workload"],
+                    command["layout"],
+                    command["warmup"],
+                    command.get("worker", 0),
                 )
                 trainers[command["id"]] = trainer
                 result: Any = {"init_s": trainer.init_s, "first_loss": trainer.first_loss}
@@ -211,8 +219,8 @@ def main() -> None:
 
     tf.compat.v1.disable_eager_execution()
 
-    def prepare(target: str, workload: str, layout: str, warmup: int) -> Trainer:
-        graph, init, fetches, feeds, values = build(tf, workload, layout)
+    def prepare(target: str, workload: str, layout: str, warmup: int, worker: int) -> Trainer:
+        graph, init, fetches, feeds, values = build(tf, workload, layout, worker)
         config = tf.compat.v1.ConfigProto(operation_timeout_in_ms=OPERATION_TIMEOUT_MS)
         session = tf.compat.v1.Session(target, graph=graph, config=config)
         return Trainer(session, init, fetches, feeds, values, warmup)

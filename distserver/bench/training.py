@@ -16,8 +16,13 @@ the TF client's). Workloads (`train_side.py` and `ds_side.py` build them):
 * ``small``: 30 dense 32x32 layers (60 small variables), Momentum.
 
 Layouts: ``cluster`` (ps + 2 workers; variables on ps through
-`replica_device_setter`, compute and the session's target on worker 0) and ``one``
-(a one-task cluster, everything local).
+`replica_device_setter`, compute and the session's target on worker 0), ``one`` (a
+one-task cluster, everything local) and ``two-workers``: the cluster with both
+workers training at once, as asynchronous parameter-server training does: two TF
+clients, one per worker, the session's target and the compute on its worker, the same
+variables on the ps, their blocks started together; the step times are both clients'.
+The workers then share the machine's cores. distserver's own client has no series
+in it (its sessions isolate their state, so its two clients would not share variables).
 
 For every (layout, workload, series): the median step time and the spread (10th and
 90th percentiles) over all timed steps; per step, the CPU seconds of each task
@@ -67,7 +72,7 @@ from distserver.testing import LocalCluster
 HERE = Path(__file__).resolve().parent  # train_side.py and tf_side.py, run as scripts
 
 WORKLOADS = ("mlp", "embedding", "small")
-LAYOUTS = ("cluster", "one")
+LAYOUTS = ("cluster", "one", "two-workers")
 PROTOCOLS = ("grpc", "grpc+verbs")
 TF = "tf"
 DS_CLIENT = "ds-client"
@@ -78,7 +83,10 @@ RESULT = "@@result "
 READY = "@@ready "
 COMMAND_TIMEOUT_S = 300.0
 START_TIMEOUT_S = 120.0
-JOBS = {"cluster": {"ps": 1, "worker": 2}, "one": {"worker": 1}}
+JOBS = {"cluster": {"ps": 1, "worker": 2}, "one": {"worker": 1}, "two-workers": {"ps": 1, "worker": 2}}
+# The layouts whose every worker trains, each with a client of its own; and the layout
+# those clients build (`train_side.build`), each for its worker.
+EVERY_WORKER_TRAINS = {"two-workers": "cluster"}
 
 # Installed in our task processes (sitecustomize): counts the calls each task makes to
 # other tasks, by method, and writes them to $DIR/<pid>.json on SIGUSR1.
@@ -149,10 +157,10 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 class Runtime:
-    """One cluster of one layout: its session target and its task processes."""
+    """One cluster of one layout: its workers' session targets and its task processes."""
 
     name: str
-    target: str
+    targets: list[str]  # by worker task index
     pids: dict[str, int]
 
     def call_counts(self) -> dict[str, int] | None:
@@ -186,7 +194,7 @@ class OursRuntime(Runtime):
         if protocol == "grpc+verbs":
             env["DISTSERVER_VERBS_STRICT"] = "1"
         self.cluster = LocalCluster(jobs, protocol=protocol, env=env).start()
-        self.target = self.cluster.target("worker")
+        self.targets = [self.cluster.target("worker", i) for i in range(jobs["worker"])]
         self.pids = {_role(task): proc.pid for task, proc in self.cluster.processes.items()}
 
     def call_counts(self) -> dict[str, int]:
@@ -278,7 +286,7 @@ class TFRuntime(Runtime):
         except BaseException:
             self.stop()
             raise
-        self.target = f"grpc://{cluster['worker'][0]}"
+        self.targets = [f"grpc://{address}" for address in cluster["worker"]]
         self.pids = {role: proc.pid for role, proc in self.procs.items()}
 
     def lost(self) -> str | None:
@@ -348,9 +356,17 @@ class Client:
         return reply.get("result")
 
     def request(self, op: str, **fields: Any) -> Any:
+        self.send(op, **fields)
+        return self.answer()
+
+    def send(self, op: str, **fields: Any) -> None:
+        """Send a command without waiting for its answer (`answer`)."""
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps({"op": op, **fields}) + "\n")
         self.proc.stdin.flush()
+
+    def answer(self) -> Any:
+        """The answer to the command sent last."""
         return self._answer(COMMAND_TIMEOUT_S)
 
     def stderr_tail(self) -> str:
@@ -389,11 +405,21 @@ class DSClient(Client):
 
 
 class Series:
-    """One timed column: a client training against a runtime (``grpc``: the TF client on
-    distserver over grpc; ``grpc/ds-client``: distserver's client on the same cluster)."""
+    """One timed column: clients training against a runtime (``grpc``: the TF client on
+    distserver over grpc; ``grpc/ds-client``: distserver's client on the same cluster),
+    client i on worker i: one client, or one per worker (`EVERY_WORKER_TRAINS`)."""
 
-    def __init__(self, name: str, runtime: Runtime, client: Client) -> None:
-        self.name, self.runtime, self.client = name, runtime, client
+    def __init__(self, name: str, runtime: Runtime, clients: list[Client]) -> None:
+        self.name, self.runtime, self.clients = name, runtime, clients
+
+    def ask(self, op: str, **fields: Any) -> list[Any]:
+        """Send `op` to every client at once (each its worker's `target` and `worker`
+        with "prepare"); their answers, in order."""
+        for worker, client in enumerate(self.clients):
+            if op == "prepare":
+                fields.update(target=self.runtime.targets[worker], worker=worker)
+            client.send(op, id=self.name, **fields)
+        return [client.answer() for client in self.clients]
 
 
 # --------------------------------------------------------------------------- measurement
@@ -408,21 +434,27 @@ def _measure(options: dict[str, Any], log: Callable[[str], None]) -> dict[str, A
     if tf_python is None:
         raise RuntimeError("the training benchmark needs TensorFlow's Python for its client (see _tfenv.py)")
     here = os.getcwd()
-    clients: dict[str, Client] = {}
+    # TF: the TF clients, one per worker that trains at once; DS_CLIENT: distserver's.
+    clients: dict[str, list[Client]] = {TF: [], DS_CLIENT: []}
     with tempfile.TemporaryDirectory(prefix="distserver-bench-training-") as tmp:
         # `python -m distserver` puts its working directory first on sys.path.
         os.chdir(tmp)
         try:
-            clients[TF] = TFClient(tf_python)
-            report["tensorflow"] = clients[TF].version
+            tf_clients = max(
+                JOBS[layout]["worker"] if layout in EVERY_WORKER_TRAINS else 1
+                for layout in options["layouts"]
+            )
+            for _ in range(tf_clients):
+                clients[TF].append(TFClient(tf_python))
+            report["tensorflow"] = clients[TF][0].version
             if any(name in runtimes_wanted for name in DS_SERIES):
-                clients[DS_CLIENT] = DSClient()
+                clients[DS_CLIENT].append(DSClient())
             for layout in options["layouts"]:
                 report["results"][layout] = _measure_layout(
                     options, layout, Path(tmp), clients, trees, runtimes_wanted, log
                 )
         finally:
-            for client in clients.values():
+            for client in [*clients[TF], *clients[DS_CLIENT]]:
                 client.stop()
             os.chdir(here)
     return report
@@ -432,12 +464,16 @@ def _measure_layout(
     options: dict[str, Any],
     layout: str,
     tmp: Path,
-    clients: dict[str, Client],
+    clients: dict[str, list[Client]],
     trees: dict[str, str],
     runtimes_wanted: list[str],
     log: Callable[[str], None],
 ) -> dict[str, Any]:
     jobs = JOBS[layout]
+    # The TF clients of a series: one, or one per worker.
+    tf_clients = clients[TF][: jobs["worker"]] if layout in EVERY_WORKER_TRAINS else clients[TF][:1]
+    # distserver's client only where one worker trains (see the module docstring).
+    ds_clients = [] if layout in EVERY_WORKER_TRAINS else clients[DS_CLIENT]
     runtimes: list[Runtime] = []
     series: list[Series] = []
     results: dict[str, Any] = {}
@@ -459,13 +495,13 @@ def _measure_layout(
             ours = OursRuntime(name, protocol, jobs, tree, counts_dir, profile_dir)
             runtimes.append(ours)
             if protocol in runtimes_wanted:
-                series.append(Series(name, ours, clients[TF]))
-            if f"{protocol}/{DS_CLIENT}" in runtimes_wanted:
-                series.append(Series(f"{name}/{DS_CLIENT}", ours, clients[DS_CLIENT]))
+                series.append(Series(name, ours, tf_clients))
+            if f"{protocol}/{DS_CLIENT}" in runtimes_wanted and ds_clients:
+                series.append(Series(f"{name}/{DS_CLIENT}", ours, ds_clients))
         if TF in runtimes_wanted:
             log(f"[{layout}] starting {TF}")
             runtimes.append(TFRuntime(options["tf_python"], jobs))
-            series.append(Series(TF, runtimes[-1], clients[TF]))
+            series.append(Series(TF, runtimes[-1], tf_clients))
         for workload in options["workloads"]:
             results[workload] = _measure_workload(options, layout, workload, runtimes, series, log)
     finally:
@@ -485,12 +521,10 @@ def _measure_workload(
     log(f"[{layout}] {workload}: preparing")
     per: dict[str, dict[str, Any]] = {}
     for one in series:
-        prepared = one.client.request(
+        (prepared, *_) = one.ask(
             "prepare",
-            id=one.name,
-            target=one.runtime.target,
             workload=workload,
-            layout=layout,
+            layout=EVERY_WORKER_TRAINS.get(layout, layout),
             warmup=options["warmup"],
         )
         per[one.name] = {
@@ -518,24 +552,28 @@ def _measure_workload(
     finally:
         for one in series:
             with contextlib.suppress(Exception):
-                one.client.request("close", id=one.name)
+                one.ask("close")
     return {name: _summary(data) for name, data in per.items()}
 
 
 def _time_block(options: dict[str, Any], series: Series, into: dict[str, Any]) -> None:
-    runtime, client = series.runtime, series.client
-    pids = {**runtime.pids, "client": client.pid}
+    """One timed block of `series`; its clients (one per training worker) start together."""
+    runtime = series.runtime
+    pids = dict(runtime.pids)
+    for worker, client in enumerate(series.clients):
+        pids["client" if worker == 0 else f"client{worker}"] = client.pid
     if options["settle"]:
-        client.request("block", id=series.name, repeat=options["settle"])
+        series.ask("block", repeat=options["settle"])
     calls_before = runtime.call_counts()
     cpu_before = {role: _shared.proc_counters(pid)["cpu_s"] for role, pid in pids.items()}
     lo_before = loopback_counters()
-    answer = client.request("block", id=series.name, repeat=options["steps"])
+    answers = series.ask("block", repeat=options["steps"])
     lo_after = loopback_counters()
     cpu_after = {role: _shared.proc_counters(pid)["cpu_s"] for role, pid in pids.items()}
     calls_after = runtime.call_counts()
-    into["times"] += answer["times"]
-    into["last_loss"] = answer["loss"]
+    for answer in answers:
+        into["times"] += answer["times"]
+    into["last_loss"] = answers[0]["loss"]
     for role in pids:
         into["cpu_s"][role] = into["cpu_s"].get(role, 0.0) + cpu_after[role] - cpu_before[role]
     for key in ("bytes", "packets"):
@@ -585,7 +623,8 @@ def run_training_benchmark(
 
     Args:
         workloads: any of "mlp", "embedding", "small".
-        layouts: "cluster" (ps + 2 workers) and/or "one" (one task).
+        layouts: "cluster" (ps + 2 workers), "one" (one task), "two-workers" (ps + 2
+            workers, both training at once with a TF client each).
         runtimes: the series: any of "grpc", "grpc+verbs" (the TF client on distserver),
             "tf" (the TF client on TensorFlow), "grpc/ds-client" and
             "grpc+verbs/ds-client" (distserver's own client on the same distserver

@@ -10,6 +10,9 @@ batch, so their losses must agree step for step within float32 rounding: the sam
 model, the same placement, the same optimizer, and state that does not leak between
 the clients (distserver's client isolates its session's state; were its variables the
 TF client's, every step would see the other client's update).
+
+The "two-workers" layout's two TF clients, one per worker, must instead share the
+ps's variables: taking turns, they make the losses one client makes alone.
 """
 
 from __future__ import annotations
@@ -70,3 +73,32 @@ def test_both_clients_train_the_same_losses(cluster, clients, workload):
     trained = np.array(losses[tf.who])
     assert np.all(np.isfinite(trained))
     assert trained[-1] < first[tf.who], f"{workload}: the loss did not go down: {first[tf.who]} -> {trained}"
+
+
+def test_two_workers_train_the_same_variables(cluster, clients, tf_client):
+    # The "two-workers" layout: a TF client per worker, each computing on its own
+    # worker, both training the ps's variables. Taking turns, they must make the
+    # losses one client makes alone: every step sees the other worker's update.
+    tf, _ = clients
+    second = training.TFClient(tf_client.python)
+    try:
+        workload = "mlp"
+        prepare = {"workload": workload, "layout": "cluster", "warmup": 0}
+        tf.request("prepare", id="alone", target=cluster.target("worker", 0), **prepare)
+        alone = tf.request("block", id="alone", repeat=2 * STEPS)["losses"]
+        tf.request("close", id="alone")
+        pair = [tf, second]
+        for worker, client in enumerate(pair):  # (each initialises the shared variables again)
+            client.request(
+                "prepare", id="turns", target=cluster.target("worker", worker), worker=worker, **prepare
+            )
+        turns: list[float] = []
+        for _ in range(STEPS):
+            for client in pair:
+                turns += client.request("block", id="turns", repeat=1)["losses"]
+        for client in pair:
+            client.request("close", id="turns")
+    finally:
+        second.stop()
+    np.testing.assert_allclose(turns, alone, rtol=RTOL)
+    assert turns[-1] < turns[0]
