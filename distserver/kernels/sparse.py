@@ -29,13 +29,11 @@ TF kernels have updated the rows before the bad one.
 from __future__ import annotations
 
 import math as _math
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import ml_dtypes
 import numpy as np
 
-from distserver import errors
 from distserver.kernels._common import (
     ALL_TYPES,
     BOOL,
@@ -52,6 +50,7 @@ from distserver.kernels._common import (
     int_list,
     int_scalar,
     kernel_error,
+    quiet,
     shape_str,
 )
 from distserver.kernels.registry import KernelContext, OpKernel, register_kernel
@@ -481,15 +480,20 @@ class _SparseApplyKernel(_ApplyKernel):
     def __init__(self, node: NodeDef) -> None:
         super().__init__(node)
         self.index_type = attr_type_in(self, "Tindices", INDEX_TYPES)
+        self._quiet_update_rows = quiet(self._update_rows)
 
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
-        variables: dict[str, tuple[Any, Callable[[], str]]] = {}
+        if len(inputs) != len(self.signature):
+            raise kernel_error(self, f"expects {len(self.signature)} inputs, got {len(inputs)}")
+        # (the variables through `_resource`: found again without a lookup while their
+        # handles are the same arrays, as a VarHandleOp's output is)
+        targets = [self._resource(ctx, i, inputs[i]) for i in self._var_indices]
         values: dict[str, np.ndarray] = {}
         grad = indices = None
         for i, ((name, kind), value) in enumerate(zip(self.signature, inputs, strict=True)):
             if kind == "var":
-                variables[name] = self._variable(ctx, i, value)
-            elif kind == "indices":
+                continue
+            if kind == "indices":
                 check_input_dtype(self, i, value, self.index_type)
                 indices = value
             else:
@@ -501,12 +505,11 @@ class _SparseApplyKernel(_ApplyKernel):
                     values[name] = value
         assert grad is not None
         assert indices is not None
-        targets = [variable for variable, _ in variables.values()]
         with _locked(targets):
             # Unshared variables get their rows written in place (see `_ApplyKernel`);
             # decided before this kernel takes references to the arrays itself.
             in_place = len({id(v) for v in targets}) == len(targets) and all(v.unshared() for v in targets)
-            current = self._current_values(variables)
+            current = self._current_values(ctx, inputs, targets)
             self._check_shapes(current, grad, indices)
             rows = indices.astype(np.int64, copy=False)
             if in_place:
@@ -516,23 +519,34 @@ class _SparseApplyKernel(_ApplyKernel):
             else:
                 updated = {name: np.array(value, copy=True) for name, value in current.items()}
             try:
-                with np.errstate(all="ignore"):
-                    for positions in _update_passes(rows, current["var"].shape[0]):
-                        picked = rows if positions is None else rows[positions]
-                        x = {name: updated[name].take(picked, axis=0) for name in updated}
-                        x.update(values)
-                        x["grad"] = grad if positions is None else grad[positions]
-                        for name, new_rows in self.update(**x).items():
-                            updated[name][picked] = new_rows
+                self._quiet_update_rows(updated, rows, grad, values)
             finally:
                 if in_place:
                     for value in updated.values():
                         value.flags.writeable = False
             if not in_place:
-                for name, new_value in updated.items():
-                    variables[name][0].replace(array(new_value, self.dtype))
+                for variable, name in zip(targets, self._var_names, strict=True):
+                    variable.replace(array(updated[name], self.dtype))
             OPTIMIZER_UPDATES.count(in_place)
         return [inputs[0]] if self.on_refs else []
+
+    def _update_rows(
+        self,
+        updated: dict[str, np.ndarray],
+        rows: np.ndarray,
+        grad: np.ndarray,
+        values: dict[str, np.ndarray],
+    ) -> None:
+        """Write `update`'s new rows into the arrays `updated` (by input name) for the rows
+        `rows` names, with `grad`'s rows and the scalars `values`: in one pass over all of
+        them when no row repeats, else in passes that each name a row once."""
+        for positions in _update_passes(rows, updated["var"].shape[0]):
+            picked = rows if positions is None else rows[positions]
+            x = {name: updated[name].take(picked, axis=0) for name in updated}
+            x.update(values)
+            x["grad"] = grad if positions is None else grad[positions]
+            for name, new_rows in self.update(**x).items():
+                updated[name][picked] = new_rows
 
     def _check_scalar(self, name: str, value: np.ndarray) -> None:
         rule = self.scalar_rules.get(name)
@@ -545,19 +559,17 @@ class _SparseApplyKernel(_ApplyKernel):
                 raise kernel_error(self, f"{rule[1]} is not a {rule[0]} scalar: {shape_str(value.shape)}")
             raise kernel_error(self, self.scalar_text.format(name=name, shape=shape_str(value.shape)))
 
-    def _current_values(self, variables: dict[str, tuple[Any, Callable[[], str]]]) -> dict[str, np.ndarray]:
+    def _current_values(
+        self, ctx: KernelContext, inputs: list[Any], targets: list[Any]
+    ) -> dict[str, np.ndarray]:
+        """The values of the variables `targets` (of the "var" inputs), by input name."""
         current: dict[str, np.ndarray] = {}
-        for name, (variable, missing) in variables.items():
+        for i, name, variable in zip(self._var_indices, self._var_names, targets, strict=True):
             value = variable.value
             if value is None:
-                if self.on_refs:
-                    raise kernel_error(
-                        self,
-                        f"Attempting to use uninitialized variables: {missing()}",
-                        errors.FailedPreconditionError,
-                    )
-                raise kernel_error(self, missing(), errors.NotFoundError)
-            check_input_dtype(self, 0, value, self.dtype)
+                raise self._no_value(ctx, i, inputs[i])
+            if value.dtype != self.dtype:
+                check_input_dtype(self, 0, value, self.dtype)
             current[name] = value
         return current
 
@@ -589,6 +601,8 @@ class _SparseApplyKernel(_ApplyKernel):
             raise kernel_error(self, f"Index {int(indices[i])} at offset {i} in indices is out of range")
 
     def update(self, **x: np.ndarray) -> dict[str, Any]:
+        """The new rows of the variables it changes, from the rows of every "var" input
+        (copies, which it may write into), `grad`'s rows and the scalars."""
         raise NotImplementedError
 
 
@@ -614,14 +628,16 @@ class SparseApplyAdagradKernel(_SparseApplyKernel):
         self.update_slots = self.attr_bool("update_slots", True)
 
     def update(self, **x: np.ndarray) -> dict[str, Any]:
-        grad = x["grad"]
-        accum = x["accum"] + grad * grad if self.update_slots else x["accum"]
-        # var - lr * grad * (1 / sqrt(accum)), with one temporary besides `step`
+        grad, accum, var = x["grad"], x["accum"], x["var"]
+        if self.update_slots:
+            accum += grad * grad
+        # var - lr * grad * (1 / sqrt(accum)), into the rows given
         step = x["lr"] * grad
         scale = np.sqrt(accum)
         np.divide(np.ones((), scale.dtype), scale, out=scale)
         step *= scale
-        return {"var": np.subtract(x["var"], step, out=scale), "accum": accum}
+        var -= step
+        return {"var": var, "accum": accum}
 
 
 @register_kernel("SparseApplyAdagradV2", "ResourceSparseApplyAdagradV2")

@@ -27,7 +27,6 @@ import operator
 import sys
 import threading
 import weakref
-from collections.abc import Callable
 from typing import Any, ClassVar
 
 import numpy as np
@@ -569,16 +568,6 @@ class _ApplyKernel(_VariableKernel):
             (i, name, kind == "scalar") for i, (name, kind) in enumerate(self.signature) if kind != "var"
         ]
         self._quiet_update_in_place = quiet(self.update_in_place)
-
-    def _variable(
-        self, ctx: KernelContext, index: int, value: Any
-    ) -> tuple[VariableResource, Callable[[], str]]:
-        """The variable input `index` names, and what makes the text naming it when it
-        has no value (only then: the text costs more than the update of a small variable)."""
-        if self.on_refs:
-            return ref_input(self, value, index).variable, lambda: requested_input(self, index)
-        handle = self._handle(ctx, value)
-        return self._lookup(ctx, handle), lambda: _missing_text(handle)
 
     def _no_value(self, ctx: KernelContext, index: int, value: Any) -> errors.OpError:
         """The error for variable input `index` (`value`), found without a value."""
