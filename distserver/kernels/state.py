@@ -277,15 +277,22 @@ class AssignUpdateVariableOpKernel(_VariableKernel):
     def __init__(self, node: NodeDef) -> None:
         super().__init__(node)
         self.dtype = attr_type_in(self, "dtype", NUMBER)
-        self.fn = np.add if self.op == "AssignAddVariableOp" else np.subtract
+        self.fn = quiet(np.add if self.op == "AssignAddVariableOp" else np.subtract)
 
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
-        handle = self._handle(ctx, inputs[0])
+        # (a global step's increment, every step: the variable found again without a lookup)
         value = inputs[1]
-        check_input_dtype(self, 1, value, self.dtype)
-        variable = self._lookup(ctx, handle)
+        variable = self._find_input(ctx, inputs[0])
+        if variable is None:
+            handle = self._handle(ctx, inputs[0])
+            check_input_dtype(self, 1, value, self.dtype)
+            variable = self._lookup(ctx, handle)
+        else:
+            check_input_dtype(self, 1, value, self.dtype)
         with variable.lock:
-            current = self._current(variable, handle)
+            current = variable.value
+            if current is None:  # (destroyed meanwhile)
+                current = self._current(variable, self._handle(ctx, inputs[0]))
             if current.dtype != self.dtype:
                 raise kernel_error(
                     self,
@@ -298,8 +305,7 @@ class AssignUpdateVariableOpKernel(_VariableKernel):
                     f"Cannot update variable with shape {shape_str(current.shape)} using a Tensor with "
                     f"shape {shape_str(value.shape)}, shapes must be equal.",
                 )
-            with np.errstate(all="ignore"):
-                variable.replace(array(self.fn(current, value), self.dtype))
+            variable.replace(array(self.fn(current, value), self.dtype))
         return []
 
 
