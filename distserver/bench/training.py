@@ -475,6 +475,8 @@ def _measure_layout(
     tf_clients = clients[TF][: jobs["worker"]] if layout in EVERY_WORKER_TRAINS else clients[TF][:1]
     # distserver's client only where one worker trains (see the module docstring).
     ds_clients = [] if layout in EVERY_WORKER_TRAINS else clients[DS_CLIENT]
+    if clients[DS_CLIENT] and not ds_clients:
+        log(f"[{layout}] no */{DS_CLIENT} series: distserver's client isolates its sessions' state")
     runtimes: list[Runtime] = []
     series: list[Series] = []
     results: dict[str, Any] = {}
@@ -567,7 +569,8 @@ def _others_paused(runtimes: list[Runtime], running: Runtime) -> Iterator[None]:
     paused = [pid for runtime in runtimes if runtime is not running for pid in runtime.pids.values()]
     try:
         for pid in paused:
-            os.kill(pid, signal.SIGSTOP)
+            with contextlib.suppress(ProcessLookupError):  # (`Runtime.lost` reports it in its turn)
+                os.kill(pid, signal.SIGSTOP)
         yield
     finally:
         for pid in paused:
