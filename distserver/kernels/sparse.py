@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import ml_dtypes
 import numpy as np
 
+from distserver.kernels import _compiled
 from distserver.kernels._common import (
     ALL_TYPES,
     BOOL,
@@ -236,6 +237,9 @@ class UnsortedSegmentReductionKernel(OpKernel):
         self.dtype = attr_type_in(self, "T", allowed)
         self.index_type = attr_type_in(self, "Tindices", INDEX_TYPES)
         self.ufunc = _SEGMENT_REDUCTIONS[self.op]
+        self._use_loops = self.op == "UnsortedSegmentSum" and self.dtype in _compiled.DTYPES
+        if self._use_loops:
+            _compiled.prepare()
 
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
         data, segment_ids, num_segments_value = inputs
@@ -270,6 +274,12 @@ class UnsortedSegmentReductionKernel(OpKernel):
             keep = ids >= 0
             ids, rows = ids[keep], rows[keep]
         output = np.full((num_segments, *inner), _identity(self.op, self.dtype), dtype=self.dtype)
+        loops = _compiled.loops() if self._use_loops else None
+        if loops is not None and ids.size and output.size and _compiled.contiguous(rows):
+            flat_ids = _compiled.read_only(np.ascontiguousarray(ids, dtype=np.int64), -1)
+            flat_rows = _compiled.read_only(rows, ids.size, -1)
+            loops.add_rows_at(output.reshape(num_segments, -1), flat_ids, flat_rows)
+            return [output]
         with np.errstate(all="ignore"):
             reduce_rows_at(self.ufunc, output, ids, rows)
         return [output]
@@ -626,6 +636,31 @@ class SparseApplyAdagradKernel(_SparseApplyKernel):
     def __init__(self, node: NodeDef) -> None:
         super().__init__(node)
         self.update_slots = self.attr_bool("update_slots", True)
+        self._use_loops = type(self) is SparseApplyAdagradKernel and self.dtype in _compiled.DTYPES
+        if self._use_loops:
+            _compiled.prepare()
+
+    def _update_rows(
+        self,
+        updated: dict[str, np.ndarray],
+        rows: np.ndarray,
+        grad: np.ndarray,
+        values: dict[str, np.ndarray],
+    ) -> None:
+        loops = _compiled.loops() if self._use_loops else None
+        var, accum = updated["var"], updated["accum"]
+        if loops is None or not rows.size or not var.size or not _compiled.contiguous(var, accum, grad, rows):
+            super()._update_rows(updated, rows, grad, values)
+            return
+        loops.sparse_adagrad(
+            var.reshape(var.shape[0], -1),
+            accum.reshape(var.shape[0], -1),
+            values["lr"][()],
+            _compiled.read_only(grad, rows.size, -1),
+            _compiled.read_only(rows, -1),
+            self.update_slots,
+            self.dtype.type(1),
+        )
 
     def update(self, **x: np.ndarray) -> dict[str, Any]:
         grad, accum, var = x["grad"], x["accum"], x["var"]

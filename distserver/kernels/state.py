@@ -33,6 +33,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from distserver import errors
+from distserver.kernels import _compiled
 from distserver.kernels._common import (
     ALL_TYPES,
     COMPLEX,
@@ -644,6 +645,8 @@ class _ApplyKernel(_VariableKernel):
         for name in self._var_names:
             values[name].flags.writeable = True
         try:
+            if self.compiled_update(values):
+                return
             if values["var"].nbytes < 2 * _PIECE_BYTES:  # one piece: `_pieces` would give `values`
                 self._quiet_update_in_place(**values)
             else:
@@ -652,6 +655,11 @@ class _ApplyKernel(_VariableKernel):
         finally:
             for name in self._var_names:
                 values[name].flags.writeable = False
+
+    def compiled_update(self, values: dict[str, np.ndarray]) -> bool:
+        """`update_in_place` of `values` by a compiled loop (`_compiled`), and True; or
+        False, having changed nothing, for numpy's calls to make it."""
+        return False
 
     def update(self, **x: np.ndarray) -> dict[str, Any]:
         """New values of the "var" inputs, from every input's current value."""
@@ -789,6 +797,32 @@ class ApplyAdamKernel(_ApplyKernel):
         ("epsilon", "scalar"),
         ("grad", "tensor"),
     )
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        if self.may_update_in_place and not self.use_nesterov:
+            _compiled.prepare()
+
+    def compiled_update(self, values: dict[str, np.ndarray]) -> bool:
+        loops = _compiled.loops()
+        if loops is None or self.use_nesterov:
+            return False
+        var, m, v, grad = values["var"], values["m"], values["v"], values["grad"]
+        if not _compiled.contiguous(var, m, v, grad):
+            return False
+        one = np.ones((), dtype=self.dtype)  # (the scalars as `update_in_place` makes them)
+        alpha = values["lr"] * np.sqrt(one - values["beta2_power"]) / (one - values["beta1_power"])
+        loops.adam(
+            var.reshape(-1),
+            m.reshape(-1),
+            v.reshape(-1),
+            _compiled.read_only(grad, -1),
+            alpha[()],
+            (one - values["beta1"])[()],
+            (one - values["beta2"])[()],
+            values["epsilon"][()],
+        )
+        return True
 
     def update(self, **x: np.ndarray) -> dict[str, Any]:
         one = np.ones((), dtype=self.dtype)

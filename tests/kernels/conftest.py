@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from distserver.kernels import _compiled
 from distserver.kernels.registry import create_kernel
 from distserver.kernels.resources import ResourceManager
 from distserver.protos.attr_value_pb2 import AttrValue
@@ -136,3 +137,17 @@ def new_context_fixture() -> Callable[[], Context]:
 @pytest.fixture
 def ctx() -> Context:
     return Context()
+
+
+@pytest.fixture(params=["numpy", "compiled"])
+def loops(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The test runs twice: with numpy's calls, then with the compiled loops
+    (`kernels._compiled`; numba comes with the dev extra)."""
+    # Compiled first either way, so that the background compilation cannot end during
+    # the test and change the path under it.
+    ready = _compiled.wait(300)
+    if request.param == "numpy":
+        monkeypatch.setattr(_compiled, "_loops", None)
+    else:
+        assert ready, "the compiled loops are not there: numba missing? (pip install -e '.[dev]')"
+    return str(request.param)

@@ -1,0 +1,219 @@
+"""The compiled loops (`kernels._compiled`): the bits of numpy's calls, taken only for
+the inputs they are made for, compiled off the kernels' path, and never required."""
+
+from __future__ import annotations
+
+import collections
+import os
+import subprocess
+import sys
+import textwrap
+import types
+
+import numpy as np
+import pytest
+
+from distserver.kernels import _compiled, create_kernel
+
+from .conftest import Context, make_node
+from .test_in_place_updates import _variable
+
+LOOPS = ("adam", "sparse_adagrad", "add_rows_at")
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """The compiled loops, each call counted (by loop name)."""
+    assert _compiled.wait(300), "the compiled loops are not there: numba missing? (pip install -e '.[dev]')"
+    real = _compiled.loops()
+    calls: collections.Counter[str] = collections.Counter()
+
+    def count(name):
+        def call(*args):
+            calls[name] += 1
+            return getattr(real, name)(*args)
+
+        return call
+
+    monkeypatch.setattr(_compiled, "_loops", types.SimpleNamespace(**{name: count(name) for name in LOOPS}))
+    return calls
+
+
+def _received(value):
+    """`value` read-only, as a tensor a task received is."""
+    value.flags.writeable = False
+    return value
+
+
+def _both_ways(monkeypatch, run):
+    """`run()` with the compiled loops (counted), then with numpy's calls: both results."""
+    compiled = run()
+    monkeypatch.setattr(_compiled, "_loops", None)
+    return compiled, run()
+
+
+def _assert_same_bits(got, expected):
+    for a, b in zip(got, expected, strict=True):
+        assert (a.dtype, a.shape) == (b.dtype, b.shape)
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def _adam(make_node, dtype, start, grads, *, epsilon=1e-7, **attrs):
+    ctx = Context()
+    handles = [_variable(make_node, ctx, f"v{i}", value.copy())[0] for i, value in enumerate(start)]
+    kernel = create_kernel(make_node("ResourceApplyAdam", T=dtype, **attrs))
+    s = lambda x: np.array(x, dtype)  # noqa: E731
+    for t, grad in enumerate(grads, start=1):
+        scalars = [s(0.9**t), s(0.999**t), s(0.01), s(0.9), s(0.999), s(epsilon)]
+        kernel.compute(ctx, [*handles, *scalars, grad])
+    return [ctx.resources.lookup(h[()].container, h[()].name).value.copy() for h in handles]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(1,), (7, 3), (300, 1001)], ids=["one", "small", "large"])
+def test_adam_loop_gives_numpys_bits(make_node, monkeypatch, counted, dtype, shape):
+    rng = np.random.default_rng(3)
+    start = [rng.normal(size=shape).astype(dtype), np.zeros(shape, dtype), np.zeros(shape, dtype)]
+    scales = [10.0 ** rng.integers(-20, 20, size=shape) for _ in range(4)]  # small and large values
+    grads = [_received((rng.normal(size=shape) * scale).astype(dtype)) for scale in scales]
+    compiled, numpy = _both_ways(monkeypatch, lambda: _adam(make_node, dtype, start, grads))
+    assert counted["adam"] == len(grads)
+    _assert_same_bits(compiled, numpy)
+
+
+def test_adam_loop_gives_numpys_infinities_and_nans(make_node, monkeypatch, counted):
+    # A zero second moment with epsilon 0 divides by zero; inf and nan gradients flow on.
+    start = [np.ones(6, np.float32), np.zeros(6, np.float32), np.zeros(6, np.float32)]
+    grads = [np.array([0.0, np.inf, -np.inf, np.nan, 1e30, -0.0], np.float32)]
+    compiled, numpy = _both_ways(monkeypatch, lambda: _adam(make_node, np.float32, start, grads, epsilon=0.0))
+    assert counted["adam"] == 1
+    assert np.isnan(numpy[0]).any()  # (the case is what it says)
+    assert np.isinf(numpy[1]).any()
+    _assert_same_bits(compiled, numpy)
+
+
+def _sparse_adagrad(make_node, dtype, index_type, start, grad, rows, **attrs):
+    ctx = Context()
+    handles = [_variable(make_node, ctx, f"v{i}", value.copy())[0] for i, value in enumerate(start)]
+    kernel = create_kernel(make_node("ResourceSparseApplyAdagrad", T=dtype, Tindices=index_type, **attrs))
+    kernel.compute(ctx, [*handles, np.array(0.1, dtype), grad, _received(np.array(rows, index_type))])
+    return [ctx.resources.lookup(h[()].container, h[()].name).value.copy() for h in handles]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("index_type", [np.int32, np.int64])
+@pytest.mark.parametrize("update_slots", [True, False])
+@pytest.mark.parametrize(
+    "rows", [[5, 0, 17, 3, 9], [5, 0, 5, 3, 0, 5], list(range(40))], ids=["distinct", "repeated", "every-row"]
+)
+def test_sparse_adagrad_loop_gives_numpys_bits(
+    make_node, monkeypatch, counted, dtype, index_type, update_slots, rows
+):
+    rng = np.random.default_rng(5)
+    shape = (40, 2, 3)
+    start = [rng.normal(size=shape).astype(dtype), np.abs(rng.normal(size=shape)).astype(dtype) + 0.1]
+    grad = _received(rng.normal(size=(len(rows), 2, 3)).astype(dtype))
+
+    def run():
+        return _sparse_adagrad(make_node, dtype, index_type, start, grad, rows, update_slots=update_slots)
+
+    compiled, numpy = _both_ways(monkeypatch, run)
+    assert counted["sparse_adagrad"] == 1
+    _assert_same_bits(compiled, numpy)
+
+
+def _segment_sum(data, ids, num_segments, index_type):
+    kernel = create_kernel(_segment_node(data.dtype, index_type))
+    ids = _received(np.array(ids, index_type))
+    return kernel.compute(Context(), [data, ids, np.array(num_segments, np.int32)])
+
+
+def _segment_node(dtype, index_type, op="UnsortedSegmentSum"):
+    return make_node(op, ["data", "ids", "num"], T=dtype, Tindices=index_type, Tnumsegments=np.int32)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("index_type", [np.int32, np.int64])
+@pytest.mark.parametrize(
+    ("ids", "inner"),
+    [([3, 0, 3, 3, 1, 0], (4, 2)), ([2, -1, 2, 0, -1], (3,)), (list(range(9))[::-1], ())],
+    ids=["repeated", "negative-dropped", "distinct-scalar-rows"],
+)
+def test_segment_sum_loop_gives_numpys_bits(monkeypatch, counted, dtype, index_type, ids, inner):
+    rng = np.random.default_rng(9)
+    shape = (len(ids), *inner)
+    data = _received((rng.normal(size=shape) * 10.0 ** rng.integers(-8, 8, size=shape)).astype(dtype))
+    compiled, numpy = _both_ways(monkeypatch, lambda: _segment_sum(data, ids, 10, index_type))
+    assert counted["add_rows_at"] == 1
+    _assert_same_bits(compiled, numpy)
+    expected = np.zeros((10, *inner), dtype)
+    kept = np.array(ids) >= 0
+    np.add.at(expected, np.array(ids)[kept], data[kept])
+    _assert_same_bits(compiled, [expected])
+
+
+def test_inputs_a_loop_is_not_made_for_take_numpys_calls(make_node, monkeypatch, counted):
+    rng = np.random.default_rng(1)
+    start = [rng.normal(size=(6, 5)).astype(np.float32) for _ in range(3)]
+    strided = [np.ones((5, 6), np.float32).T]  # not contiguous
+    nesterov = [np.ones((6, 5), np.float32)]
+    got = [
+        _adam(make_node, np.float32, start, strided),
+        _adam(make_node, np.float32, start, nesterov, use_nesterov=True),
+        _sparse_adagrad(make_node, np.float32, np.int32, start[:2], np.ones((0, 5), np.float32), []),
+        _segment_sum(np.ones((3, 2), np.int32), [0, 1, 0], 2, np.int32),  # integers
+        create_kernel(_segment_node(np.float32, np.int32, op="UnsortedSegmentProd")).compute(
+            Context(), [np.ones((3, 2), np.float32), np.array([0, 1, 0], np.int32), np.array(2, np.int32)]
+        ),
+    ]
+    assert sum(counted.values()) == 0
+    monkeypatch.setattr(_compiled, "_loops", None)
+    _assert_same_bits(got[0], _adam(make_node, np.float32, start, strided))
+    _assert_same_bits(got[1], _adam(make_node, np.float32, start, nesterov, use_nesterov=True))
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def test_building_a_kernel_starts_the_compilation_in_the_background():
+    result = _python(
+        """
+        from distserver.kernels import _compiled, create_kernel
+        from distserver.protos.node_def_pb2 import NodeDef
+        assert not _compiled._started and _compiled.loops() is None
+        node = NodeDef(name="adam", op="ResourceApplyAdam")
+        node.attr["T"].type = 1  # float32
+        create_kernel(node)
+        assert _compiled._started
+        assert _compiled.wait(240), "not compiled"
+        assert _compiled.loops() is not None
+        print("ok")
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+
+
+def test_the_environment_turns_the_loops_off():
+    result = _python(
+        """
+        import threading
+        from distserver.kernels import _compiled
+        assert not _compiled.enabled()
+        assert not _compiled.wait(5)
+        assert not any(t.name == "distserver-compile" for t in threading.enumerate())
+        assert "numba" not in __import__("sys").modules
+        print("off")
+        """,
+        DISTSERVER_COMPILED_KERNELS="0",
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "off"
