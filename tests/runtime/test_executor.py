@@ -7,6 +7,7 @@ import concurrent.futures
 import dataclasses
 import threading
 import tracemalloc
+import types
 from collections.abc import Sequence
 from typing import Any
 
@@ -244,6 +245,18 @@ async def test_a_kernel_goes_to_the_pool_for_large_work_not_for_a_quarter_mib():
     assert threads["negated"] == here
     assert threads["product"] != here
     assert threads["large"] != here
+
+
+def test_the_size_of_a_nodes_work_counts_its_array_inputs_and_skips_other_values():
+    from distserver.runtime import executor
+
+    node = types.SimpleNamespace(sizes_its_output=False)  # (`_large` reads only this then)
+    half = np.ones(OFFLOAD_BYTES // 8, np.float32)
+    assert executor._large(node, [half, half])
+    assert not executor._large(node, [half])
+    # A value without `nbytes` (a VariableRef, a dataset) counts for nothing.
+    assert executor._large(node, [half, object(), half])
+    assert not executor._large(node, [half, object()])
 
 
 @pytest.mark.parametrize("offload", [True, False], ids=["thread-pool", "inline"])
