@@ -62,6 +62,17 @@ def adam(
         var[i] = var[i] - m_i * alpha / (np.sqrt(v_i) + epsilon)
 
 
+@numba.njit(_signatures("W", "W", "T", "R", "T"), **_OPTIONS)
+def momentum(
+    var: np.ndarray, accum: np.ndarray, lr: Any, grad: np.ndarray, momentum: Any
+) -> None:  # pragma: no cover
+    """`state._momentum_step` (Momentum without Nesterov), over flat arrays."""
+    for i in range(var.size):
+        a = accum[i] * momentum + grad[i]
+        accum[i] = a
+        var[i] = var[i] - lr * a
+
+
 @numba.njit(_signatures("WW", "WW", "T", "RR", "I", "B", "T"), **_OPTIONS)
 def sparse_adagrad(
     var: np.ndarray,

@@ -18,7 +18,7 @@ from distserver.kernels import _compiled, create_kernel
 from .conftest import Context, make_node
 from .test_in_place_updates import _variable
 
-LOOPS = ("adam", "sparse_adagrad", "add_rows_at")
+LOOPS = ("adam", "momentum", "sparse_adagrad", "add_rows_at")
 
 
 @pytest.fixture
@@ -89,6 +89,31 @@ def test_adam_loop_gives_numpys_infinities_and_nans(make_node, monkeypatch, coun
     assert counted["adam"] == 1
     assert np.isnan(numpy[0]).any()  # (the case is what it says)
     assert np.isinf(numpy[1]).any()
+    _assert_same_bits(compiled, numpy)
+
+
+def _momentum(make_node, dtype, start, grads, scalar_shape):
+    ctx = Context()
+    handles = [_variable(make_node, ctx, f"v{i}", value.copy())[0] for i, value in enumerate(start)]
+    kernel = create_kernel(make_node("ResourceApplyMomentum", T=dtype))
+    lr, momentum = (np.full(scalar_shape, x, dtype) for x in (0.05, 0.9))
+    for grad in grads:
+        kernel.compute(ctx, [*handles, lr, grad, momentum])
+    return [ctx.resources.lookup(h[()].container, h[()].name).value.copy() for h in handles]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("scalar_shape", [(), (1,)], ids=["short-path", "legacy-scalars"])
+def test_momentum_loop_gives_numpys_bits(make_node, monkeypatch, counted, dtype, scalar_shape):
+    # Scalars of shape [1] (TF 1.x's legacy scalars) leave Momentum's short path for
+    # `_ApplyKernel`'s: both take the loop.
+    rng = np.random.default_rng(4)
+    shape = (300, 1001)
+    start = [rng.normal(size=shape).astype(dtype), np.zeros(shape, dtype)]
+    scales = [10.0 ** rng.integers(-20, 20, size=shape) for _ in range(3)]
+    grads = [_received((rng.normal(size=shape) * scale).astype(dtype)) for scale in scales]
+    compiled, numpy = _both_ways(monkeypatch, lambda: _momentum(make_node, dtype, start, grads, scalar_shape))
+    assert counted["momentum"] == len(grads)
     _assert_same_bits(compiled, numpy)
 
 
