@@ -384,7 +384,9 @@ class Client:
             self.proc.wait(timeout=10)
         for stream in (self.proc.stdin, self.proc.stdout, self._stderr):
             if stream is not None:
-                stream.close()
+                # (closing stdin flushes a "quit" a dead client could not take)
+                with contextlib.suppress(BrokenPipeError):
+                    stream.close()
 
 
 class TFClient(Client):
