@@ -93,6 +93,6 @@ def _compile() -> None:
         logger.warning("compiled kernels are off, numpy's calls run instead: %s: %s", type(exc).__name__, exc)
     else:
         _loops = compiled
-        logger.debug("compiled kernels ready in %.2f s", time.monotonic() - started)
+        logger.info("compiled kernels ready in %.2f s", time.monotonic() - started)
     finally:
         _done.set()
