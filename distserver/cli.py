@@ -231,6 +231,8 @@ def _statistics_text(stats: dict[str, Any]) -> str:
     updates = stats.get("optimizer_updates", {})  # (a server older than the field has none)
     in_place, copied = updates.get("in_place", 0), updates.get("copied", 0)
     lines.append(f"  optimizer updates: {in_place} in place, {copied} into new arrays")
+    if stats.get("compiled_kernels"):  # (nor this one)
+        lines.append(f"  compiled kernels: {stats['compiled_kernels']}")
     if not stats["peers"]:
         lines.append("  peers: none contacted yet")
     for peer, channel in sorted(stats["peers"].items()):

@@ -35,6 +35,7 @@ from google.protobuf import empty_pb2, wrappers_pb2
 from distserver import errors
 from distserver.cluster import ClusterSpec, local_address, make_server_def, validate_cluster
 from distserver.devices import full_device_name, task_name
+from distserver.kernels import _compiled
 from distserver.kernels.resources import ResourceManager
 from distserver.kernels.state import OPTIMIZER_UPDATES
 from distserver.protos.cluster_pb2 import ClusterDef
@@ -78,6 +79,8 @@ class ServerStatistics:
     `optimizer_updates` counts the optimizer updates of this process (of every server
     in it) by how they were written: "in_place" into the variables' own arrays, or
     "copied" into new arrays because something still held the old ones.
+    `compiled_kernels` says whether the process' hot kernels run compiled loops
+    (`kernels._compiled.state()`: "unused", "compiling", "ready" or "off").
     """
 
     target: str
@@ -88,6 +91,7 @@ class ServerStatistics:
     graphs: StepStatistics  # partition graphs this task's worker ran (RunGraph)
     peers: dict[str, ChannelStatistics]
     optimizer_updates: dict[str, int] = dataclasses.field(default_factory=dict)
+    compiled_kernels: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         """Plain data (JSON-ready): every field, and `in_flight` for steps and graphs."""
@@ -248,6 +252,7 @@ class AsyncServer:
             graphs=self.worker.graphs.snapshot() if self.worker else empty,
             peers={task: channel.statistics() for task, channel in self._channels.items()},
             optimizer_updates={"in_place": OPTIMIZER_UPDATES.in_place, "copied": OPTIMIZER_UPDATES.copied},
+            compiled_kernels=_compiled.state(),
         )
 
     async def _get_statistics_rpc(self, request: empty_pb2.Empty) -> wrappers_pb2.StringValue:

@@ -118,6 +118,8 @@ def test_counters_and_metrics_match_a_known_workload(python_env, protocol):
     assert status.returncode == 0, status.stderr
     assert f"  steps: {STEPS + 1} ok, 0 in flight, failed: InvalidArgumentError 1;" in status.stdout
     assert f"  optimizer updates: {STEPS} in place, 0 into new arrays" in status.stdout
+    # (the worker's GradientDescent has no compiled loop: none was asked for)
+    assert "  compiled kernels: unused" in status.stdout
     peer_line = next(line for line in status.stdout.splitlines() if line.startswith(f"  peer {PS} "))
     assert f"via {data_path}:" in peer_line
     assert f"{STEPS} tensors / {STEPS * NBYTES} bytes received" in peer_line

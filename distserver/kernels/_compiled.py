@@ -48,6 +48,17 @@ def loops() -> ModuleType | None:
     return _loops
 
 
+def state() -> str:
+    """Where the loops are, for a task's statistics: "unused" (no kernel has asked for
+    them yet), "compiling", "ready", or "off" (numba missing or unusable, or
+    `DISTSERVER_COMPILED_KERNELS=0`)."""
+    if _loops is not None:
+        return "ready"
+    if not _started:
+        return "unused" if enabled() else "off"
+    return "off" if _done.is_set() else "compiling"
+
+
 def contiguous(*arrays: np.ndarray) -> bool:
     """Whether every one of `arrays` is C-contiguous, as the loops take them."""
     return all(a.flags.c_contiguous for a in arrays)

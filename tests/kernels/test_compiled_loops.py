@@ -13,6 +13,7 @@ import types
 import numpy as np
 import pytest
 
+import distserver as ds
 from distserver.kernels import _compiled, create_kernel
 
 from .conftest import Context, make_node
@@ -213,13 +214,13 @@ def test_building_a_kernel_starts_the_compilation_in_the_background():
         """
         from distserver.kernels import _compiled, create_kernel
         from distserver.protos.node_def_pb2 import NodeDef
-        assert not _compiled._started and _compiled.loops() is None
+        assert _compiled.state() == "unused" and _compiled.loops() is None
         node = NodeDef(name="adam", op="ResourceApplyAdam")
         node.attr["T"].type = 1  # float32
         create_kernel(node)
-        assert _compiled._started
+        assert _compiled.state() in ("compiling", "ready")
         assert _compiled.wait(240), "not compiled"
-        assert _compiled.loops() is not None
+        assert _compiled.state() == "ready" and _compiled.loops() is not None
         print("ok")
         """
     )
@@ -233,7 +234,9 @@ def test_the_environment_turns_the_loops_off():
         import threading
         from distserver.kernels import _compiled
         assert not _compiled.enabled()
+        assert _compiled.state() == "off"
         assert not _compiled.wait(5)
+        assert _compiled.state() == "off"
         assert not any(t.name == "distserver-compile" for t in threading.enumerate())
         assert "numba" not in __import__("sys").modules
         print("off")
@@ -242,3 +245,10 @@ def test_the_environment_turns_the_loops_off():
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "off"
+
+
+def test_a_servers_statistics_say_whether_its_kernels_run_compiled_loops():
+    assert _compiled.wait(300)
+    with ds.Server({"local": ["localhost:0"]}) as server:
+        assert server.statistics().compiled_kernels == "ready"
+        assert server.statistics().as_dict()["compiled_kernels"] == "ready"
