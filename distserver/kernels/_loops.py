@@ -73,6 +73,30 @@ def momentum(
         var[i] = var[i] - lr * a
 
 
+@numba.njit(_signatures("W", "W", "T", "R", "B", "B", "T"), **_OPTIONS)
+def adagrad(
+    var: np.ndarray,
+    accum: np.ndarray,
+    lr: Any,
+    grad: np.ndarray,
+    update_slots: bool,
+    with_epsilon: bool,
+    epsilon: Any,
+) -> None:  # pragma: no cover
+    """`ApplyAdagradKernel.update_in_place` (`ApplyAdagradV2Kernel`'s `with_epsilon`),
+    over flat arrays."""
+    for i in range(var.size):
+        g = grad[i]
+        a = accum[i]
+        if update_slots:
+            a = a + g * g
+            accum[i] = a
+        denominator = np.sqrt(a)
+        if with_epsilon:
+            denominator = denominator + epsilon
+        var[i] = var[i] - lr * g / denominator
+
+
 @numba.njit(_signatures("WW", "WW", "T", "RR", "I", "B", "T"), **_OPTIONS)
 def sparse_adagrad(
     var: np.ndarray,

@@ -895,6 +895,26 @@ class ApplyAdagradKernel(_ApplyKernel):
     def __init__(self, node: NodeDef) -> None:
         super().__init__(node)
         self.update_slots = self.attr_bool("update_slots", True)
+        if self.may_update_in_place:
+            _compiled.prepare()
+
+    def compiled_update(self, values: dict[str, np.ndarray]) -> bool:
+        # (AdagradV2 too: its epsilon added to the square root)
+        loops = _compiled.loops()
+        var, accum, grad = values["var"], values["accum"], values["grad"]
+        if loops is None or not _compiled.contiguous(var, accum, grad):
+            return False
+        epsilon = values.get("epsilon")
+        loops.adagrad(
+            var.reshape(-1),
+            accum.reshape(-1),
+            values["lr"][()],
+            _compiled.read_only(grad, -1),
+            self.update_slots,
+            epsilon is not None,
+            var.dtype.type(0) if epsilon is None else epsilon[()],
+        )
+        return True
 
     def update(self, **x: np.ndarray) -> dict[str, Any]:
         grad = x["grad"]

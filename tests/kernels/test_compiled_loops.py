@@ -20,7 +20,7 @@ from distserver.kernels import _compiled, create_kernel
 from .conftest import Context, make_node
 from .test_in_place_updates import _variable
 
-LOOPS = ("adam", "momentum", "sparse_adagrad", "add_rows_at")
+LOOPS = ("adam", "momentum", "adagrad", "sparse_adagrad", "add_rows_at")
 
 
 @pytest.fixture
@@ -116,6 +116,39 @@ def test_momentum_loop_gives_numpys_bits(make_node, monkeypatch, counted, dtype,
     grads = [_received((rng.normal(size=shape) * scale).astype(dtype)) for scale in scales]
     compiled, numpy = _both_ways(monkeypatch, lambda: _momentum(make_node, dtype, start, grads, scalar_shape))
     assert counted["momentum"] == len(grads)
+    _assert_same_bits(compiled, numpy)
+
+
+def _adagrad(make_node, op, dtype, start, grads, **attrs):
+    ctx = Context()
+    handles = [_variable(make_node, ctx, f"v{i}", value.copy())[0] for i, value in enumerate(start)]
+    kernel = create_kernel(make_node(op, T=dtype, **attrs))
+    epsilon = [np.array(1e-7, dtype)] if op == "ResourceApplyAdagradV2" else []
+    for grad in grads:
+        kernel.compute(ctx, [*handles, np.array(0.1, dtype), *epsilon, grad])
+    return [ctx.resources.lookup(h[()].container, h[()].name).value.copy() for h in handles]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("op", ["ResourceApplyAdagrad", "ResourceApplyAdagradV2"])
+@pytest.mark.parametrize("update_slots", [True, False])
+def test_adagrad_loop_gives_numpys_bits(make_node, monkeypatch, counted, dtype, op, update_slots):
+    rng = np.random.default_rng(6)
+    shape = (300, 1001)
+    # (an accumulator of zeros where a zero gradient meets no epsilon: 0 / 0)
+    start = [rng.normal(size=shape).astype(dtype), np.abs(rng.normal(size=shape)).astype(dtype)]
+    start[1][rng.random(shape) < 0.01] = 0.0
+    scales = [10.0 ** rng.integers(-20, 20, size=shape) for _ in range(3)]
+    grads = [_received((rng.normal(size=shape) * scale).astype(dtype)) for scale in scales]
+    grads[0].flags.writeable = True
+    grads[0][rng.random(shape) < 0.01] = 0.0
+    grads[0].flags.writeable = False
+
+    def run():
+        return _adagrad(make_node, op, dtype, start, grads, update_slots=update_slots)
+
+    compiled, numpy = _both_ways(monkeypatch, run)
+    assert counted["adagrad"] == len(grads)
     _assert_same_bits(compiled, numpy)
 
 
