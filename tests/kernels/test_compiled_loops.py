@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import threading
 import types
 
 import numpy as np
@@ -18,7 +17,7 @@ import distserver as ds
 from distserver.kernels import _compiled, create_kernel
 
 from .conftest import Context, make_node
-from .test_in_place_updates import _variable
+from .test_in_place_updates import _variable, torn_reads
 
 LOOPS = ("adam", "momentum", "adagrad", "sparse_adagrad", "add_rows_at")
 
@@ -240,30 +239,16 @@ def test_readers_never_see_a_compiled_update_half_done(make_node, counted):
     size = 1 << 18
     handles = [_variable(make_node, ctx, f"v{i}", np.full(size, 0.5, np.float32))[0] for i in range(3)]
     adam = create_kernel(make_node("ResourceApplyAdam", T=np.float32))
-    read = create_kernel(make_node("ReadVariableOp", dtype=np.float32))
     s = lambda x: np.array(x, np.float32)  # noqa: E731
     grad = _received(np.full(size, 0.25, np.float32))
-    steps, torn, done = 100, [], threading.Event()
+    steps = 100
 
-    def reader():
-        while not done.is_set():
-            value = read.compute(ctx, [handles[0]])[0]
-            if value.min() != value.max():
-                torn.append((value.min(), value.max()))
-            del value
-
-    readers = [threading.Thread(target=reader) for _ in range(2)]
-    for thread in readers:
-        thread.start()
-    try:
+    def update():
         for t in range(1, steps + 1):
             scalars = [s(0.9**t), s(0.999**t), s(0.01), s(0.9), s(0.999), s(1e-7)]
             adam.compute(ctx, [*handles, *scalars, grad])
-    finally:
-        done.set()
-        for thread in readers:
-            thread.join()
-    assert torn == []
+
+    assert torn_reads(make_node, ctx, handles[0], np.float32, update) == []
     # (~10-20 of the steps find no reader holding the value and take the loop in place;
     # the others copy)
     assert 0 < counted["adam"] <= steps

@@ -178,15 +178,11 @@ def test_an_array_that_does_not_own_its_memory_is_never_written(make_node):
         assert not resource.unshared()
 
 
-def test_concurrent_readers_never_see_a_torn_value(make_node):
-    # GD with delta -1 adds 1 to every element: any read that is not uniform saw an
-    # update half done. Large enough that numpy releases the GIL inside the update.
-    ctx = Context()
-    handle, resource = _variable(make_node, ctx, "v", np.zeros(1 << 18, np.float64))
-    apply = create_kernel(make_node("ResourceApplyGradientDescent", T=np.float64))
-    read = create_kernel(make_node("ReadVariableOp", dtype=np.float64))
-    delta = -np.ones(1 << 18, np.float64)
-    steps, torn, done = 200, [], threading.Event()
+def torn_reads(make_node, ctx, handle, dtype, update):
+    """Run `update()` while two threads read the variable of `handle` (of `dtype`) as
+    fast as they can; the (min, max) of every read that was not uniform."""
+    read = create_kernel(make_node("ReadVariableOp", dtype=dtype))
+    torn, done = [], threading.Event()
 
     def reader():
         while not done.is_set():
@@ -199,13 +195,28 @@ def test_concurrent_readers_never_see_a_torn_value(make_node):
     for thread in readers:
         thread.start()
     try:
-        for _ in range(steps):
-            apply.compute(ctx, [handle, np.float64(1.0), delta])
+        update()
     finally:
         done.set()
         for thread in readers:
             thread.join()
-    assert torn == []
+    return torn
+
+
+def test_concurrent_readers_never_see_a_torn_value(make_node):
+    # GD with delta -1 adds 1 to every element: any read that is not uniform saw an
+    # update half done. Large enough that numpy releases the GIL inside the update.
+    ctx = Context()
+    handle, resource = _variable(make_node, ctx, "v", np.zeros(1 << 18, np.float64))
+    apply = create_kernel(make_node("ResourceApplyGradientDescent", T=np.float64))
+    delta = -np.ones(1 << 18, np.float64)
+    steps = 200
+
+    def update():
+        for _ in range(steps):
+            apply.compute(ctx, [handle, np.float64(1.0), delta])
+
+    assert torn_reads(make_node, ctx, handle, np.float64, update) == []
     np.testing.assert_array_equal(resource.value, np.full(1 << 18, float(steps)))
     before = weakref.ref(resource.value)
     apply.compute(ctx, [handle, np.float64(1.0), delta])  # no reader left: in place
