@@ -16,9 +16,13 @@ ready (or when numba is missing, fails, or `DISTSERVER_COMPILED_KERNELS=0`)
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import logging
 import os
+import shutil
+import sys
+import tempfile
 import threading
 import time
 from types import ModuleType
@@ -99,7 +103,7 @@ def _compile() -> None:
     global _loops
     started = time.monotonic()
     try:
-        from distserver.kernels import _loops as compiled
+        compiled = _import_loops()
     except Exception as exc:  # numba present but unusable (e.g. numpy too new for it)
         logger.warning("compiled kernels are off, numpy's calls run instead: %s: %s", type(exc).__name__, exc)
     else:
@@ -107,3 +111,23 @@ def _compile() -> None:
         logger.info("compiled kernels ready in %.2f s", time.monotonic() - started)
     finally:
         _done.set()
+
+
+def _import_loops() -> ModuleType:
+    """`_loops`, compiled (or loaded from numba's cache) as it is imported."""
+    try:
+        from distserver.kernels import _loops
+    except RuntimeError as exc:
+        if "cannot cache" not in str(exc):
+            raise
+        # Nowhere numba may keep its cache: the package's directory is read-only and
+        # there is no usable home (a container's non-root user). The loops compile
+        # anyway, caching into a directory of this process's own.
+        import numba
+
+        directory = tempfile.mkdtemp(prefix="distserver-numba-")
+        atexit.register(shutil.rmtree, directory, ignore_errors=True)
+        setattr(numba.config, "CACHE_DIR", directory)  # (read when a function is cached)
+        sys.modules.pop("distserver.kernels._loops", None)
+        from distserver.kernels import _loops
+    return _loops

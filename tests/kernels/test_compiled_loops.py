@@ -286,6 +286,25 @@ def test_building_a_kernel_starts_the_compilation_in_the_background():
     assert result.stdout.strip() == "ok"
 
 
+def test_the_loops_compile_where_numba_has_nowhere_to_cache_them(tmp_path):
+    # As for a container's user with a read-only package directory and no home:
+    # numba's locators find no cache directory (here: only those that cannot).
+    result = _python(
+        """
+        import numba, sys
+        from distserver.kernels import _compiled
+        assert _compiled.wait(240), "not compiled"
+        print(numba.config.CACHE_DIR)
+        """,
+        NUMBA_CACHE_LOCATOR_CLASSES="IPythonCacheLocator,UserProvidedCacheLocator",
+        TMPDIR=str(tmp_path),
+    )
+    assert result.returncode == 0, result.stderr
+    directory = result.stdout.strip()
+    assert directory.startswith(str(tmp_path / "distserver-numba-"))
+    assert list(tmp_path.iterdir()) == []  # (removed at exit)
+
+
 def test_the_environment_turns_the_loops_off():
     result = _python(
         """
