@@ -127,7 +127,7 @@ def _import_loops() -> ModuleType:
 
         directory = tempfile.mkdtemp(prefix="distserver-numba-")
         atexit.register(shutil.rmtree, directory, ignore_errors=True)
-        setattr(numba.config, "CACHE_DIR", directory)  # (read when a function is cached)
+        numba.config.CACHE_DIR = directory  # type: ignore[attr-defined]  # (read at caching)
         sys.modules.pop("distserver.kernels._loops", None)
         from distserver.kernels import _loops
     return _loops
