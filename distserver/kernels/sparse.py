@@ -471,6 +471,9 @@ def _reduce_distinct_rows(
         output[picked] = ufunc(output.take(picked, axis=0), taken)
 
 
+_Arrays = dict[str, np.ndarray]  # (inputs by name)
+
+
 class _SparseApplyKernel(_ApplyKernel):
     """A sparse optimizer update: TF's per-row formula for the rows `indices` names.
 
@@ -550,6 +553,8 @@ class _SparseApplyKernel(_ApplyKernel):
         """Write `update`'s new rows into the arrays `updated` (by input name) for the rows
         `rows` names, with `grad`'s rows and the scalars `values`: in one pass over all of
         them when no row repeats, else in passes that each name a row once."""
+        if self.compiled_rows(updated, rows, grad, values):
+            return
         for positions in _update_passes(rows, updated["var"].shape[0]):
             picked = rows if positions is None else rows[positions]
             x = {name: updated[name].take(picked, axis=0) for name in updated}
@@ -557,6 +562,11 @@ class _SparseApplyKernel(_ApplyKernel):
             x["grad"] = grad if positions is None else grad[positions]
             for name, new_rows in self.update(**x).items():
                 updated[name][picked] = new_rows
+
+    def compiled_rows(self, updated: _Arrays, rows: np.ndarray, grad: np.ndarray, values: _Arrays) -> bool:
+        """`_update_rows` by a compiled loop (`_compiled`), and True; or False, having
+        changed nothing, for numpy's calls to make it."""
+        return False
 
     def _check_scalar(self, name: str, value: np.ndarray) -> None:
         rule = self.scalar_rules.get(name)
@@ -640,18 +650,11 @@ class SparseApplyAdagradKernel(_SparseApplyKernel):
         if self._use_loops:
             _compiled.prepare()
 
-    def _update_rows(
-        self,
-        updated: dict[str, np.ndarray],
-        rows: np.ndarray,
-        grad: np.ndarray,
-        values: dict[str, np.ndarray],
-    ) -> None:
+    def compiled_rows(self, updated: _Arrays, rows: np.ndarray, grad: np.ndarray, values: _Arrays) -> bool:
         loops = _compiled.loops() if self._use_loops else None
         var, accum = updated["var"], updated["accum"]
         if loops is None or not rows.size or not var.size or not _compiled.contiguous(var, accum, grad, rows):
-            super()._update_rows(updated, rows, grad, values)
-            return
+            return False
         loops.sparse_adagrad(
             var.reshape(var.shape[0], -1),
             accum.reshape(var.shape[0], -1),
@@ -661,6 +664,7 @@ class SparseApplyAdagradKernel(_SparseApplyKernel):
             self.update_slots,
             self.dtype.type(1),
         )
+        return True
 
     def update(self, **x: np.ndarray) -> dict[str, Any]:
         grad, accum, var = x["grad"], x["accum"], x["var"]
