@@ -392,12 +392,18 @@ class MatMulKernel(OpKernel):
         return [array(product, self.dtype)]
 
 
-def _matmul(lhs: np.ndarray, rhs: np.ndarray) -> np.ndarray:
+def _matmul(
+    lhs: np.ndarray, rhs: np.ndarray, then: Callable[[np.ndarray], object] | None = None
+) -> np.ndarray:
     """lhs @ rhs; a large product in two blocks of rows, one on the intra-op helper
     thread when it runs (`_intra_op`). Each block keeps `SPLIT_MIN_ROWS` // 2 rows or
     more, so BLAS computes it as it does the whole (its matrix-matrix kernel, each
     element summed over the inner dimension in the same order): the same bits. (A
-    product of a row or a few takes other kernels, summing in another order.)"""
+    product of a row or a few takes other kernels, summing in another order.)
+
+    `then`, an element-wise pass in place (quiet: it may run on the helper thread), is
+    applied to each block by the thread that computed it, while the block is still in
+    that core's cache (a fused layer's bias and activation)."""
     rows = lhs.shape[0]
     if (
         rows < _intra_op.SPLIT_MIN_ROWS  # (first: the usual small product stops here)
@@ -405,13 +411,18 @@ def _matmul(lhs: np.ndarray, rhs: np.ndarray) -> np.ndarray:
         or not _intra_op.enabled()
     ):
         product: np.ndarray = _quiet_matmul(lhs, rhs)
+        if then is not None:
+            then(product)
         return product
     out = np.empty((rows, rhs.shape[1]), np.result_type(lhs, rhs))
+
+    def block(part: slice) -> None:
+        _quiet_matmul(lhs[part], rhs, out=out[part])
+        if then is not None:
+            then(out[part])
+
     half = rows // 2
-    _intra_op.run_halves(
-        lambda: _quiet_matmul(lhs[:half], rhs, out=out[:half]),
-        lambda: _quiet_matmul(lhs[half:], rhs, out=out[half:]),
-    )
+    _intra_op.run_halves(lambda: block(slice(None, half)), lambda: block(slice(half, None)))
     return out
 
 
@@ -454,11 +465,21 @@ class BiasAddKernel(OpKernel):
 FUSED_MATMUL_OP = "_DistserverFusedMatMul"
 FUSED_NODES_ATTR = "_fused_nodes"  # list(string): the parts' serialized NodeDefs, in order
 BIAS_ADD_OPS = frozenset({"BiasAdd", "AddV2", "Add"})
-# Each written into the sum's own array where numpy can: the same ufunc, the same bits.
-_ACTIVATIONS = {
+
+
+def _sigmoid_in_place(x: np.ndarray) -> None:
+    """x = `_sigmoid`(x): its operations, element by element, so its bits."""
+    t = np.negative(x)
+    np.exp(t, out=t)
+    np.add(1, t, out=t)
+    np.divide(1, t, out=x)
+
+
+# Each written into the sum's own array: the same ufuncs, the same bits.
+_ACTIVATIONS: dict[str, Callable[[np.ndarray], object]] = {
     "Relu": lambda x: np.maximum(x, np.zeros((), x.dtype), out=x),
     "Tanh": lambda x: np.tanh(x, out=x),
-    "Sigmoid": _sigmoid,
+    "Sigmoid": _sigmoid_in_place,
 }
 ACTIVATION_OPS = frozenset(_ACTIVATIONS)
 FUSED_TYPES: frozenset[np.dtype[Any]] = frozenset({np.dtype(np.float32), np.dtype(np.float64)})
@@ -508,10 +529,15 @@ class FusedMatMulKernel(OpKernel):
         self.transpose_b = self.matmul.transpose_b  # type: ignore[attr-defined]
         activate = _ACTIVATIONS[ops[2]] if rest else None
 
+        def finish(block: np.ndarray, bias: np.ndarray) -> None:  # into the product's new array
+            np.add(block, bias, out=block)
+            if activate is not None:
+                activate(block)
+
+        quiet_finish = quiet(finish)
+
         def layer(lhs: np.ndarray, rhs: np.ndarray, bias: np.ndarray) -> np.ndarray:
-            product = _matmul(lhs, rhs)  # a new array: the sum is written into it
-            np.add(product, bias, out=product)
-            return product if activate is None else activate(product)
+            return _matmul(lhs, rhs, then=lambda block: quiet_finish(block, bias))
 
         self._layer = quiet(layer)
 

@@ -10,7 +10,7 @@ from distserver import errors
 from distserver.kernels import _intra_op, create_kernel
 from distserver.kernels._common import broadcast_shape
 
-from .conftest import make_node
+from .conftest import Context, make_node, run_op
 
 RNG = np.random.default_rng(0)
 
@@ -346,6 +346,46 @@ def test_a_large_product_is_cut_in_two_on_the_helper_thread_and_gives_the_same_b
     _intra_op.disable()
     np.testing.assert_array_equal(run_op("MatMul", a, b, T=dtype, transpose_a=transpose_a)[0], whole)
     assert len(halves) == 1  # off: one call, not split
+
+
+@pytest.mark.parametrize("activation", [None, "Relu", "Tanh", "Sigmoid"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_large_fused_layer_is_cut_in_two_and_each_half_finished_by_its_thread_with_the_same_bits(
+    intra_op_helper, monkeypatch, activation, dtype
+):
+    import threading
+
+    from distserver.kernels import math as kernels_math
+
+    parts = [make_node("MatMul", ["x", "w"], name="product", T=dtype)]
+    parts.append(make_node("BiasAdd", ["product", "b"], name="sum", T=dtype))
+    if activation is not None:
+        parts.append(make_node(activation, ["sum"], name="y", T=dtype))
+    node = make_node(kernels_math.FUSED_MATMUL_OP, name="layer", T=dtype)
+    node.attr[kernels_math.FUSED_NODES_ATTR].list.s.extend(part.SerializeToString() for part in parts)
+    rng = np.random.default_rng(4)
+    x = (rng.standard_normal((256, 784)) * 4).astype(dtype)  # an mlp's first layer
+    w = (rng.standard_normal((784, 512)) * 0.05).astype(dtype)
+    b = (rng.standard_normal(512) * 4).astype(dtype)
+    finished_by = []
+    real_finish = kernels_math._matmul
+
+    def matmul(lhs, rhs, then=None):
+        def finish(block):
+            finished_by.append((threading.current_thread().name, block.shape[0]))
+            then(block)
+
+        return real_finish(lhs, rhs, then=finish)
+
+    want = run_op("BiasAdd", run_op("MatMul", x, w, T=dtype)[0], b, T=dtype)[0]  # the parts' kernels
+    if activation is not None:
+        want = run_op(activation, want, T=dtype)[0]
+    monkeypatch.setattr(kernels_math, "_matmul", matmul)
+    (got,) = create_kernel(node).compute(Context(), [x, w, b])
+    assert sorted(rows for _, rows in finished_by) == [128, 128]
+    assert {name.startswith("distserver-intra-op") for name, _ in finished_by} == {True, False}
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
 
 
 def test_a_small_product_or_one_of_few_rows_is_not_cut(run_op, intra_op_helper, monkeypatch):
