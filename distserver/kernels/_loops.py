@@ -24,7 +24,7 @@ _OPTIONS: dict[str, Any] = {"nogil": True, "cache": True, "error_model": "numpy"
 # What a signature's letters stand for: the loop's dtype, scalars of it, C-contiguous
 # arrays of it that the loop writes (W: 1-d, WW: 2-d) or only reads (R, RR: read-only
 # arrays, as the tensors a task receives are; kernels pass every input read-only,
-# `_compiled.read_only`), int64 row numbers (I) and a flag (B).
+# `_compiled.read_only`), int64 row numbers (I), a flag (B) and an int64 (N).
 _LETTERS = {
     "WW": lambda t: types.Array(t, 2, "C"),
     "RR": lambda t: types.Array(t, 2, "C", readonly=True),
@@ -32,6 +32,7 @@ _LETTERS = {
     "R": lambda t: types.Array(t, 1, "C", readonly=True),
     "I": lambda t: types.Array(types.int64, 1, "C", readonly=True),
     "B": lambda t: types.boolean,
+    "N": lambda t: types.int64,
     "T": lambda t: t,
 }
 
@@ -125,3 +126,33 @@ def add_rows_at(output: np.ndarray, ids: np.ndarray, rows: np.ndarray) -> None: 
         r = ids[k]
         for j in range(output.shape[1]):
             output[r, j] = output[r, j] + rows[k, j]
+
+
+# `activation_gradient_with_sums`'s kinds: the gradient op, and its inputs (a, b).
+RELU = 0  # ReluGrad(dy, x): dy * (x > 0)
+TANH = 1  # TanhGrad(y, dy): dy * (1 - y * y)
+SIGMOID = 2  # SigmoidGrad(y, dy): dy * y * (1 - y)
+
+
+@numba.njit(_signatures("WW", "W", "RR", "RR", "N", "T", "T"), **_OPTIONS)
+def activation_gradient_with_sums(
+    gradient: np.ndarray, sums: np.ndarray, a: np.ndarray, b: np.ndarray, kind: int, zero: Any, one: Any
+) -> None:  # pragma: no cover
+    """gradient = the activation's gradient of `kind` (`nn.ActivationGradKernel`), and
+    sums = its rows added one after the other to zeros, as `np.add.reduce(gradient,
+    axis=0)` adds them when there is more than one column: a dense layer's bias
+    gradient, in the same pass. (One difference in bits: where a sum adds a NaN to a
+    NaN, the machine code may keep the other NaN than numpy does, so a NaN sum's sign
+    bit may differ.)"""
+    for j in range(sums.size):
+        sums[j] = zero
+    for i in range(gradient.shape[0]):
+        for j in range(gradient.shape[1]):
+            if kind == RELU:
+                g = a[i, j] * (one if b[i, j] > zero else zero)
+            elif kind == TANH:
+                g = b[i, j] * (one - a[i, j] * a[i, j])
+            else:
+                g = b[i, j] * a[i, j] * (one - a[i, j])
+            gradient[i, j] = g
+            sums[j] = sums[j] + g

@@ -30,7 +30,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from distserver import errors
-from distserver.kernels import _intra_op
+from distserver.kernels import _compiled, _intra_op
 from distserver.kernels._common import (
     BFLOAT16,
     BOOL,
@@ -573,6 +573,9 @@ def _fused_part(kernel: OpKernel, data: bytes) -> NodeDef:
 # when an executor is built (`runtime.executor._fuse_dense_gradients`).
 FUSED_MATMUL_GRAD_OP = "_DistserverFusedMatMulGrad"
 FUSED_GRADIENT_OPS = frozenset({"TanhGrad", "SigmoidGrad", "ReluGrad"})
+# Their kinds in `_loops.activation_gradient_with_sums` (`_loops` itself is imported by
+# `_compiled`'s background thread only).
+_GRADIENT_LOOP_KINDS = {"ReluGrad": 0, "TanhGrad": 1, "SigmoidGrad": 2}
 
 
 @register_kernel(FUSED_MATMUL_GRAD_OP)
@@ -617,9 +620,22 @@ class FusedMatMulGradKernel(OpKernel):
         self.gradient, self.sum, self.reshape, self.weights_gradient = kernels[:4]
         self.input_gradient = kernels[4] if len(kernels) == 5 else None
         fn, alpha = self.gradient.fn, self.gradient.alpha  # type: ignore[attr-defined]
+        kind = _GRADIENT_LOOP_KINDS[self.gradient.op]
+        zero, one = self.dtype.type(0), self.dtype.type(1)
+        _compiled.prepare()
 
         def layer(a: np.ndarray, b: np.ndarray, h: np.ndarray, w: np.ndarray | None) -> list[np.ndarray]:
-            return _dense_gradients(fn(a, b, alpha), h, w)
+            loops = _compiled.loops()
+            # One compiled pass for the gradient and its column sums, where numpy's sum
+            # adds the rows one after the other (more than one column).
+            if loops is None or a.shape[1] < 2 or not _compiled.contiguous(a, b):
+                return _dense_gradients(fn(a, b, alpha), h, w)
+            g = np.empty(a.shape, a.dtype)
+            bias = np.empty(a.shape[1], a.dtype)
+            loops.activation_gradient_with_sums(
+                g, bias, _compiled.read_only(a, *a.shape), _compiled.read_only(b, *b.shape), kind, zero, one
+            )
+            return _layer_products(bias, g, h, w)
 
         self._layer = quiet(layer)
 
@@ -662,6 +678,11 @@ def _dense_gradients(g: Any, h: np.ndarray, w: np.ndarray | None) -> list[np.nda
     if type(g) is not np.ndarray or g.dtype != h.dtype:  # (`ActivationGradKernel`)
         g = array(g, h.dtype)
     bias = np.add.reduce(g, axis=(0,), dtype=g.dtype)  # (`SumKernel`, in the reshape's shape)
+    return _layer_products(bias, g, h, w)
+
+
+def _layer_products(bias: np.ndarray, g: np.ndarray, h: np.ndarray, w: np.ndarray | None) -> list[np.ndarray]:
+    """`FusedMatMulGradKernel`'s outputs, given the bias's gradient: the products."""
     if w is None:
         return [bias, _matmul(h.T, g)]
     return [bias, _matmul(h.T, g), _matmul(g, w.T)]

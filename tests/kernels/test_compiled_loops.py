@@ -15,11 +15,12 @@ import pytest
 
 import distserver as ds
 from distserver.kernels import _compiled, create_kernel
+from distserver.kernels.math import FUSED_MATMUL_GRAD_OP, FUSED_NODES_ATTR
 
 from .conftest import Context, make_node
 from .test_in_place_updates import _variable, torn_reads
 
-LOOPS = ("adam", "momentum", "adagrad", "sparse_adagrad", "add_rows_at")
+LOOPS = ("adam", "momentum", "adagrad", "sparse_adagrad", "add_rows_at", "activation_gradient_with_sums")
 
 
 @pytest.fixture
@@ -211,6 +212,59 @@ def test_segment_sum_loop_gives_numpys_bits(monkeypatch, counted, dtype, index_t
     _assert_same_bits(compiled, [expected])
 
 
+def _dense_gradients(op, a, b, h, w=None):
+    """A dense layer's backward pass as one node (`FusedMatMulGradKernel`): the gradient
+    `op` of (a, b), the bias's gradient, the weights' [and the input's]."""
+    dtype = a.dtype.type
+    parts = [
+        make_node(op, ["a", "b"], name="g", T=dtype),
+        make_node("Sum", ["g", "axes"], name="s", T=dtype, Tidx=np.int32, keep_dims=True),
+        make_node("Reshape", ["s", "shape"], name="r", T=dtype, Tshape=np.int32),
+        make_node("MatMul", ["h", "g"], name="m", T=dtype, transpose_a=True),
+    ]
+    if w is not None:
+        parts.append(make_node("MatMul", ["g", "w"], name="i", T=dtype, transpose_b=True))
+    node = make_node(FUSED_MATMUL_GRAD_OP, name="layer_grad", T=dtype, N=len(parts) - 4)
+    node.attr[FUSED_NODES_ATTR].list.s.extend(part.SerializeToString() for part in parts)
+    axes, shape = np.array([0], np.int32), np.array([a.shape[1]], np.int32)
+    inputs = [a, b, axes, shape, h] + ([] if w is None else [w])
+    return create_kernel(node).compute(Context(), inputs)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("op", ["ReluGrad", "TanhGrad", "SigmoidGrad"])
+@pytest.mark.parametrize(("rows", "columns"), [(256, 512), (3, 2), (1, 7), (0, 4)])
+def test_a_dense_layers_gradient_and_bias_sums_loop_gives_numpys_bits(
+    monkeypatch, counted, dtype, op, rows, columns
+):
+    rng = np.random.default_rng(rows + columns)
+    shape = (rows, columns)
+    a, b = (
+        _received((rng.normal(size=shape) * 10.0 ** rng.integers(-20, 20, size=shape)).astype(dtype))
+        for _ in "ab"
+    )
+    h = _received(rng.normal(size=(rows, 5)).astype(dtype))
+    w = _received(rng.normal(size=(3, columns)).astype(dtype))
+    compiled, numpy = _both_ways(monkeypatch, lambda: _dense_gradients(op, a, b, h, w))
+    assert counted["activation_gradient_with_sums"] == 1
+    _assert_same_bits(compiled, numpy)
+
+
+@pytest.mark.parametrize("op", ["ReluGrad", "TanhGrad", "SigmoidGrad"])
+def test_a_dense_layers_gradient_loop_gives_numpys_infinities_and_nans(monkeypatch, counted, op):
+    rng = np.random.default_rng(2)
+    a, b = (rng.normal(size=(64, 32)).astype(np.float32) for _ in "ab")
+    a.flat[::7], b.flat[::11], a.flat[::13], b.flat[::17] = -0.0, np.inf, np.nan, -np.inf
+    h = _received(rng.normal(size=(64, 8)).astype(np.float32))
+    compiled, numpy = _both_ways(monkeypatch, lambda: _dense_gradients(op, _received(a), _received(b), h))
+    assert counted["activation_gradient_with_sums"] == 1
+    _assert_same_bits(compiled[1:], numpy[1:])  # the weights' gradient, and through it the layer's
+    # The bias's: a NaN added to a NaN may keep the other one (its sign bit), as `_loops` says.
+    assert np.isnan(numpy[0]).any()
+    np.testing.assert_array_equal(compiled[0], numpy[0])
+    _assert_same_bits(compiled[0][~np.isnan(numpy[0])], numpy[0][~np.isnan(numpy[0])])
+
+
 def test_inputs_a_loop_is_not_made_for_take_numpys_calls(make_node, monkeypatch, counted):
     rng = np.random.default_rng(1)
     start = [rng.normal(size=(6, 5)).astype(np.float32) for _ in range(3)]
@@ -224,6 +278,12 @@ def test_inputs_a_loop_is_not_made_for_take_numpys_calls(make_node, monkeypatch,
         create_kernel(_segment_node(np.float32, np.int32, op="UnsortedSegmentProd")).compute(
             Context(), [np.ones((3, 2), np.float32), np.array([0, 1, 0], np.int32), np.array(2, np.int32)]
         ),
+        _dense_gradients(
+            "ReluGrad", *[np.ones((4, 1), np.float32)] * 2, np.ones((4, 3), np.float32)
+        ),  # a column
+        _dense_gradients(
+            "TanhGrad", *[np.ones((3, 4), np.float32).T] * 2, np.ones((4, 3), np.float32)
+        ),  # strided
     ]
     assert sum(counted.values()) == 0
     monkeypatch.setattr(_compiled, "_loops", None)
