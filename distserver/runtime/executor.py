@@ -11,6 +11,10 @@ resolves inputs, and rejects cycles. `run(ctx)` then executes one step:
   needs no queue: it runs as one sequence fixed at registration (`_Straight`, ~1-2
   us a node less), a large node taking the nodes after it to its pool thread (one
   hop, not one per large node).
+* What another task waits for goes first: of the nodes ready, those a `_Send` to
+  another task needs run before the others (in the queue and in the sequence alike),
+  and once they have run, the event loop hands the sent values to the requests
+  already waiting for them before any other node runs (`_sending_to_peers`).
 * Per-step work that does not depend on the data is done once, at registration or
   at the first step: how each node runs (`_Node.mode`), and the outputs of nodes
   without inputs whose kernel says they are fixed (`OpKernel.outputs_fixed`: Const,
@@ -274,6 +278,9 @@ class Executor:
             else None
         )
         self._plan_fixed_nodes()
+        # The `_Send`s to another task, and whether each node is one or one they need:
+        # those go first (`_sending_to_peers`).
+        self._peer_sends, self._to_peers = _sending_to_peers(self._nodes)
         self._straight = None if has_refs or has_loops else _plan_straight(self)
 
     def _plan_fixed_nodes(self) -> None:
@@ -424,6 +431,8 @@ class Executor:
         pool = ctx.pool
         wake = asyncio.Event()
         in_flight = 0
+        to_peers, peer_sends = self._to_peers, self._peer_sends
+        sent_to_peer = False  # since the ready queue last ran a node no other task waits for
         # Whether a dead value exists in this step yet: until one does (most steps have no
         # conditional), no node pays for looking for them.
         saw_dead = False
@@ -446,7 +455,10 @@ class Executor:
             for c in node.consumers:
                 waits[c] -= 1
                 if waits[c] == 0:
-                    ready.append(c)
+                    if to_peers[c]:
+                        ready.appendleft(c)
+                    else:
+                        ready.append(c)
 
         async def run_task(node: _Node, inputs: list[Any], offload: bool) -> None:
             nonlocal in_flight
@@ -487,6 +499,11 @@ class Executor:
             async with asyncio.TaskGroup() as group:
                 while True:
                     while ready:
+                        if sent_to_peer and not to_peers[ready[0]]:
+                            # Hand what was sent to the requests waiting for it first.
+                            sent_to_peer = False
+                            await _hand_over_sent_values()
+                            continue
                         node = nodes[ready.popleft()]
                         if saw_dead:
                             inputs = [_output(nodes, outputs, src, k, node) for src, k in node.inputs]
@@ -546,7 +563,12 @@ class Executor:
                                 left = waits[c] - 1
                                 waits[c] = left
                                 if not left:
-                                    ready.append(c)
+                                    if to_peers[c]:
+                                        ready.appendleft(c)
+                                    else:
+                                        ready.append(c)
+                            if i in peer_sends:
+                                sent_to_peer = True
                             del values
                         del inputs  # the kernel holds its inputs only while it runs
                     if in_flight == 0:
@@ -571,6 +593,7 @@ class _Entry(NamedTuple):
     read: bool  # whether its outputs are read at all
     sized: bool  # whether it may go to the pool (`_BY_SIZE`, `_THREAD`)
     in_thread: int  # what a run of nodes in a thread does with it (`_in_thread`)
+    hands_over: bool  # whether it ends a run of nodes leading to a `_Send` to another task
 
 
 # What a run of nodes in a thread (`_Straight._run_in_thread`) does with a node: run it;
@@ -615,7 +638,7 @@ class _Straight:
         pool = ctx.pool
         position = start
         while position < end:
-            node, sources, last_reads, read, sized, _ = program[position]
+            node, sources, last_reads, read, sized, _, hands_over = program[position]
             inputs = _take_inputs(self.nodes, outputs, node, sources, last_reads)
             if sized and pool is not None and (node.mode == _THREAD or _large(node, inputs)):
                 loop = asyncio.get_running_loop()
@@ -642,6 +665,8 @@ class _Straight:
                 outputs[node.index] = values
             del values
             position += 1
+            if hands_over:
+                await _hand_over_sent_values()
 
     def _run_in_thread(
         self,
@@ -733,6 +758,7 @@ def _plan_straight(executor: Executor) -> _Straight | None:
     sequence, they order nothing."""
     nodes = executor._nodes
     waits = list(executor._waits_after_fixed)
+    to_peers = executor._to_peers  # (first, as in the ready queue)
     ready = deque(executor._ready_after_fixed)
     receives: list[int] = []
     order: list[int] = []
@@ -751,7 +777,10 @@ def _plan_straight(executor: Executor) -> _Straight | None:
         for c in node.consumers:
             waits[c] -= 1
             if not waits[c]:
-                ready.append(c)
+                if to_peers[c]:
+                    ready.appendleft(c)
+                else:
+                    ready.append(c)
             if late or i in after_receive:
                 after_receive.add(c)
     if any(nodes[i].num_waits for i in receives):
@@ -762,7 +791,7 @@ def _plan_straight(executor: Executor) -> _Straight | None:
     order = first + [i for i in order if i in after_receive]
     unread = list(executor._unread_after_fixed)
     program = []
-    for i in order:
+    for position, i in enumerate(order):
         node = nodes[i]
         last_reads = []
         for src in node.sources:
@@ -777,9 +806,48 @@ def _plan_straight(executor: Executor) -> _Straight | None:
                 bool(executor._unread_after_fixed[i]),
                 node.mode in (_BY_SIZE, _THREAD) and not node.kernel.loop_bound,
                 _in_thread(node.kernel),
+                to_peers[i] and position + 1 < len(order) and not to_peers[order[position + 1]],
             )
         )
     return _Straight(nodes, receives, program, len(first))
+
+
+def _sending_to_peers(nodes: list[_Node]) -> tuple[frozenset[int], list[bool]]:
+    """The `_Send`s to another task (not to the client), and for each node whether it
+    is one of them or one they need.
+
+    A step runs those first, a node made ready by one first of all (a `_Send` right
+    after what it sends): another task waits for what they send (an embedding's
+    gathered rows on its ps, which would otherwise wait for the ps to deduplicate the
+    ids for its own update). Then, before any other node, it lets the event loop hand
+    the sent values to the requests waiting for them (`_hand_over_sent_values`)."""
+    sends = frozenset(
+        node.index
+        for node in nodes
+        if isinstance(node.kernel, SendKernel)
+        and not node.kernel.client_terminated
+        and node.kernel.key.dst_task != node.kernel.key.src_task
+    )
+    producers: dict[int, list[int]] = {}
+    for node in nodes:
+        for c in node.consumers:
+            producers.setdefault(c, []).append(node.index)
+    needed = set(sends)
+    frontier = list(sends)
+    while frontier:
+        for producer in producers.get(frontier.pop(), ()):
+            if producer not in needed:
+                needed.add(producer)
+                frontier.append(producer)
+    return sends, [i in needed for i in range(len(nodes))]
+
+
+async def _hand_over_sent_values() -> None:
+    """Let the event loop give values just sent to the requests waiting for them: a
+    request waiting on a value's slot resumes two loop turns after the `_Send` (the
+    slot's callback, then the request's task)."""
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
 
 
 def _in_thread(kernel: OpKernel) -> int:

@@ -480,6 +480,50 @@ def _recv(name: str, src_task: str = TASK) -> NodeDef:
     return node
 
 
+PS = "/job:ps/replica:0/task:0"
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["sequence", "ready-queue"])
+async def test_what_another_task_waits_for_is_sent_and_handed_over_before_the_rest(late):
+    # A ps's embedding step: the ids arrive, the rows gathered from them go to the
+    # worker, which waits; the ps's own work on the ids (its deduplication for the
+    # update, here `local`) waits until the rows are handed to the worker's request.
+    # Ids that arrive after the step started make it run its ready queue; ids already
+    # there, one fixed sequence.
+    graph = _graph(
+        _recv("ids", src_task=PS),
+        _node("local", "Neg", ["ids"], T=_F32),  # first in the graph: FIFO would run it first
+        _node("rows", "Square", ["ids"], T=_F32),
+        _send("to_ps", "rows", PS),
+        _node("more_local", "Neg", ["local"], T=_F32),
+        _send("fetch", "more_local"),
+    )
+    executor = Executor(graph)
+    assert executor._straight is not None
+    ids, sent = (executor._nodes[i].kernel.key for i in (0, 3))  # type: ignore[attr-defined]
+    ctx = _step_context(None)
+    worker_request = asyncio.ensure_future(ctx.rendezvous.recv_local(sent))  # waiting already
+    ran: list[tuple[str, bool]] = []
+    for node in executor._nodes:
+        if node.kernel.name in ("local", "rows", "to_ps", "more_local"):
+
+            def recording(ctx, inputs, compute=node.compute, name=node.kernel.name):
+                ran.append((name, worker_request.done()))
+                return compute(ctx, inputs)
+
+            node.compute = recording
+    if not late:
+        ctx.rendezvous.send(ids, np.float32(3.0))
+    step = asyncio.ensure_future(executor.run(ctx))
+    if late:
+        await asyncio.sleep(0)
+        assert not step.done()
+        ctx.rendezvous.send(ids, np.float32(3.0))
+    await step
+    assert ran == [("rows", False), ("to_ps", False), ("local", True), ("more_local", True)]
+    assert await worker_request == (np.float32(9.0), False)
+
+
 async def test_a_receive_is_waited_for_without_a_task_and_given_up_when_the_step_stops():
     # `_Recv` values are futures the step waits on (no task per receive); a step that
     # stops (here: its timeout) cancels its own receives, never the rendezvous' slot,
@@ -695,13 +739,14 @@ async def test_a_large_node_takes_the_nodes_after_it_to_its_thread_sends_going_b
     graph.node[5].attr["Tidx"].type = types_pb2.DT_INT32
     executor = Executor(graph)
     program = [entry.node.kernel.name for entry in executor._straight.program]  # type: ignore[union-attr]
-    assert program == ["big", "a", "b", "z", "c", "to_ps", "d", "fetch_d"]
+    # (What another task waits for first: the send to the ps right after its value.)
+    assert program == ["big", "a", "b", "to_ps", "z", "c", "d", "fetch_d"]
     with _HopCountingPool() as pool:
         ctx = _step_context(pool)
         await executor.run(ctx)
     assert pool.hops == 2
     here = threading.current_thread().name
-    assert [name for name in program if where[name] == here] == ["z", "to_ps", "fetch_d"]
+    assert [name for name in program if where[name] == here] == ["to_ps", "z", "fetch_d"]
     sent = {executor._nodes[i].kernel.name: executor._nodes[i].kernel.key for i in (8, 10)}  # type: ignore[attr-defined]
     assert await ctx.rendezvous.recv_local(sent["to_ps"]) == (np.float32(-elements), False)
     value, _ = await ctx.rendezvous.recv_local(sent["fetch_d"])
