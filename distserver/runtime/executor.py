@@ -100,6 +100,7 @@ from distserver.protos.graph_pb2 import GraphDef
 from distserver.protos.node_def_pb2 import NodeDef
 from distserver.runtime.concurrency import first_error
 from distserver.runtime.functions import index_library, inline_functions, instantiate
+from distserver.runtime.fusion import reached_from
 from distserver.runtime.names import parse_input
 from distserver.runtime.rendezvous import StepRendezvous
 
@@ -417,7 +418,7 @@ class Executor:
             # Outputs still to be taken by a consumer; a node's entry is dropped with its last read.
             unread = list(self._unread_after_fixed)
             waits = list(self._waits_after_fixed)
-            ready = deque(self._ready_after_fixed)
+            first = self._ready_after_fixed
             for i, values in zip(self._fixed, self._fixed_values(ctx), strict=True):
                 if unread[i]:
                     outputs[i] = values
@@ -427,12 +428,16 @@ class Executor:
         else:
             unread = [n.num_reads for n in nodes]
             waits = [n.num_waits for n in nodes]
-            ready = deque(self._roots)
+            first = self._roots
+        # Two queues: the nodes another task waits for (`_sending_to_peers`), taken first,
+        # and the others; each first in, first out.
+        to_peers, peer_sends = self._to_peers, self._peer_sends
+        urgent = deque(i for i in first if to_peers[i])
+        ready = deque(i for i in first if not to_peers[i])
+        sent_to_peer = False  # a `_Send` to another task ran since the last hand-over
         pool = ctx.pool
         wake = asyncio.Event()
         in_flight = 0
-        to_peers, peer_sends = self._to_peers, self._peer_sends
-        sent_to_peer = False  # since the ready queue last ran a node no other task waits for
         # Whether a dead value exists in this step yet: until one does (most steps have no
         # conditional), no node pays for looking for them.
         saw_dead = False
@@ -455,10 +460,7 @@ class Executor:
             for c in node.consumers:
                 waits[c] -= 1
                 if waits[c] == 0:
-                    if to_peers[c]:
-                        ready.appendleft(c)
-                    else:
-                        ready.append(c)
+                    (urgent if to_peers[c] else ready).append(c)
 
         async def run_task(node: _Node, inputs: list[Any], offload: bool) -> None:
             nonlocal in_flight
@@ -498,13 +500,15 @@ class Executor:
         try:
             async with asyncio.TaskGroup() as group:
                 while True:
-                    while ready:
-                        if sent_to_peer and not to_peers[ready[0]]:
-                            # Hand what was sent to the requests waiting for it first.
+                    while urgent or ready:
+                        if urgent:
+                            node = nodes[urgent.popleft()]
+                        elif sent_to_peer:
                             sent_to_peer = False
                             await _hand_over_sent_values()
                             continue
-                        node = nodes[ready.popleft()]
+                        else:
+                            node = nodes[ready.popleft()]
                         if saw_dead:
                             inputs = [_output(nodes, outputs, src, k, node) for src, k in node.inputs]
                         else:
@@ -563,10 +567,7 @@ class Executor:
                                 left = waits[c] - 1
                                 waits[c] = left
                                 if not left:
-                                    if to_peers[c]:
-                                        ready.appendleft(c)
-                                    else:
-                                        ready.append(c)
+                                    (urgent if to_peers[c] else ready).append(c)
                             if i in peer_sends:
                                 sent_to_peer = True
                             del values
@@ -759,13 +760,14 @@ def _plan_straight(executor: Executor) -> _Straight | None:
     nodes = executor._nodes
     waits = list(executor._waits_after_fixed)
     to_peers = executor._to_peers  # (first, as in the ready queue)
-    ready = deque(executor._ready_after_fixed)
+    urgent = deque(i for i in executor._ready_after_fixed if to_peers[i])
+    ready = deque(i for i in executor._ready_after_fixed if not to_peers[i])
     receives: list[int] = []
     order: list[int] = []
     # Nodes that need a receive other than a feed's (through data or control).
     after_receive: set[int] = set()
-    while ready:
-        i = ready.popleft()
+    while urgent or ready:
+        i = urgent.popleft() if urgent else ready.popleft()
         node = nodes[i]
         late = node.mode == _RECEIVE and not node.kernel.client_terminated  # type: ignore[attr-defined]
         if node.mode == _RECEIVE:  # (its value may be dead: a step checks when it starts)
@@ -777,10 +779,7 @@ def _plan_straight(executor: Executor) -> _Straight | None:
         for c in node.consumers:
             waits[c] -= 1
             if not waits[c]:
-                if to_peers[c]:
-                    ready.appendleft(c)
-                else:
-                    ready.append(c)
+                (urgent if to_peers[c] else ready).append(c)
             if late or i in after_receive:
                 after_receive.add(c)
     if any(nodes[i].num_waits for i in receives):
@@ -816,11 +815,11 @@ def _sending_to_peers(nodes: list[_Node]) -> tuple[frozenset[int], list[bool]]:
     """The `_Send`s to another task (not to the client), and for each node whether it
     is one of them or one they need.
 
-    A step runs those first, a node made ready by one first of all (a `_Send` right
-    after what it sends): another task waits for what they send (an embedding's
-    gathered rows on its ps, which would otherwise wait for the ps to deduplicate the
-    ids for its own update). Then, before any other node, it lets the event loop hand
-    the sent values to the requests waiting for them (`_hand_over_sent_values`)."""
+    Of the nodes ready, a step runs those first (each kind in the order they became
+    ready): another task waits for what they send (an embedding's gathered rows on its
+    ps, which would otherwise wait for the ps to deduplicate the ids for its own
+    update). Then, before any other node, it lets the event loop hand the sent values
+    to the requests waiting for them (`_hand_over_sent_values`)."""
     sends = frozenset(
         node.index
         for node in nodes
@@ -832,13 +831,7 @@ def _sending_to_peers(nodes: list[_Node]) -> tuple[frozenset[int], list[bool]]:
     for node in nodes:
         for c in node.consumers:
             producers.setdefault(c, []).append(node.index)
-    needed = set(sends)
-    frontier = list(sends)
-    while frontier:
-        for producer in producers.get(frontier.pop(), ()):
-            if producer not in needed:
-                needed.add(producer)
-                frontier.append(producer)
+    needed = sends | reached_from(sends, producers)
     return sends, [i in needed for i in range(len(nodes))]
 
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
+from collections.abc import Iterable, Mapping
+from typing import TypeVar
 
 from distserver import errors
 from distserver.kernels.math import ACTIVATION_OPS, BIAS_ADD_OPS, FUSED_MATMUL_OP, FUSED_NODES_ATTR
@@ -30,6 +32,8 @@ from distserver.protos.node_def_pb2 import NodeDef
 from distserver.protos.types_pb2 import DT_DOUBLE, DT_FLOAT
 from distserver.runtime.names import parse_input
 from distserver.tensors import as_numpy_dtype, shape_from_proto
+
+_T = TypeVar("_T")
 
 _FUSED_TYPES = frozenset({DT_FLOAT, DT_DOUBLE})  # `kernels.math.FUSED_TYPES`
 
@@ -169,9 +173,9 @@ def group_variable_updates(graph_def: GraphDef) -> GraphDef:
             if not is_control:
                 data_read.add(name)
     # Every node downstream of an update: an update there depends on another one.
-    downstream = _downstream([node.name for node in updates], readers)
+    downstream = reached_from([node.name for node in updates], readers)
     # Nodes that take, directly or not, a value from another task.
-    received = _downstream(
+    received = reached_from(
         [node.name for node in graph_def.node if node.op in _RECEIVE_OPS and not _to_client(node)], readers
     )
     exported = any(
@@ -213,16 +217,16 @@ def group_variable_updates(graph_def: GraphDef) -> GraphDef:
     return result
 
 
-def _downstream(names: list[str], readers: dict[str, list[str]]) -> set[str]:
-    """The nodes reached from `names` through data or control edges (`readers`: node ->
-    the nodes with an edge from it), not counting `names` themselves unless reached."""
-    reached: set[str] = set()
-    frontier = list(names)
+def reached_from(starts: Iterable[_T], edges: Mapping[_T, Iterable[_T]]) -> set[_T]:
+    """The nodes reached from `starts` through `edges` (node -> the nodes it has an edge
+    to), not counting `starts` themselves unless reached."""
+    reached: set[_T] = set()
+    frontier = list(starts)
     while frontier:
-        for reader in readers.get(frontier.pop(), ()):
-            if reader not in reached:
-                reached.add(reader)
-                frontier.append(reader)
+        for target in edges.get(frontier.pop(), ()):
+            if target not in reached:
+                reached.add(target)
+                frontier.append(target)
     return reached
 
 
