@@ -282,7 +282,16 @@ class Executor:
         # The `_Send`s to another task, and whether each node is one or one they need:
         # those go first (`_sending_to_peers`).
         self._peer_sends, self._to_peers = _sending_to_peers(self._nodes)
+        # Where the ready queue starts, in its two queues: the nodes ready once the
+        # fixed ones ran, or (a traced step) every node without inputs.
+        self._starts = {fixed: self._first_queues(fixed) for fixed in (True, False)}
         self._straight = None if has_refs or has_loops else _plan_straight(self)
+
+    def _first_queues(self, after_fixed: bool) -> tuple[list[int], list[int]]:
+        """The first nodes of a step's ready queue, those another task waits for and
+        the others (`_sending_to_peers`)."""
+        first = self._ready_after_fixed if after_fixed else self._roots
+        return [i for i in first if self._to_peers[i]], [i for i in first if not self._to_peers[i]]
 
     def _plan_fixed_nodes(self) -> None:
         """Where a step starts once the nodes with fixed outputs (`OpKernel.outputs_fixed`,
@@ -418,7 +427,7 @@ class Executor:
             # Outputs still to be taken by a consumer; a node's entry is dropped with its last read.
             unread = list(self._unread_after_fixed)
             waits = list(self._waits_after_fixed)
-            first = self._ready_after_fixed
+            first_urgent, first_ready = self._starts[True]
             for i, values in zip(self._fixed, self._fixed_values(ctx), strict=True):
                 if unread[i]:
                     outputs[i] = values
@@ -428,12 +437,11 @@ class Executor:
         else:
             unread = [n.num_reads for n in nodes]
             waits = [n.num_waits for n in nodes]
-            first = self._roots
+            first_urgent, first_ready = self._starts[False]
         # Two queues: the nodes another task waits for (`_sending_to_peers`), taken first,
         # and the others; each first in, first out.
         to_peers, peer_sends = self._to_peers, self._peer_sends
-        urgent = deque(i for i in first if to_peers[i])
-        ready = deque(i for i in first if not to_peers[i])
+        urgent, ready = deque(first_urgent), deque(first_ready)
         sent_to_peer = False  # a `_Send` to another task ran since the last hand-over
         pool = ctx.pool
         wake = asyncio.Event()
@@ -760,8 +768,7 @@ def _plan_straight(executor: Executor) -> _Straight | None:
     nodes = executor._nodes
     waits = list(executor._waits_after_fixed)
     to_peers = executor._to_peers  # (first, as in the ready queue)
-    urgent = deque(i for i in executor._ready_after_fixed if to_peers[i])
-    ready = deque(i for i in executor._ready_after_fixed if not to_peers[i])
+    urgent, ready = (deque(first) for first in executor._starts[True])
     receives: list[int] = []
     order: list[int] = []
     # Nodes that need a receive other than a feed's (through data or control).
