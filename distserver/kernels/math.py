@@ -537,6 +537,10 @@ class FusedMatMulKernel(OpKernel):
         quiet_finish = quiet(finish)
 
         def layer(lhs: np.ndarray, rhs: np.ndarray, bias: np.ndarray) -> np.ndarray:
+            if lhs.shape[0] < _intra_op.SPLIT_MIN_ROWS:  # (`_matmul`'s first test: one block, here)
+                product: np.ndarray = np.matmul(lhs, rhs)
+                finish(product, bias)
+                return product
             return _matmul(lhs, rhs, then=lambda block: quiet_finish(block, bias))
 
         self._layer = quiet(layer)
@@ -628,13 +632,11 @@ class FusedMatMulGradKernel(OpKernel):
             loops = _compiled.loops()
             # One compiled pass for the gradient and its column sums, where numpy's sum
             # adds the rows one after the other (more than one column).
-            if loops is None or a.shape[1] < 2 or not _compiled.contiguous(a, b):
+            if loops is None or a.shape[1] < 2 or not (a.flags.c_contiguous and b.flags.c_contiguous):
                 return _dense_gradients(fn(a, b, alpha), h, w)
             g = np.empty(a.shape, a.dtype)
             bias = np.empty(a.shape[1], a.dtype)
-            loops.activation_gradient_with_sums(
-                g, bias, _compiled.read_only(a, *a.shape), _compiled.read_only(b, *b.shape), kind, zero, one
-            )
+            loops.activation_gradient_with_sums(g, bias, a, b, kind, zero, one)
             return _layer_products(bias, g, h, w)
 
         self._layer = quiet(layer)
@@ -682,10 +684,12 @@ def _dense_gradients(g: Any, h: np.ndarray, w: np.ndarray | None) -> list[np.nda
 
 
 def _layer_products(bias: np.ndarray, g: np.ndarray, h: np.ndarray, w: np.ndarray | None) -> list[np.ndarray]:
-    """`FusedMatMulGradKernel`'s outputs, given the bias's gradient: the products."""
+    """`FusedMatMulGradKernel`'s outputs, given the bias's gradient: the products (in its
+    quiet `layer`: a product of one block is numpy's own, `_matmul`'s first test)."""
+    weights = np.matmul(h.T, g) if h.shape[1] < _intra_op.SPLIT_MIN_ROWS else _matmul(h.T, g)
     if w is None:
-        return [bias, _matmul(h.T, g)]
-    return [bias, _matmul(h.T, g), _matmul(g, w.T)]
+        return [bias, weights]
+    return [bias, weights, np.matmul(g, w.T) if g.shape[0] < _intra_op.SPLIT_MIN_ROWS else _matmul(g, w.T)]
 
 
 def _only(value: Any, allowed: tuple[int, ...]) -> bool:

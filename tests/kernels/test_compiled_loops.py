@@ -234,15 +234,17 @@ def _dense_gradients(op, a, b, h, w=None):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("op", ["ReluGrad", "TanhGrad", "SigmoidGrad"])
 @pytest.mark.parametrize(("rows", "columns"), [(256, 512), (3, 2), (1, 7), (0, 4)])
+# Received from another task (read-only), or computed by this one's step (writeable):
+# the loop takes either as it is.
+@pytest.mark.parametrize("received", [True, False], ids=["received", "computed"])
 def test_a_dense_layers_gradient_and_bias_sums_loop_gives_numpys_bits(
-    monkeypatch, counted, dtype, op, rows, columns
+    monkeypatch, counted, dtype, op, rows, columns, received
 ):
     rng = np.random.default_rng(rows + columns)
     shape = (rows, columns)
-    a, b = (
-        _received((rng.normal(size=shape) * 10.0 ** rng.integers(-20, 20, size=shape)).astype(dtype))
-        for _ in "ab"
-    )
+    a, b = ((rng.normal(size=shape) * 10.0 ** rng.integers(-20, 20, size=shape)).astype(dtype) for _ in "ab")
+    if received:
+        a, b = _received(a), _received(b)
     h = _received(rng.normal(size=(rows, 5)).astype(dtype))
     w = _received(rng.normal(size=(3, columns)).astype(dtype))
     compiled, numpy = _both_ways(monkeypatch, lambda: _dense_gradients(op, a, b, h, w))
