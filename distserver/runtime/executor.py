@@ -299,7 +299,7 @@ class Executor:
         from constants, once for good: no step runs them."""
         nodes = self._nodes
         self._fixed = [i for i in self._roots if nodes[i].kernel.outputs_fixed]
-        self._fixed_outputs: dict[str, list[list[Any]]] = {}  # device -> outputs of each fixed node
+        self._start_outputs: dict[str, list[list[Any] | None]] = {}  # device -> `_outputs_at_start`
         # node -> its outputs (a graph with loops runs every node, see `_LoopStep`)
         self._folded = _fold_constants(nodes, self._fixed) if self._loop_plan is None else {}
         waits = [n.num_waits for n in nodes]
@@ -323,11 +323,7 @@ class Executor:
         (a partition the planner marked, `_Straight.gated`) the nodes that need no
         receive but the feeds', then, once every receive is here, the others. A receive
         that fails fails the step at once, naming its node."""
-        outputs: list[list[Any] | None] = [None] * len(self._nodes)
-        for i, values in zip(self._fixed, self._fixed_values(ctx), strict=True):
-            outputs[i] = values
-        for i, values in self._folded.items():
-            outputs[i] = values
+        outputs = self._outputs_at_start(ctx)
         start = 0
         try:
             if not all(future.done() for future in receives.values()):
@@ -355,12 +351,23 @@ class Executor:
             raise
         await straight.run(ctx, outputs, start, len(straight.program))
 
-    def _fixed_values(self, ctx: StepContext) -> list[list[Any]]:
-        values = self._fixed_outputs.get(ctx.device)
-        if values is None:
-            values = [_compute(self._nodes[i].kernel, ctx, []) for i in self._fixed]
-            self._fixed_outputs[ctx.device] = values
-        return values
+    def _outputs_at_start(self, ctx: StepContext) -> list[list[Any] | None]:
+        """A step's outputs as it starts (a node's index -> its outputs): those of the
+        fixed nodes (run once per device) and of the folded ones that a node of the
+        step reads. Made once per device; each step gets a copy."""
+        start = self._start_outputs.get(ctx.device)
+        if start is None:
+            start = [None] * len(self._nodes)
+            unread = self._unread_after_fixed
+            for i in self._fixed:
+                values = _compute(self._nodes[i].kernel, ctx, [])
+                if unread[i]:
+                    start[i] = values
+            for i, values in self._folded.items():
+                if unread[i]:
+                    start[i] = values
+            self._start_outputs[ctx.device] = start
+        return start.copy()
 
     def _check_acyclic(self) -> None:
         """Refuse a cycle, except through a loop's NextIteration (its edges go to the next
@@ -421,20 +428,15 @@ class Executor:
                 await self._run_straight(straight, ctx, receives)
                 return
         nodes = self._nodes
-        outputs: list[list[Any] | None] = [None] * len(nodes)
         dead_control = [False] * len(nodes)  # a control input of the node is dead
         if self._fixed and stats is None:  # a traced step shows every node run
             # Outputs still to be taken by a consumer; a node's entry is dropped with its last read.
             unread = list(self._unread_after_fixed)
             waits = list(self._waits_after_fixed)
             first_urgent, first_ready = self._starts[True]
-            for i, values in zip(self._fixed, self._fixed_values(ctx), strict=True):
-                if unread[i]:
-                    outputs[i] = values
-            for i, values in self._folded.items():
-                if unread[i]:
-                    outputs[i] = values
+            outputs = self._outputs_at_start(ctx)
         else:
+            outputs = [None] * len(nodes)
             unread = [n.num_reads for n in nodes]
             waits = [n.num_waits for n in nodes]
             first_urgent, first_ready = self._starts[False]
