@@ -220,12 +220,21 @@ class TensorField(NamedTuple):
 def tensor_field(message_class: type[Message]) -> TensorField | None:
     """The repeated tensor field of a RunStep, RunCallable or RunGraph request or
     response; None for other messages."""
+    try:  # (asked two or three times a call: a step's request and response)
+        return _tensor_field_of[message_class]
+    except KeyError:
+        pass
     descriptor = message_class.DESCRIPTOR
     name = _TENSOR_FIELDS.get(descriptor.name)
-    if name is None:
-        return None
-    field = descriptor.fields_by_name[name]
-    return TensorField(name, field.number, field.message_type is NamedTensorProto.DESCRIPTOR)
+    found = None
+    if name is not None:
+        field = descriptor.fields_by_name[name]
+        found = TensorField(name, field.number, field.message_type is NamedTensorProto.DESCRIPTOR)
+    _tensor_field_of[message_class] = found
+    return found
+
+
+_tensor_field_of: dict[type[Message], TensorField | None] = {}
 
 
 def encode_tensor_message(message: Message, values: Sequence[Any]) -> bytes:
