@@ -846,10 +846,11 @@ def _sending_to_peers(nodes: list[_Node]) -> tuple[frozenset[int], list[bool]]:
 
 async def _hand_over_sent_values() -> None:
     """Let the event loop give values just sent to the requests waiting for them: a
-    request waiting on a value's slot resumes two loop turns after the `_Send` (the
-    slot's callback, then the request's task)."""
-    await asyncio.sleep(0)
-    await asyncio.sleep(0)
+    RecvTensor waiting on a value's slot resumes two loop turns after the `_Send` (the
+    slot's callback, then the request's task); a batched one (`batched_recv.answer`)
+    takes a third, which gathers the values sent in the same pass, and answers then."""
+    for _ in range(3):
+        await asyncio.sleep(0)
 
 
 def _in_thread(kernel: OpKernel) -> int:

@@ -23,6 +23,7 @@ from distserver.protos.debug_pb2 import DeviceStepStats
 from distserver.protos.graph_pb2 import GraphDef
 from distserver.protos.node_def_pb2 import NodeDef
 from distserver.protos.tensor_shape_pb2 import TensorShapeProto
+from distserver.runtime import batched_recv
 from distserver.runtime.executor import OFFLOAD_BYTES, Executor, StepContext
 from distserver.runtime.rendezvous import StepRendezvous
 from distserver.tensors import to_tensor_proto
@@ -484,12 +485,14 @@ PS = "/job:ps/replica:0/task:0"
 
 
 @pytest.mark.parametrize("late", [False, True], ids=["sequence", "ready-queue"])
-async def test_what_another_task_waits_for_is_sent_and_handed_over_before_the_rest(late):
+@pytest.mark.parametrize("batched", [False, True], ids=["recv-tensor", "recv-tensors"])
+async def test_what_another_task_waits_for_is_sent_and_handed_over_before_the_rest(late, batched):
     # A ps's embedding step: the ids arrive, the rows gathered from them go to the
     # worker, which waits; the ps's own work on the ids (its deduplication for the
     # update, here `local`) waits until the rows are handed to the worker's request.
     # Ids that arrive after the step started make it run its ready queue; ids already
-    # there, one fixed sequence.
+    # there, one fixed sequence. The worker asks with a RecvTensor, or with a batched
+    # RecvTensors (a distserver peer's small values), which answers a turn later.
     graph = _graph(
         _recv("ids", src_task=PS),
         _node("local", "Neg", ["ids"], T=_F32),  # first in the graph: FIFO would run it first
@@ -502,7 +505,9 @@ async def test_what_another_task_waits_for_is_sent_and_handed_over_before_the_re
     assert executor._straight is not None
     ids, sent = (executor._nodes[i].kernel.key for i in (0, 3))  # type: ignore[attr-defined]
     ctx = _step_context(None)
-    worker_request = asyncio.ensure_future(ctx.rendezvous.recv_local(sent))  # waiting already
+    worker_request = asyncio.ensure_future(  # waiting already
+        batched_recv.answer(ctx.rendezvous, [sent]) if batched else ctx.rendezvous.recv_local(sent)
+    )
     ran: list[tuple[str, bool]] = []
     for node in executor._nodes:
         if node.kernel.name in ("local", "rows", "to_ps", "more_local"):
@@ -521,7 +526,7 @@ async def test_what_another_task_waits_for_is_sent_and_handed_over_before_the_re
         ctx.rendezvous.send(ids, np.float32(3.0))
     await step
     assert ran == [("rows", False), ("to_ps", False), ("local", True), ("more_local", True)]
-    assert await worker_request == (np.float32(9.0), False)
+    assert await worker_request == ({sent.text: np.float32(9.0)} if batched else (np.float32(9.0), False))
 
 
 async def test_a_receive_is_waited_for_without_a_task_and_given_up_when_the_step_stops():
