@@ -608,9 +608,11 @@ class _Entry(NamedTuple):
 
 
 # What a run of nodes in a thread (`_Straight._run_in_thread`) does with a node: run it;
-# hand it to the event loop and go on (a `_Send`: the loop sends the value at once,
-# so another task waits no longer than it did); stop before it (another node bound
-# to the loop, `OpKernel.loop_bound`: a stack, a tensor array).
+# hand it to the event loop and go on (a `_Send` to this task: the loop sends the value
+# at once, so the fetch waits no longer than it did); stop before it (a `_Send` to
+# another task: the loop sends it and hands it over before any other node, rather than
+# once the thread lets go of the GIL; or another node bound to the loop,
+# `OpKernel.loop_bound`: a stack, a tensor array).
 _RUN, _TO_LOOP, _STOP = 0, 1, 2
 
 
@@ -621,11 +623,11 @@ class _Straight:
     once every receive is here, the rest.
 
     Nodes run one after the other on the event loop. A node that goes to the pool
-    (large) takes the nodes after it along, `_Send`s handed back to the loop as they
-    come, up to the first other one that must run on the loop
-    (`OpKernel.loop_bound`): one hop to a thread and back for all of them, not one
-    per large node (a hop costs ~0.1-0.3 ms on a busy 2-CPU machine; a one-task
-    `mlp` step has six large nodes)."""
+    (large) takes the nodes after it along, `_Send`s to this task handed back to the
+    loop as they come, up to the first `_Send` to another task or other node that
+    must run on the loop (`OpKernel.loop_bound`): one hop to a thread and back for
+    all of them, not one per large node (a hop costs ~0.1-0.3 ms on a busy 2-CPU
+    machine; a one-task `mlp` step has six large nodes)."""
 
     def __init__(self, nodes: list[_Node], receives: list[int], program: list[_Entry], gate: int) -> None:
         self.nodes = nodes
@@ -813,7 +815,7 @@ def _plan_straight(executor: Executor) -> _Straight | None:
                 tuple(last_reads),
                 bool(executor._unread_after_fixed[i]),
                 node.mode in (_BY_SIZE, _THREAD) and not node.kernel.loop_bound,
-                _in_thread(node.kernel),
+                _in_thread(node.kernel, i in executor._peer_sends),
                 to_peers[i] and position + 1 < len(order) and not to_peers[order[position + 1]],
             )
         )
@@ -853,11 +855,12 @@ async def _hand_over_sent_values() -> None:
         await asyncio.sleep(0)
 
 
-def _in_thread(kernel: OpKernel) -> int:
-    """What a run of nodes in a thread does with a node of `kernel` (`_RUN`...)."""
+def _in_thread(kernel: OpKernel, to_peer: bool) -> int:
+    """What a run of nodes in a thread does with a node of `kernel` (`_RUN`...);
+    `to_peer`: the node is a `_Send` to another task."""
     if not kernel.loop_bound:
         return _RUN
-    return _TO_LOOP if isinstance(kernel, SendKernel) else _STOP
+    return _TO_LOOP if isinstance(kernel, SendKernel) and not to_peer else _STOP
 
 
 async def _wait_for_receives(futures: list[asyncio.Future[tuple[Any, bool]]]) -> None:

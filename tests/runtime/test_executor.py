@@ -529,6 +529,45 @@ async def test_what_another_task_waits_for_is_sent_and_handed_over_before_the_re
     assert await worker_request == ({sent.text: np.float32(9.0)} if batched else (np.float32(9.0), False))
 
 
+async def test_a_send_to_another_task_ends_a_run_in_a_thread_and_is_handed_over_before_the_rest():
+    # A worker's last gradient (`rows`, large: computed in a pool thread) goes to the ps,
+    # whose request waits; `local` (small, the loss for the client) comes after it. The
+    # thread stops before the send: the event loop sends at once and hands the value
+    # over before `local` runs, rather than when the thread's run ends and lets go of
+    # the GIL.
+    graph = _graph(
+        _recv("grads", src_task=PS),
+        _recv("loss", src_task=PS),
+        _node("rows", "Square", ["grads"], T=_F32),
+        _send("to_ps", "rows", PS),
+        _node("local", "Neg", ["loss"], T=_F32),
+        _send("fetch", "local"),
+    )
+    executor = Executor(graph)
+    assert executor._straight is not None
+    grads, loss, sent = (executor._nodes[i].kernel.key for i in (0, 1, 3))  # type: ignore[attr-defined]
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="step-pool") as pool:
+        ctx = _step_context(pool)
+        ps_request = asyncio.ensure_future(ctx.rendezvous.recv_local(sent))  # waiting already
+        ran: list[tuple[str, bool, bool]] = []
+        for node in executor._nodes:
+            if node.kernel.name in ("rows", "to_ps", "local"):
+
+                def recording(ctx, inputs, compute=node.compute, name=node.kernel.name):
+                    in_pool = threading.current_thread().name.startswith("step-pool")
+                    ran.append((name, in_pool, ps_request.done()))
+                    return compute(ctx, inputs)
+
+                node.compute = recording
+        ctx.rendezvous.send(grads, np.full(OFFLOAD_BYTES // 4, 3.0, np.float32))
+        ctx.rendezvous.send(loss, np.float32(2.0))
+        await executor.run(ctx)
+    assert ran == [("rows", True, False), ("to_ps", False, False), ("local", False, True)]
+    value, is_dead = await ps_request
+    assert not is_dead
+    np.testing.assert_array_equal(value, np.full(OFFLOAD_BYTES // 4, 9.0, np.float32))
+
+
 async def test_a_receive_is_waited_for_without_a_task_and_given_up_when_the_step_stops():
     # `_Recv` values are futures the step waits on (no task per receive); a step that
     # stops (here: its timeout) cancels its own receives, never the rendezvous' slot,
