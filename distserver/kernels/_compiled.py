@@ -70,7 +70,9 @@ def contiguous(*arrays: np.ndarray) -> bool:
 
 def read_only(array: np.ndarray, *shape: int) -> np.ndarray:
     """A read-only view of C-contiguous `array` in `shape`: how the loops take the
-    arrays they only read (their signatures say read-only, as received tensors are)."""
+    arrays they only read (their signatures say read-only, as received tensors are;
+    numba converts a writeable array to that type too, at the same call cost, so an
+    array already in the loop's shape needs no view)."""
     view = array.reshape(shape)
     view.flags.writeable = False
     return view

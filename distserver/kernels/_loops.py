@@ -23,8 +23,9 @@ _OPTIONS: dict[str, Any] = {"nogil": True, "cache": True, "error_model": "numpy"
 
 # What a signature's letters stand for: the loop's dtype, scalars of it, C-contiguous
 # arrays of it that the loop writes (W: 1-d, WW: 2-d) or only reads (R, RR: read-only
-# arrays, as the tensors a task receives are; kernels pass every input read-only,
-# `_compiled.read_only`), int64 row numbers (I), a flag (B) and an int64 (N).
+# arrays, as the tensors a task receives are; numba takes a writeable array there too,
+# at the same cost, and `_compiled.read_only` gives a read-only view in the loop's
+# shape), int64 row numbers (I), a flag (B) and an int64 (N).
 _LETTERS = {
     "WW": lambda t: types.Array(t, 2, "C"),
     "RR": lambda t: types.Array(t, 2, "C", readonly=True),
