@@ -484,6 +484,21 @@ def _recv(name: str, src_task: str = TASK) -> NodeDef:
 PS = "/job:ps/replica:0/task:0"
 
 
+def _record_runs(executor: Executor, names: tuple[str, ...], request: asyncio.Future[Any]) -> list[Any]:
+    """As each node of `names` runs: its name, its thread's name, and whether `request`
+    (another task's, waiting for a value) has its answer."""
+    ran = []
+    for node in executor._nodes:
+        if node.kernel.name in names:
+
+            def recording(ctx, inputs, compute=node.compute, name=node.kernel.name):
+                ran.append((name, threading.current_thread().name, request.done()))
+                return compute(ctx, inputs)
+
+            node.compute = recording
+    return ran
+
+
 @pytest.mark.parametrize("late", [False, True], ids=["sequence", "ready-queue"])
 @pytest.mark.parametrize("batched", [False, True], ids=["recv-tensor", "recv-tensors"])
 async def test_what_another_task_waits_for_is_sent_and_handed_over_before_the_rest(late, batched):
@@ -508,15 +523,7 @@ async def test_what_another_task_waits_for_is_sent_and_handed_over_before_the_re
     worker_request = asyncio.ensure_future(  # waiting already
         batched_recv.answer(ctx.rendezvous, [sent]) if batched else ctx.rendezvous.recv_local(sent)
     )
-    ran: list[tuple[str, bool]] = []
-    for node in executor._nodes:
-        if node.kernel.name in ("local", "rows", "to_ps", "more_local"):
-
-            def recording(ctx, inputs, compute=node.compute, name=node.kernel.name):
-                ran.append((name, worker_request.done()))
-                return compute(ctx, inputs)
-
-            node.compute = recording
+    ran = _record_runs(executor, ("local", "rows", "to_ps", "more_local"), worker_request)
     if not late:
         ctx.rendezvous.send(ids, np.float32(3.0))
     step = asyncio.ensure_future(executor.run(ctx))
@@ -525,7 +532,12 @@ async def test_what_another_task_waits_for_is_sent_and_handed_over_before_the_re
         assert not step.done()
         ctx.rendezvous.send(ids, np.float32(3.0))
     await step
-    assert ran == [("rows", False), ("to_ps", False), ("local", True), ("more_local", True)]
+    assert [(name, done) for name, _, done in ran] == [
+        ("rows", False),
+        ("to_ps", False),
+        ("local", True),
+        ("more_local", True),
+    ]
     assert await worker_request == ({sent.text: np.float32(9.0)} if batched else (np.float32(9.0), False))
 
 
@@ -549,20 +561,12 @@ async def test_a_send_to_another_task_ends_a_run_in_a_thread_and_is_handed_over_
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="step-pool") as pool:
         ctx = _step_context(pool)
         ps_request = asyncio.ensure_future(ctx.rendezvous.recv_local(sent))  # waiting already
-        ran: list[tuple[str, bool, bool]] = []
-        for node in executor._nodes:
-            if node.kernel.name in ("rows", "to_ps", "local"):
-
-                def recording(ctx, inputs, compute=node.compute, name=node.kernel.name):
-                    in_pool = threading.current_thread().name.startswith("step-pool")
-                    ran.append((name, in_pool, ps_request.done()))
-                    return compute(ctx, inputs)
-
-                node.compute = recording
+        ran = _record_runs(executor, ("rows", "to_ps", "local"), ps_request)
         ctx.rendezvous.send(grads, np.full(OFFLOAD_BYTES // 4, 3.0, np.float32))
         ctx.rendezvous.send(loss, np.float32(2.0))
         await executor.run(ctx)
-    assert ran == [("rows", True, False), ("to_ps", False, False), ("local", False, True)]
+    in_pool = [(name, thread.startswith("step-pool"), done) for name, thread, done in ran]
+    assert in_pool == [("rows", True, False), ("to_ps", False, False), ("local", False, True)]
     value, is_dead = await ps_request
     assert not is_dead
     np.testing.assert_array_equal(value, np.full(OFFLOAD_BYTES // 4, 9.0, np.float32))
