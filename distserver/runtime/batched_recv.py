@@ -10,7 +10,8 @@ step from the same task in one turn of the event loop (an executor starts every
 `_Recv` of a partition at once) are gathered into one `RecvTensors` call
 (`distserver.protos.services.TENSOR_SERVICE`). The sending side (`answer`) waits
 until at least one of the asked keys has been sent, lets one more loop turn pass
-(values computed in the same pass), and returns every value sent by then; the
+(values computed in the same pass; none when every key is sent already), and
+returns every value sent by then; the
 receiver delivers those and asks again for the rest. A call never waits for a value
 that is not ready while another one is, so no key waits behind another (no new
 dependencies between values, hence no deadlock), and keys that arrive while a call
@@ -73,9 +74,10 @@ async def answer(
     step's error if it failed. The caller has checked `len(keys) <= MAX_BATCH_KEYS`.
     """
     slots = rendezvous.slots(keys)
-    if not any(slot.done() for slot in slots):
-        await asyncio.wait(slots, return_when=asyncio.FIRST_COMPLETED)
-    await asyncio.sleep(0)  # values sent in the same pass of the executor
+    if not all(slot.done() for slot in slots):  # else there is nothing more to gather
+        if not any(slot.done() for slot in slots):
+            await asyncio.wait(slots, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.sleep(0)  # values sent in the same pass of the executor
     ready: dict[str, Any] = {}
     budget = BATCH_RESPONSE_BYTES
     for key, slot in zip(keys, slots, strict=True):

@@ -20,7 +20,10 @@ from google.protobuf.empty_pb2 import Empty
 
 import distserver as ds
 from distserver import errors
+from distserver.devices import parse_rendezvous_key, rendezvous_key
 from distserver.protos.services import STATUS_SERVICE
+from distserver.runtime import batched_recv
+from distserver.runtime.rendezvous import StepRendezvous
 from distserver.testing import LocalCluster
 from distserver.transports import get_transport
 
@@ -61,6 +64,33 @@ def _graph(count, size):
             updates = [v.assign_add(d) for v, d in zip(variables, doubled, strict=True)]
         init = ds.global_variables_initializer()
     return graph, init, total, updates
+
+
+async def test_an_answer_with_every_asked_value_here_leaves_without_a_loop_turn():
+    """Values sent before the request came (a ps's variable reads) are answered at once:
+    there is nothing more to gather, and a turn lets a large copy queued meanwhile go first."""
+    rendezvous = StepRendezvous(1, PS_TASK, None)
+
+    def key(name: str):
+        return parse_rendezvous_key(
+            rendezvous_key(f"{PS_TASK}/device:CPU:0", 1, f"{WORKER_TASK}/device:CPU:0", name)
+        )
+
+    keys = [key(f"v{i}") for i in range(3)]
+    for i, sent in enumerate(keys):
+        rendezvous.send(sent, np.full(4, float(i), np.float32))
+    turned: list[bool] = []
+    asyncio.get_running_loop().call_soon(turned.append, True)
+    values = await batched_recv.answer(rendezvous, keys)
+    assert not turned
+    assert [float(values[sent.text][0]) for sent in keys] == [0.0, 1.0, 2.0]
+    # With one value still to come, the answer waits a turn for those sent with the first.
+    await asyncio.sleep(0)
+    turned.clear()
+    asyncio.get_running_loop().call_soon(turned.append, True)
+    values = await batched_recv.answer(rendezvous, [*keys, key("late")])
+    assert turned
+    assert set(values) == {sent.text for sent in keys}
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "grpc+verbs"])

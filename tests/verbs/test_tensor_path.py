@@ -67,6 +67,48 @@ async def link() -> AsyncIterator[tuple[verbs.TensorEndpoint, Source, verbs.Regi
         await server.close()
 
 
+async def test_a_call_ready_with_a_large_write_is_answered_before_its_copy():
+    """A large write's copy holds the event loop (~0.1 ms a MiB): a call that became
+    ready in the same turn (a batch of small values to answer) goes first."""
+    gate = asyncio.Event()
+    waiting = asyncio.Semaphore(0)
+    large = np.ones(2 * MiB, np.uint8)
+
+    async def source(header: bytes):
+        if header == b"gated":
+            waiting.release()
+            await gate.wait()
+        return large
+
+    async def written_when_called(path: str, payload: bytes) -> bytes:
+        waiting.release()
+        await gate.wait()  # woken after the source: a write that does not yield copies first
+        (serving,) = server.endpoints
+        return str(serving.statistics().served).encode()
+
+    async with verbs.ProtectionDomain() as pd:
+        server = await verbs.TensorServer.start(pd, source, call_handler=written_when_called)
+        endpoint = await verbs.TensorEndpoint.connect(pd, server.address)
+        pool = verbs.RegionPool(pd, region_bytes=8 * MiB)
+        try:
+            # One transfer first: the destination's region is mapped and the description
+            # cached, so that the gated write neither waits nor sends a WRITING message.
+            await endpoint.recv_tensor_into(pool, b"warm", size_hint=large.nbytes, cache_key="t")
+            receive = asyncio.ensure_future(
+                endpoint.recv_tensor_into(pool, b"gated", size_hint=large.nbytes, cache_key="t")
+            )
+            await waiting.acquire()
+            call = asyncio.ensure_future(endpoint.calls.call("/probe", b"", timeout=10, name="Probe"))
+            await waiting.acquire()
+            gate.set()
+            assert await call == b"1"  # the warm-up only: the gated write had not copied yet
+            got = await receive
+            assert np.array_equal(got.value, large)
+        finally:
+            await endpoint.close()
+            await server.close()
+
+
 async def test_small_tensors_ride_inline_and_large_ones_are_written(link):
     endpoint, source, pool, _ = link
     small = np.arange(10, dtype=np.float32)

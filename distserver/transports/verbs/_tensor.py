@@ -85,6 +85,9 @@ DEFAULT_MAX_BYTES_IN_FLIGHT = 256 << 20
 _MAX_INLINE_LIMIT = 128 << 10
 _MAX_HEADER_BYTES = 32 << 10
 _MAX_META_BYTES = 16 << 10
+# A write's copy of more than this holds the event loop for over ~30 us: its request
+# lets what was queued with it (a batch of small values to answer) go first.
+_STALL_BYTES = 256 << 10
 _DESCRIPTION_CACHE_ENTRIES = 4096
 DEFAULT_CLOSE_TIMEOUT = 5.0
 
@@ -755,6 +758,8 @@ class TensorEndpoint:
             # The description first: once the bytes land, the completion is all the
             # receiver needs (an error from here on is answered with ERROR by `_serve`).
             await self._reply(wire.encode_response(req_id, wire.ResponseKind.WRITING, description))
+        if description.nbytes > _STALL_BYTES:
+            await asyncio.sleep(0)  # what was queued with this request goes first
         await self.qp.write(
             destination.region_id,
             destination.key,
