@@ -10,8 +10,8 @@ step from the same task in one turn of the event loop (an executor starts every
 `_Recv` of a partition at once) are gathered into one `RecvTensors` call
 (`distserver.protos.services.TENSOR_SERVICE`). The sending side (`answer`) waits
 until at least one of the asked keys has been sent, lets one more loop turn pass
-(values computed in the same pass; none when every key is sent already), and
-returns every value sent by then; the
+(values computed in the same pass), and returns every value sent by then (at once
+for a request that comes after some were sent: those of their pass are too); the
 receiver delivers those and asks again for the rest. A call never waits for a value
 that is not ready while another one is, so no key waits behind another (no new
 dependencies between values, hence no deadlock), and keys that arrive while a call
@@ -35,6 +35,7 @@ timeout), fails every receive of the batch.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -74,9 +75,8 @@ async def answer(
     step's error if it failed. The caller has checked `len(keys) <= MAX_BATCH_KEYS`.
     """
     slots = rendezvous.slots(keys)
-    if not all(slot.done() for slot in slots):  # else there is nothing more to gather
-        if not any(slot.done() for slot in slots):
-            await asyncio.wait(slots, return_when=asyncio.FIRST_COMPLETED)
+    if not any(slot.done() for slot in slots):
+        await asyncio.wait(slots, return_when=asyncio.FIRST_COMPLETED)
         await asyncio.sleep(0)  # values sent in the same pass of the executor
     ready: dict[str, Any] = {}
     budget = BATCH_RESPONSE_BYTES
@@ -109,6 +109,11 @@ class _Batch:
         return all(future.done() for _, future in self.waiting.values())
 
 
+def _stop_when_given_up(fetching: asyncio.Task[None], receive: asyncio.Future[tuple[Any, bool]]) -> None:
+    if receive.cancelled():
+        fetching.cancel()
+
+
 def _give_up(batch: _Batch, receive: asyncio.Future[tuple[Any, bool]]) -> None:
     """A receive of `batch` was cancelled: stop asking once nobody waits for the rest."""
     if receive.cancelled() and batch.runner is not None and batch.abandoned():
@@ -126,7 +131,9 @@ class BatchedReceiver:
     def __init__(self, batch_call: Callable[[str], BatchCall], fetch_one: SingleFetch) -> None:
         self._batch_call = batch_call
         self._fetch_one = fetch_one
+        # This turn's receives, started together by `_start`.
         self._gathering: dict[tuple[str, int], _Batch] = {}
+        self._separate: list[tuple[int, RendezvousKey, asyncio.Future[tuple[Any, bool]]]] = []
         self._batching_peers: set[str] = set()  # have answered a RecvTensors call
         self._plain_peers: set[str] = set()  # answered UNIMPLEMENTED
         self._fetched_separately: set[str] = set()  # keys once answered FETCH_SEPARATELY
@@ -141,14 +148,14 @@ class BatchedReceiver:
         the batch's call once no receive waits on it)."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[tuple[Any, bool]] = loop.create_future()
+        if not self._gathering and not self._separate:
+            loop.call_soon(self._start)
         if key.src_task in self._plain_peers or key.text in self._fetched_separately:
-            fetching = self._spawn(self._fetch_into(step_id, key, future))
-            future.add_done_callback(lambda done: fetching.cancel() if done.cancelled() else None)
+            self._separate.append((step_id, key, future))
             return future
         batch = self._gathering.get((key.src_task, step_id))
         if batch is None:
             batch = self._gathering[(key.src_task, step_id)] = _Batch(key.src_task, step_id)
-            loop.call_soon(self._send, batch)
         entry = batch.waiting.get(key.text)
         if entry is not None:  # received twice in one step (no graph of ours does that)
             return asyncio.shield(entry[1])
@@ -156,9 +163,19 @@ class BatchedReceiver:
         future.add_done_callback(lambda done: _give_up(batch, done))
         return future
 
-    def _send(self, batch: _Batch) -> None:
-        self._gathering.pop((batch.task, batch.step_id), None)
-        batch.runner = self._spawn(self._run(batch))
+    def _start(self) -> None:
+        """Ask for this turn's receives: the batches first (the small values a peer's
+        first nodes wait for; a request sent first is served first), then the values
+        fetched one by one (large ones, whose copy holds the sender's loop)."""
+        batches, self._gathering = list(self._gathering.values()), {}
+        separate, self._separate = self._separate, []
+        for batch in batches:
+            batch.runner = self._spawn(self._run(batch))
+        for step_id, key, future in separate:
+            if future.done():  # given up meanwhile
+                continue
+            fetching = self._spawn(self._fetch_into(step_id, key, future))
+            future.add_done_callback(functools.partial(_stop_when_given_up, fetching))
 
     def _spawn(self, coroutine: Awaitable[Any]) -> asyncio.Task[Any]:
         task: asyncio.Task[Any] = asyncio.ensure_future(coroutine)

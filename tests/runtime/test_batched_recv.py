@@ -66,9 +66,12 @@ def _graph(count, size):
     return graph, init, total, updates
 
 
-async def test_an_answer_with_every_asked_value_here_leaves_without_a_loop_turn():
-    """Values sent before the request came (a ps's variable reads) are answered at once:
-    there is nothing more to gather, and a turn lets a large copy queued meanwhile go first."""
+async def test_an_answer_to_a_request_that_comes_after_values_were_sent_leaves_at_once():
+    """Values sent before the request came (a ps's variable reads, a worker's ids) are
+    answered without waiting a loop turn (one lets a large copy or the task's own
+    receives go first), those still to come in a later answer; a request that waits
+    gets what was sent in the same pass as the first value."""
+    loop = asyncio.get_running_loop()
     rendezvous = StepRendezvous(1, PS_TASK, None)
 
     def key(name: str):
@@ -76,21 +79,50 @@ async def test_an_answer_with_every_asked_value_here_leaves_without_a_loop_turn(
             rendezvous_key(f"{PS_TASK}/device:CPU:0", 1, f"{WORKER_TASK}/device:CPU:0", name)
         )
 
-    keys = [key(f"v{i}") for i in range(3)]
-    for i, sent in enumerate(keys):
-        rendezvous.send(sent, np.full(4, float(i), np.float32))
+    sent, late = [key("v0"), key("v1")], key("late")
+    for i, each in enumerate(sent):
+        rendezvous.send(each, np.full(4, float(i), np.float32))
     turned: list[bool] = []
-    asyncio.get_running_loop().call_soon(turned.append, True)
-    values = await batched_recv.answer(rendezvous, keys)
+    loop.call_soon(turned.append, True)
+    values = await batched_recv.answer(rendezvous, [*sent, late])
     assert not turned
-    assert [float(values[sent.text][0]) for sent in keys] == [0.0, 1.0, 2.0]
-    # With one value still to come, the answer waits a turn for those sent with the first.
-    await asyncio.sleep(0)
-    turned.clear()
-    asyncio.get_running_loop().call_soon(turned.append, True)
-    values = await batched_recv.answer(rendezvous, [*keys, key("late")])
-    assert turned
-    assert set(values) == {sent.text for sent in keys}
+    assert {text: float(value[0]) for text, value in values.items()} == {sent[0].text: 0.0, sent[1].text: 1.0}
+
+    later = [key("w0"), key("w1")]
+
+    def one_pass() -> None:
+        for each in later:
+            rendezvous.send(each, np.zeros(4, np.float32))
+
+    loop.call_soon(one_pass)
+    assert set(await batched_recv.answer(rendezvous, [late, *later])) == {each.text for each in later}
+
+
+async def test_a_turns_batch_is_asked_for_before_its_values_fetched_one_by_one():
+    """A request sent first is served first: the batch of small values (what the peer's
+    first nodes wait for) goes before the large values the turn fetches one by one."""
+    asked: list[str] = []
+
+    async def batch_call(step_id: int, keys: list[str]) -> dict:
+        asked.append("batch")
+        return {text: batched_recv.FETCH_SEPARATELY if "large" in text else np.zeros(1) for text in keys}
+
+    async def fetch_one(step_id: int, key) -> tuple:
+        asked.append("one")
+        return np.zeros(8), False
+
+    receiver = batched_recv.BatchedReceiver(lambda task: batch_call, fetch_one)
+
+    def key(name: str):
+        return parse_rendezvous_key(
+            rendezvous_key(f"{PS_TASK}/device:CPU:0", 1, f"{WORKER_TASK}/device:CPU:0", name)
+        )
+
+    await asyncio.gather(receiver.fetch_soon(1, key("large")), receiver.fetch_soon(1, key("small")))
+    assert asked == ["batch", "one"]  # step 1: "large" learnt to be fetched by itself
+    asked.clear()
+    await asyncio.gather(receiver.fetch_soon(2, key("large")), receiver.fetch_soon(2, key("small")))
+    assert asked == ["batch", "one"]
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "grpc+verbs"])
