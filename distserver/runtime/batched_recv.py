@@ -9,13 +9,14 @@ The receiving side (`BatchedReceiver`): `_Recv`s that ask for values of the same
 step from the same task in one turn of the event loop (an executor starts every
 `_Recv` of a partition at once) are gathered into one `RecvTensors` call
 (`distserver.protos.services.TENSOR_SERVICE`). The sending side (`answer`) waits
-until at least one of the asked keys has been sent, lets one more loop turn pass
-(values computed in the same pass), and returns every value sent by then (at once
-for a request that comes after some were sent: those of their pass are too); the
-receiver delivers those and asks again for the rest. A call never waits for a value
-that is not ready while another one is, so no key waits behind another (no new
-dependencies between values, hence no deadlock), and keys that arrive while a call
-is out go in a call of their own.
+until at least one of the asked keys has been sent and returns every value sent by
+then: the executor sends a pass's values before the loop wakes the request, so
+those sent with the first come along (no loop turn more: one would let a large copy
+or the task's own receives go first); the receiver delivers those and asks again
+for the rest. A call never waits for a value that is not ready while another one
+is, so no key waits behind another (no new dependencies between values, hence no
+deadlock), and keys that arrive while a call is out go in a call of their own. A
+turn's batches are asked for before its values fetched one by one (`_start`).
 
 Large values (over the transport's `batched_value_bytes`: 1 MiB over grpc, 32 KiB
 over grpc+verbs; never over `PUSH_LIMIT_BYTES`) and dead ones are answered "ready, fetch it
@@ -77,7 +78,6 @@ async def answer(
     slots = rendezvous.slots(keys)
     if not any(slot.done() for slot in slots):
         await asyncio.wait(slots, return_when=asyncio.FIRST_COMPLETED)
-        await asyncio.sleep(0)  # values sent in the same pass of the executor
     ready: dict[str, Any] = {}
     budget = BATCH_RESPONSE_BYTES
     for key, slot in zip(keys, slots, strict=True):
