@@ -605,7 +605,6 @@ class _Entry(NamedTuple):
     sized: bool  # whether it may go to the pool (`_BY_SIZE`, `_THREAD`)
     in_thread: int  # what a run of nodes in a thread does with it (`_in_thread`)
     hands_over: bool  # whether it ends a run of nodes leading to a `_Send` to another task
-    to_peer: bool  # whether it is a `_Send` to another task
 
 
 # What a run of nodes in a thread (`_Straight._run_in_thread`) does with a node: run it;
@@ -628,9 +627,7 @@ class _Straight:
     loop as they come, up to the first `_Send` to another task or other node that
     must run on the loop (`OpKernel.loop_bound`): one hop to a thread and back for
     all of them, not one per large node (a hop costs ~0.1-0.3 ms on a busy 2-CPU
-    machine; a one-task `mlp` step has six large nodes). Values sent to other tasks
-    before such a node are handed over first: the thread's run holds the GIL between
-    its numpy calls, and the loop would answer their requests late."""
+    machine; a one-task `mlp` step has six large nodes)."""
 
     def __init__(self, nodes: list[_Node], receives: list[int], program: list[_Entry], gate: int) -> None:
         self.nodes = nodes
@@ -653,14 +650,10 @@ class _Straight:
         program = self.program
         pool = ctx.pool
         position = start
-        sent = False  # a value to another task since the last hand-over
         while position < end:
-            node, sources, last_reads, read, sized, _, hands_over, to_peer = program[position]
+            node, sources, last_reads, read, sized, _, hands_over = program[position]
             inputs = _take_inputs(self.nodes, outputs, node, sources, last_reads)
             if sized and pool is not None and (node.mode == _THREAD or _large(node, inputs)):
-                if sent:  # (a thread's run holds the GIL the loop needs to hand it over)
-                    await _hand_over_sent_values()
-                    sent = False
                 loop = asyncio.get_running_loop()
                 stop = threading.Event()
                 failed: list[Exception] = []  # by the nodes the thread handed to the loop
@@ -687,9 +680,6 @@ class _Straight:
             position += 1
             if hands_over:
                 await _hand_over_sent_values()
-                sent = False
-            elif to_peer:
-                sent = True
 
     def _run_in_thread(
         self,
@@ -827,7 +817,6 @@ def _plan_straight(executor: Executor) -> _Straight | None:
                 node.mode in (_BY_SIZE, _THREAD) and not node.kernel.loop_bound,
                 _in_thread(node.kernel, i in executor._peer_sends),
                 to_peers[i] and position + 1 < len(order) and not to_peers[order[position + 1]],
-                i in executor._peer_sends,
             )
         )
     return _Straight(nodes, receives, program, len(first))

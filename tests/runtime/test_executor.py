@@ -572,36 +572,6 @@ async def test_a_send_to_another_task_ends_a_run_in_a_thread_and_is_handed_over_
     np.testing.assert_array_equal(value, np.full(OFFLOAD_BYTES // 4, 9.0, np.float32))
 
 
-@pytest.mark.parametrize("batched", [False, True], ids=["recv-tensor", "recv-tensors"])
-async def test_a_value_sent_to_another_task_is_handed_over_before_a_run_in_a_thread(batched):
-    # A worker's small gradient goes to the ps, whose request waits; the next node
-    # (`rows`, large, from it, also for the ps) goes to a pool thread, whose run would hold the
-    # GIL the event loop needs to answer. The value is handed over first.
-    graph = _graph(
-        _recv("small", src_task=PS),
-        _recv("large", src_task=PS),
-        _node("grad", "Neg", ["small"], T=_F32),
-        _send("to_ps", "grad", PS),
-        _node("rows", "Mul", ["large", "grad"], T=_F32),
-        _send("rows_to_ps", "rows", PS),
-    )
-    executor = Executor(graph)
-    assert executor._straight is not None
-    small, large, sent = (executor._nodes[i].kernel.key for i in (0, 1, 3))  # type: ignore[attr-defined]
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="step-pool") as pool:
-        ctx = _step_context(pool)
-        ps_request = asyncio.ensure_future(  # waiting already
-            batched_recv.answer(ctx.rendezvous, [sent]) if batched else ctx.rendezvous.recv_local(sent)
-        )
-        ran = _record_runs(executor, ("grad", "to_ps", "rows"), ps_request)
-        ctx.rendezvous.send(small, np.float32(2.0))
-        ctx.rendezvous.send(large, np.full(OFFLOAD_BYTES // 4, 3.0, np.float32))
-        await executor.run(ctx)
-    in_pool = [(name, thread.startswith("step-pool"), done) for name, thread, done in ran]
-    assert in_pool == [("grad", False, False), ("to_ps", False, False), ("rows", True, True)]
-    assert await ps_request == ({sent.text: np.float32(-2.0)} if batched else (np.float32(-2.0), False))
-
-
 async def test_a_receive_is_waited_for_without_a_task_and_given_up_when_the_step_stops():
     # `_Recv` values are futures the step waits on (no task per receive); a step that
     # stops (here: its timeout) cancels its own receives, never the rendezvous' slot,
