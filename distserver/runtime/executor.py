@@ -850,8 +850,10 @@ async def _hand_over_sent_values() -> None:
     """Let the event loop give values just sent to the requests waiting for them: a
     request waiting on a value's slot, a RecvTensor or a batched RecvTensors
     (`batched_recv.answer`), resumes two loop turns after the `_Send` (the slot's
-    callback, then the request's task), with every value sent in the same pass."""
-    for _ in range(2):
+    callback, then the request's task), with every value sent in the same pass; a
+    large value's copy into a grpc+verbs peer starts in a third, after the small
+    answers (`TensorEndpoint._write`)."""
+    for _ in range(3):
         await asyncio.sleep(0)
 
 
