@@ -507,7 +507,7 @@ async def test_what_another_task_waits_for_is_sent_and_handed_over_before_the_re
     # update, here `local`) waits until the rows are handed to the worker's request.
     # Ids that arrive after the step started make it run its ready queue; ids already
     # there, one fixed sequence. The worker asks with a RecvTensor, or with a batched
-    # RecvTensors (a distserver peer's small values), which answers a turn later.
+    # RecvTensors (a distserver peer's small values).
     graph = _graph(
         _recv("ids", src_task=PS),
         _node("local", "Neg", ["ids"], T=_F32),  # first in the graph: FIFO would run it first
