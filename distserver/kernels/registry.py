@@ -183,6 +183,9 @@ class OpKernel:
     # Kernels that read or write files: the executor always runs them in the thread
     # pool (when it has one), whatever the size of their inputs.
     does_io: ClassVar[bool] = False
+    # The bytes of inputs (and `output_nbytes`) from which the executor runs the kernel
+    # in its thread pool rather than on the event loop; None: `executor.OFFLOAD_BYTES`.
+    offload_bytes: ClassVar[int | None] = None
     # Kernels whose outputs depend only on their NodeDef and the step's device (Const,
     # VarHandleOp): the executor computes such a node without inputs once per device
     # and hands its outputs to every later step, instead of running it every step.

@@ -27,7 +27,8 @@ resolves inputs, and rejects cycles. `run(ctx)` then executes one step:
   before that, a pure node whose outputs nobody reads (only control edges wait for
   it: the gradient of a layer's input) becomes a NoOp (`_skip_unread_results`).
 * Small synchronous kernels run inline on the event loop (a task per node would
-  cost more than the node). Kernels whose inputs are large (`OFFLOAD_BYTES`), or
+  cost more than the node). Kernels whose inputs are large (`OFFLOAD_BYTES`, or the
+  kernel's own `OpKernel.offload_bytes`: 2 MiB for an optimizer update), or
   whose output or work will be (`OpKernel.output_nbytes`: Fill, Tile, Range, random
   tensors, a matrix product's multiply-adds), run in the
   worker's thread pool, and asynchronous kernels (queues) run as tasks, so
@@ -1351,7 +1352,7 @@ def _large(node: _Node, inputs: list[Any]) -> bool:
         nbytes = sum(value.nbytes for value in inputs if isinstance(value, np.ndarray))
     if node.sizes_its_output:
         nbytes += node.kernel.output_nbytes(inputs)
-    return nbytes >= OFFLOAD_BYTES
+    return nbytes >= (node.kernel.offload_bytes or OFFLOAD_BYTES)
 
 
 _nbytes_of = operator.attrgetter("nbytes")
