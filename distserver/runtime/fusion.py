@@ -247,7 +247,7 @@ def _of_a_small_variable(update: NodeDef, handles: dict[str, NodeDef]) -> bool:
         itemsize = as_numpy_dtype(handle.attr["dtype"].type).itemsize
     except errors.InvalidArgumentError:  # (a malformed shape, a dtype numpy lacks: not an arena's)
         return False
-    if not shape or None in shape:
+    if shape is None or None in shape:  # (a scalar's shape, (), is known: one element)
         return False
     return 0 < math.prod(shape) * itemsize <= ARENA_MAX_VARIABLE_BYTES  # type: ignore[arg-type]
 

@@ -148,6 +148,26 @@ def test_an_update_of_a_received_value_of_a_large_variable_runs_as_it_arrives_no
     assert _parts(group) == ["update_0", "update_1", "update_2"]
 
 
+def test_the_updates_of_received_values_of_a_vector_and_a_scalar_variable_are_grouped():
+    # A logistic layer's weights and bias on a ps (an embedding model's `w` and `b`):
+    # both small, the scalar included (its shape, (), is known: one element).
+    with ds.Graph().as_default() as graph:
+        for name, shape in (("w", (32, 1)), ("b", ())):
+            _descent(
+                ds.Variable(np.zeros(shape, F32), name=name),
+                ds.constant(np.ones(shape, F32)),
+                f"update_{name}",
+            )
+    graph_def = graph.as_graph_def()
+    nodes = {node.name: node for node in graph_def.node}
+    for name in ("w", "b"):
+        receive = graph_def.node.add(name=f"grad_of_{name}", op="_Recv")
+        receive.attr["tensor_type"].type = DT_FLOAT
+        nodes[f"update_{name}"].input[2] = receive.name
+    (group,) = _grouped(group_variable_updates(graph_def))
+    assert _parts(group) == ["update_w", "update_b"]
+
+
 @pytest.mark.slow
 def test_a_group_never_waits_for_itself_across_tasks():
     # ps: a and b updated from the worker's gradients; the worker computes b's gradient
