@@ -489,6 +489,9 @@ class _SparseApplyKernel(_ApplyKernel):
     scalar_text: ClassVar[str] = "{name} is not a scalar: {shape}"
     # SparseApplyMomentum/RMSProp do not refuse an empty inner dimension.
     check_inner_dim: ClassVar[bool] = True
+    # Rows at random places cost more a byte than a dense update's stream: the pool
+    # from `executor.OFFLOAD_BYTES`, as for any kernel.
+    offload_bytes: ClassVar[int | None] = None
 
     def __init__(self, node: NodeDef) -> None:
         super().__init__(node)

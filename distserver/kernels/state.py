@@ -551,11 +551,11 @@ class _ApplyKernel(_VariableKernel):
     """
 
     is_stateful = True
-    # An update streams the rows it changes and their gradient once (Adam of a 1.6 MiB
+    # A dense update streams its variables and gradient once (Adam of a 1.6 MiB
     # gradient: ~0.3 ms, as long as a large grpc+verbs write holds the loop), where a
     # hop to the pool and back costs 0.1-0.2 ms inside a step (traced: a ps's update
     # of an mlp's first layer). Up to a 2 MiB gradient it runs on the loop.
-    offload_bytes = 2 << 20
+    offload_bytes: ClassVar[int | None] = 2 << 20
     signature: ClassVar[tuple[tuple[str, str], ...]]
     types: ClassVar[frozenset[np.dtype[Any]]] = FLOATS | COMPLEX  # the `T` TF has kernels for
 

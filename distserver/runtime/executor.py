@@ -28,7 +28,7 @@ resolves inputs, and rejects cycles. `run(ctx)` then executes one step:
   it: the gradient of a layer's input) becomes a NoOp (`_skip_unread_results`).
 * Small synchronous kernels run inline on the event loop (a task per node would
   cost more than the node). Kernels whose inputs are large (`OFFLOAD_BYTES`, or the
-  kernel's own `OpKernel.offload_bytes`: 2 MiB for an optimizer update), or
+  kernel's own `OpKernel.offload_bytes`: 2 MiB for a dense optimizer update), or
   whose output or work will be (`OpKernel.output_nbytes`: Fill, Tile, Range, random
   tensors, a matrix product's multiply-adds), run in the
   worker's thread pool, and asynchronous kernels (queues) run as tasks, so

@@ -261,9 +261,9 @@ def test_the_size_of_a_nodes_work_counts_its_array_inputs_and_skips_other_values
     assert not executor._large(node, [half, object()])
 
 
-def test_an_optimizer_update_stays_on_the_loop_up_to_a_2_mib_gradient():
+def test_a_dense_optimizer_update_stays_on_the_loop_up_to_a_2_mib_gradient():
     # It streams its arrays once (~0.3 ms for 1.6 MiB), where a hop to the pool and
-    # back costs 0.1-0.2 ms in a step; other element-wise kernels go at 1 MiB.
+    # back costs 0.1-0.2 ms in a step; other kernels go at 1 MiB.
     from distserver.kernels.registry import create_kernel
     from distserver.runtime import executor
 
@@ -272,12 +272,15 @@ def test_an_optimizer_update_stays_on_the_loop_up_to_a_2_mib_gradient():
         return types.SimpleNamespace(sizes_its_output=False, kernel=kernel)
 
     adam, negation = node("ResourceApplyAdam"), node("Neg")
+    sparse = node("ResourceSparseApplyAdagrad", Tindices=types_pb2.DT_INT64)
     scalars = [np.float32(0.1)] * 6  # the powers, rate, betas and epsilon
     handles = [object()] * 3  # var, m, v: resource handles, no bytes of their own
     gradient = np.ones(3 * OFFLOAD_BYTES // 8, np.float32)  # 1.5 MiB
     assert not executor._large(adam, [*handles, *scalars, gradient])
     assert executor._large(negation, [gradient])
     assert executor._large(adam, [*handles, *scalars, np.ones(2 * OFFLOAD_BYTES // 4, np.float32)])
+    # A sparse update's rows lie at random places: it goes at 1 MiB, as other kernels.
+    assert executor._large(sparse, [*handles[:2], scalars[0], gradient, np.arange(4, dtype=np.int64)])
 
 
 @pytest.mark.parametrize("offload", [True, False], ids=["thread-pool", "inline"])
