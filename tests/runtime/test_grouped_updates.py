@@ -168,6 +168,33 @@ def test_the_updates_of_received_values_of_a_vector_and_a_scalar_variable_are_gr
     assert _parts(group) == ["update_w", "update_b"]
 
 
+def test_a_group_with_a_scalar_variable_updates_it_as_its_own_kernel_would(server):
+    rng = np.random.default_rng(5)
+    w, scale = rng.standard_normal((4, 1)).astype(F32), rng.standard_normal((4, 1)).astype(F32)
+    with ds.Graph().as_default() as graph:
+        weights, bias = ds.Variable(w, name="w"), ds.Variable(F32(0.25), name="b")
+        loss = ds.reduce_sum(weights * ds.constant(scale)) + bias * F32(3.0)
+        train = ds.train.AdagradOptimizer(0.5).minimize(loss)
+        init = ds.global_variables_initializer()
+    (group,) = _grouped(group_variable_updates(graph.as_graph_def()))
+    assert len(_parts(group)) == 2
+    with ds.Session(server.target, graph=graph) as sess:
+        sess.run(init)
+        for _ in range(3):
+            sess.run(train)
+        got_w, got_b = sess.run([weights, bias])
+    expected = []
+    for var, grad in ((w.copy(), scale), (np.asarray(F32(0.25)), np.asarray(F32(3.0)))):
+        accum = np.full_like(var, F32(0.1))  # Adagrad's initial accumulator
+        for _ in range(3):
+            accum = accum + grad * grad
+            var = var - F32(0.5) * grad * (F32(1.0) / np.sqrt(accum))
+        expected.append(var)
+    np.testing.assert_allclose(got_w, expected[0], rtol=1e-6)
+    assert np.shape(got_b) == ()
+    np.testing.assert_allclose(got_b, expected[1], rtol=1e-6)
+
+
 @pytest.mark.slow
 def test_a_group_never_waits_for_itself_across_tasks():
     # ps: a and b updated from the worker's gradients; the worker computes b's gradient
