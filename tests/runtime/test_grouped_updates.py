@@ -49,6 +49,15 @@ def _parts(node: NodeDef) -> list[str]:
     return [NodeDef.FromString(data).name for data in node.attr[FUSED_NODES_ATTR].list.s]
 
 
+def _trained(server: ds.Server, graph: ds.Graph, init: Any, train: Any, variables: list[Any]) -> list[Any]:
+    """The variables' values after three steps of `train`."""
+    with ds.Session(server.target, graph=graph) as sess:
+        sess.run(init)
+        for _ in range(3):
+            sess.run(train)
+        return sess.run(variables)
+
+
 def test_momentum_updates_of_many_variables_run_as_one_node_with_the_same_values(server):
     rng = np.random.default_rng(11)
     starts = [rng.standard_normal((3, 4)).astype(F32) for _ in range(6)]
@@ -60,11 +69,7 @@ def test_momentum_updates_of_many_variables_run_as_one_node_with_the_same_values
         init = ds.global_variables_initializer()
     (group,) = _grouped(group_variable_updates(graph.as_graph_def()))
     assert len(_parts(group)) == 6
-    with ds.Session(server.target, graph=graph) as sess:
-        sess.run(init)
-        for _ in range(3):
-            sess.run(train)
-        got = sess.run(variables)
+    got = _trained(server, graph, init, train, variables)
     for start, scale, value in zip(starts, scales, got, strict=True):
         var, accum = start.copy(), np.zeros_like(start)
         for _ in range(3):  # d loss / d v = scale
@@ -178,11 +183,7 @@ def test_a_group_with_a_scalar_variable_updates_it_as_its_own_kernel_would(serve
         init = ds.global_variables_initializer()
     (group,) = _grouped(group_variable_updates(graph.as_graph_def()))
     assert len(_parts(group)) == 2
-    with ds.Session(server.target, graph=graph) as sess:
-        sess.run(init)
-        for _ in range(3):
-            sess.run(train)
-        got_w, got_b = sess.run([weights, bias])
+    got_w, got_b = _trained(server, graph, init, train, [weights, bias])
     expected = []
     for var, grad in ((w.copy(), scale), (np.asarray(F32(0.25)), np.asarray(F32(3.0)))):
         accum = np.full_like(var, F32(0.1))  # Adagrad's initial accumulator
