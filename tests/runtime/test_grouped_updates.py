@@ -173,7 +173,7 @@ def test_the_updates_of_received_values_of_a_vector_and_a_scalar_variable_are_gr
     assert _parts(group) == ["update_w", "update_b"]
 
 
-def test_a_group_with_a_scalar_variable_updates_it_as_its_own_kernel_would(server):
+def test_a_group_with_a_scalar_variable_updates_it_by_adagrads_formula(server):
     rng = np.random.default_rng(5)
     w, scale = rng.standard_normal((4, 1)).astype(F32), rng.standard_normal((4, 1)).astype(F32)
     with ds.Graph().as_default() as graph:
