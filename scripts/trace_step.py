@@ -9,7 +9,13 @@ step; a mark seen more than once in a step is one row per occurrence ("2nd", ...
 `--workload recv` (the default) is the RecvTensor benchmark graph
 (`_shared.build_recv_graph`: a variable on ps read by ``x[0]`` on worker, master on
 worker) with a tensor of `--size`; `mlp`, `embedding` and `small` are the training
-steps of `benchmarks/bench_training.py`, from distserver's own client.
+steps of `benchmarks/bench_training.py`, from distserver's own client, on a ps and a
+worker (`--layout cluster`) or on one task (`--layout one`).
+
+`--client tf` drives a training step with TensorFlow's own client (`train_side.py`
+under TensorFlow's Python: $DISTSERVER_TF_PYTHON, or this Python if it imports
+tensorflow). That process is not marked: times are then counted from the moment the
+master's RunStep handler starts, and the client's own time between steps is not seen.
 
 The marks wrap methods by name; a renamed method makes this script fail loudly
 rather than print a partial timeline. Wrapping costs ~1 us a call: read the gaps
@@ -17,6 +23,7 @@ between marks, not the step time.
 
     .venv/bin/python scripts/trace_step.py [--protocol grpc+verbs] [--size 16M] [--seconds 6]
     .venv/bin/python scripts/trace_step.py --workload mlp [--protocol grpc+verbs]
+        [--layout one] [--client tf]
 """
 
 from __future__ import annotations
@@ -40,9 +47,12 @@ sys.path.insert(0, str(BENCHMARKS))
 import _shared  # noqa: E402
 
 import distserver as ds  # noqa: E402
-from distserver.bench import ds_side, train_side  # noqa: E402
+from distserver.bench import ds_side, tfenv, train_side  # noqa: E402
+from distserver.bench.training import TFClient  # noqa: E402
 from distserver.protos.config_pb2 import ConfigProto  # noqa: E402
 from distserver.testing import LocalCluster  # noqa: E402
+
+RUN_STEP_STARTS, RUN_STEP_ENDS = "master RunStep handler starts", "master RunStep handler ends"
 
 # (module, class, method, mark at entry, mark at exit); None: no mark.
 MARKS = [
@@ -60,6 +70,8 @@ MARKS = [
         "master handler starts",
         "master handler ends",
     ),
+    # (TensorFlow's client runs its steps with RunStep.)
+    ("distserver.runtime.master", "Master", "run_step_rpc", RUN_STEP_STARTS, RUN_STEP_ENDS),
     (
         "distserver.runtime.clients",
         "RemoteWorker",
@@ -98,6 +110,9 @@ MARKS = [
         "verbs completion seen",
         None,
     ),
+    # A message between tasks over grpc+verbs leaving, and read by the other task.
+    ("distserver.transports.verbs._qp", "QueuePair", "send_nowait", "verbs message sent", None),
+    ("distserver.transports.verbs._qp", "QueuePair", "_on_packet", "verbs message read", None),
     ("distserver.runtime.executor", "Executor", "run", "executor starts", "executor ends"),
     ("distserver.kernels.math", "FusedMatMulKernel", "compute", "FusedMatMul starts", "FusedMatMul ends"),
     (
@@ -180,19 +195,22 @@ def parse_size(text: str) -> int:
     return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
 
 
-def run_steps(workload: str, protocol: str, nbytes: int, seconds: float, trace_dir: Path) -> None:
+def run_steps(
+    workload: str, protocol: str, nbytes: int, seconds: float, trace_dir: Path, layout: str, client: str
+) -> None:
     """The traced child: a LocalCluster and back-to-back steps for `seconds`."""
     env = {"DISTSERVER_VERBS_STRICT": "1"} if protocol == "grpc+verbs" else {}
-    with LocalCluster({"ps": 1, "worker": 1}, protocol=protocol, env=env) as cluster:
-        pids = {
-            "ps": cluster.process("ps").pid,
-            "worker": cluster.process("worker").pid,
-            "client": os.getpid(),
-        }
+    jobs = {"ps": 1, "worker": 1} if layout == "cluster" else {"worker": 1}
+    with LocalCluster(jobs, protocol=protocol, env=env) as cluster:
+        pids = {job: cluster.process(job).pid for job in jobs}
+        pids["client"] = os.getpid()
         (trace_dir / "processes.json").write_text(json.dumps({str(pid): who for who, pid in pids.items()}))
         deadline = time.monotonic() + seconds + 120
         if workload != "recv":
-            run_training(workload, cluster.target("worker"), seconds)
+            if client == "tf":
+                run_tf_training(workload, layout, cluster.target("worker"), seconds)
+            else:
+                run_training(workload, layout, cluster.target("worker"), seconds)
             return
         prepared = _shared.Prepared(
             ds,
@@ -212,8 +230,8 @@ def run_steps(workload: str, protocol: str, nbytes: int, seconds: float, trace_d
             prepared.finish()
 
 
-def run_training(workload: str, target: str, seconds: float) -> None:
-    graph, init, fetches, feeds, values = ds_side.build(workload, "cluster")
+def run_training(workload: str, layout: str, target: str, seconds: float) -> None:
+    graph, init, fetches, feeds, values = ds_side.build(workload, layout)
     with ds.Session(target, graph=graph, config=ConfigProto(operation_timeout_in_ms=60_000)) as session:
         session.run(init)
         step = session.make_callable(fetches, feed_list=feeds)
@@ -222,12 +240,29 @@ def run_training(workload: str, target: str, seconds: float) -> None:
             step(*values)
 
 
+def run_tf_training(workload: str, layout: str, target: str, seconds: float) -> None:
+    """Steps from TensorFlow's client (`train_side.py`), which runs unmarked: the marks'
+    site directory is left off its PYTHONPATH (the tasks, started before, keep it)."""
+    site = os.environ["DISTSERVER_TRACE_SITE"]
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != site]
+    os.environ["PYTHONPATH"] = os.pathsep.join(paths)
+    tf_client = TFClient(tfenv.find_installed(None).python)
+    try:
+        tf_client.request("prepare", id="traced", target=target, workload=workload, layout=layout, warmup=20)
+        until = time.monotonic() + seconds
+        while time.monotonic() < until:
+            tf_client.request("block", id="traced", repeat=50)
+    finally:
+        tf_client.stop()
+
+
 def _ordinal(n: int) -> str:
     return {1: "", 2: " (2nd)", 3: " (3rd)"}.get(n, f" ({n}th)")
 
 
-def timeline(trace_dir: Path) -> list[tuple[str, float, int]]:
-    """(process: mark, median µs after the client's step start, steps seen) in time order."""
+def timeline(trace_dir: Path, anchors: tuple[str, str]) -> list[tuple[str, float, int]]:
+    """(process: mark, median µs after a step's start, steps seen) in time order; a step
+    starts at the mark `anchors[0]` and ends at `anchors[1]`."""
     processes = json.loads((trace_dir / "processes.json").read_text())
     events: list[tuple[str, float]] = []
     for path in trace_dir.glob("*.json"):
@@ -236,8 +271,8 @@ def timeline(trace_dir: Path) -> list[tuple[str, float, int]]:
             events += [(f"{who}: {mark}", t) for mark, t in json.loads(path.read_text())]
     events.sort(key=lambda e: e[1])
     times = [t for _, t in events]
-    starts = [t for mark, t in events if mark == f"client: {MARKS[0][3]}"]
-    ends = [t for mark, t in events if mark == f"client: {MARKS[0][4]}"]
+    starts = [t for mark, t in events if mark == anchors[0]]
+    ends = [t for mark, t in events if mark == anchors[1]]
     if not starts:
         raise RuntimeError("no step was traced")
     offsets: dict[str, list[float]] = collections.defaultdict(list)
@@ -265,15 +300,40 @@ def main() -> None:
     parser.add_argument("--protocol", default="grpc+verbs", choices=["grpc", "grpc+verbs"])
     parser.add_argument("--size", type=parse_size, default=16 * MiB, help="tensor bytes (16M)")
     parser.add_argument("--seconds", type=float, default=6.0, help="how long to run steps (6)")
+    parser.add_argument(
+        "--layout",
+        default="cluster",
+        choices=["cluster", "one"],
+        help="a ps and a worker, or one task (cluster)",
+    )
+    parser.add_argument(
+        "--client", default="ds", choices=["ds", "tf"], help="distserver's client or TensorFlow's (ds)"
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         run_steps(
-            args.workload, args.protocol, args.size, args.seconds, Path(os.environ["DISTSERVER_TRACE_DIR"])
+            args.workload,
+            args.protocol,
+            args.size,
+            args.seconds,
+            Path(os.environ["DISTSERVER_TRACE_DIR"]),
+            args.layout,
+            args.client,
         )
         return
     if args.seconds <= 0 or args.size < 4:
         parser.error("--seconds must be > 0 and --size at least 4 bytes")
+    if args.workload == "recv" and (args.layout != "cluster" or args.client != "ds"):
+        parser.error(
+            "--workload recv runs on a ps and a worker from distserver's client: "
+            "use --layout one and --client tf with a training workload (mlp, embedding, small)"
+        )
+    if args.client == "tf":
+        try:
+            tfenv.find_installed(None)
+        except tfenv.TFUnavailable as exc:
+            parser.error(f"--client tf needs TensorFlow's Python: {exc}")
     with tempfile.TemporaryDirectory(prefix="distserver-trace-") as tmp:
         site, trace_dir = Path(tmp, "site"), Path(tmp, "events")
         site.mkdir()
@@ -283,6 +343,7 @@ def main() -> None:
             **os.environ,
             "PYTHONPATH": os.pathsep.join([str(site), *filter(None, [os.environ.get("PYTHONPATH")])]),
             "DISTSERVER_TRACE_DIR": str(trace_dir),
+            "DISTSERVER_TRACE_SITE": str(site),
             "DISTSERVER_TRACE_MARKS": json.dumps(MARKS),
         }
         command = [
@@ -293,6 +354,10 @@ def main() -> None:
             args.workload,
             "--protocol",
             args.protocol,
+            "--layout",
+            args.layout,
+            "--client",
+            args.client,
         ]
         command += ["--size", str(args.size)]
         subprocess.run(
@@ -301,13 +366,21 @@ def main() -> None:
         failures = [path.read_text() for path in trace_dir.glob("*.error")]
         if failures:
             raise SystemExit(f"could not install the marks (see MARKS): {failures[0]}")
-        rows = timeline(trace_dir)
+        if args.client == "tf":
+            anchors = (f"worker: {RUN_STEP_STARTS}", f"worker: {RUN_STEP_ENDS}")
+            start = "the master's RunStep handler started"
+        else:
+            anchors = (f"client: {MARKS[0][3]}", f"client: {MARKS[0][4]}")
+            start = "the client started"
+        rows = timeline(trace_dir, anchors)
     step = (
         f"RecvTensor step, {args.size:,} bytes,"
         if args.workload == "recv"
         else f"{args.workload} training step"
     )
-    print(f"{step} over {args.protocol}: median time of each mark after the client started")
+    where = "" if args.layout == "cluster" else ", one task"
+    client = "" if args.client == "ds" else ", TensorFlow's client"
+    print(f"{step} over {args.protocol}{where}{client}: median time of each mark after {start}")
     print("the step (the last three quarters of the steps)\n")
     print("| µs | mark | steps |")
     print("|---:|---|---:|")
