@@ -199,9 +199,32 @@ class L2LossKernel(OpKernel):
 # --------------------------------------------------------------------------- softmax family
 
 
+# Rows of at most this many values have their largest taken column by column
+# (`_row_max`).
+_COLUMN_MAX_VALUES = 32
+
+
+def _row_max(x: np.ndarray) -> np.ndarray:
+    """np.max(x, axis=-1, keepdims=True), for x of at least one dimension whose rows
+    are not empty.
+
+    numpy's reduction runs a short inner loop per row: a classifier's 256 x 10 logits
+    take ~17 us. Rows of at most `_COLUMN_MAX_VALUES` values are reduced column by
+    column over the transposed array instead (~3 us): `np.maximum` of the columns in
+    order, each value exact, so the same maxima (and nan where a row has one; of a row
+    whose largest values are 0.0 and -0.0, either may come out, as from numpy's own
+    order).
+    """
+    columns = x.shape[-1]
+    if x.ndim < 2 or not 2 <= columns <= _COLUMN_MAX_VALUES:
+        return np.max(x, axis=-1, keepdims=True)  # type: ignore[no-any-return]
+    by_column = np.ascontiguousarray(x.reshape(-1, columns).T)
+    return np.maximum.reduce(by_column, axis=0).reshape(*x.shape[:-1], 1)  # type: ignore[no-any-return]
+
+
 def _log_softmax(x: np.ndarray) -> np.ndarray:
     """log(softmax(x)) over the last axis, computed stably."""
-    shifted = x - np.max(x, axis=-1, keepdims=True)
+    shifted = x - _row_max(x)
     result: np.ndarray = shifted - np.log(np.sum(np.exp(shifted), axis=-1, keepdims=True))
     return result
 
@@ -232,7 +255,7 @@ class SoftmaxKernel(_SoftmaxFamilyKernel):
     """exp(x) / sum(exp(x)) over the last dimension."""
 
     def normalize(self, x: np.ndarray) -> np.ndarray:
-        shifted = np.exp(x - np.max(x, axis=-1, keepdims=True))
+        shifted = np.exp(x - _row_max(x))
         result: np.ndarray = shifted / np.sum(shifted, axis=-1, keepdims=True)
         return result
 

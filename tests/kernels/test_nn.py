@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from distserver import errors
-from distserver.kernels import create_kernel
+from distserver.kernels import create_kernel, nn
 
 RNG = np.random.default_rng(7)
 
@@ -167,6 +167,37 @@ def test_log_softmax(run_op):
 def test_log_softmax_is_stable_for_large_logits(run_op):
     (y,) = run_op("LogSoftmax", np.array([[1000.0, 0.0]], np.float32), T=np.float32)
     np.testing.assert_allclose(y, [[0.0, -1000.0]])
+
+
+@pytest.mark.parametrize("shape", [(256, 10), (3, 7, 5), (64, 32), (9, 2), (5, 33), (6,)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_softmax_family_gives_the_bits_of_its_formula_with_numpys_row_max(run_op, shape, dtype):
+    # Rows of few values take their maximum column by column (`nn._row_max`): the
+    # same maxima, so the same outputs, bit for bit, inf and nan rows included.
+    rng = np.random.default_rng(len(shape) * 100 + shape[-1])
+    x = (rng.standard_normal(shape) * 5).astype(dtype)
+    flat = x.reshape(-1, shape[-1])
+    if len(flat) >= 4:
+        flat[1, 0], flat[2, -1], flat[3, 1 % shape[-1]] = np.inf, -np.inf, np.nan
+    largest = np.max(x, axis=-1, keepdims=True)
+    np.testing.assert_array_equal(nn._row_max(x), largest)  # (nan equal to nan)
+    with np.errstate(all="ignore"):
+        shifted = x - largest
+        log_probs = shifted - np.log(np.sum(np.exp(shifted), axis=-1, keepdims=True))
+        exps = np.exp(shifted)
+        probs = exps / np.sum(exps, axis=-1, keepdims=True)
+    (got,) = run_op("LogSoftmax", x, T=dtype)
+    np.testing.assert_array_equal(got.view(np.uint8), log_probs.view(np.uint8))
+    (got,) = run_op("Softmax", x, T=dtype)
+    np.testing.assert_array_equal(got.view(np.uint8), probs.view(np.uint8))
+    if len(shape) == 2:
+        labels = rng.integers(0, shape[1], shape[0]).astype(np.int64)
+        loss, backprop = run_op("SparseSoftmaxCrossEntropyWithLogits", x, labels, T=dtype, Tlabels=np.int64)
+        rows = np.arange(shape[0])
+        np.testing.assert_array_equal(loss.view(np.uint8), (-log_probs[rows, labels]).view(np.uint8))
+        want = np.exp(log_probs)
+        want[rows, labels] -= 1
+        np.testing.assert_array_equal(backprop.view(np.uint8), want.view(np.uint8))
 
 
 def test_softmax_cross_entropy_returns_loss_and_backprop(run_op):
