@@ -326,8 +326,8 @@ def main() -> None:
         parser.error("--seconds must be > 0 and --size at least 4 bytes")
     if args.workload == "recv" and (args.layout != "cluster" or args.client != "ds"):
         parser.error(
-            "--workload recv runs on a ps and a worker from distserver's client: "
-            "use --layout one and --client tf with a training workload (mlp, embedding, small)"
+            "--workload recv runs on a ps and a worker from distserver's client; "
+            "--layout one and --client tf trace a training workload (mlp, embedding, small)"
         )
     if args.client == "tf":
         try:

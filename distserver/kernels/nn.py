@@ -217,9 +217,11 @@ def _row_max(x: np.ndarray) -> np.ndarray:
     """
     columns = x.shape[-1]
     if x.ndim < 2 or not 2 <= columns <= _COLUMN_MAX_VALUES:
-        return np.max(x, axis=-1, keepdims=True)  # type: ignore[no-any-return]
+        largest: np.ndarray = np.max(x, axis=-1, keepdims=True)
+        return largest
     by_column = np.ascontiguousarray(x.reshape(-1, columns).T)
-    return np.maximum.reduce(by_column, axis=0).reshape(*x.shape[:-1], 1)  # type: ignore[no-any-return]
+    largest = np.maximum.reduce(by_column, axis=0).reshape(*x.shape[:-1], 1)
+    return largest
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
