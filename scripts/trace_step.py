@@ -17,13 +17,17 @@ under TensorFlow's Python: $DISTSERVER_TF_PYTHON, or this Python if it imports
 tensorflow). That process is not marked: times are then counted from the moment the
 master's RunStep handler starts, and the client's own time between steps is not seen.
 
+`--nodes` adds a mark as each kernel starts ("node MatMul") and a second table: each
+kernel's median wall and CPU time (the thread's clock) per run, by process and thread
+(the main thread runs the event loop; others are the pool's), the heaviest first.
+
 The marks wrap methods by name; a renamed method makes this script fail loudly
 rather than print a partial timeline. Wrapping costs ~1 us a call: read the gaps
 between marks, not the step time.
 
     .venv/bin/python scripts/trace_step.py [--protocol grpc+verbs] [--size 16M] [--seconds 6]
     .venv/bin/python scripts/trace_step.py --workload mlp [--protocol grpc+verbs]
-        [--layout one] [--client tf]
+        [--layout one] [--client tf] [--nodes]
 """
 
 from __future__ import annotations
@@ -172,9 +176,30 @@ def _wrap(module, cls, name, start, end):
     if inner is not None:
         wrapped.without_dereference = _marked(inner, start, end)
     setattr(owner, name, wrapped)
+# --nodes: every kernel the executor runs (its straight sequence's `_run_node`, the
+# ready queue's `_compute`), a mark as it starts and its wall and CPU time by thread.
+_nodes = {}
+def _timed(original, kernel_of):
+    import threading
+    main = threading.main_thread()
+    def run(first, ctx, inputs):
+        op = kernel_of(first).op
+        _events.append(("node " + op, time.perf_counter()))
+        wall, cpu = time.perf_counter_ns(), time.thread_time_ns()
+        try:
+            return original(first, ctx, inputs)
+        finally:
+            where = "main thread" if threading.current_thread() is main else "other thread"
+            _nodes.setdefault(f"{op} ({where})", []).append(
+                ((time.perf_counter_ns() - wall) / 1e3, (time.thread_time_ns() - cpu) / 1e3))
+    return run
 try:
     for _mark in json.loads(os.environ["DISTSERVER_TRACE_MARKS"]):
         _wrap(*_mark)
+    if os.environ.get("DISTSERVER_TRACE_NODES"):
+        _executor = importlib.import_module("distserver.runtime.executor")
+        _executor._run_node = _timed(_executor._run_node, lambda node: node.kernel)
+        _executor._compute = _timed(_executor._compute, lambda kernel: kernel)
 except Exception as exc:  # sitecustomize errors are only printed: leave a record
     with open(os.path.join(os.environ["DISTSERVER_TRACE_DIR"], f"{os.getpid()}.error"), "w") as f:
         f.write(f"{type(exc).__name__}: {exc}")
@@ -184,6 +209,9 @@ def _dump():
     if _events:
         with open(os.path.join(os.environ["DISTSERVER_TRACE_DIR"], f"{os.getpid()}.json"), "w") as f:
             json.dump(_events, f)
+    if _nodes:
+        with open(os.path.join(os.environ["DISTSERVER_TRACE_DIR"], f"{os.getpid()}.nodes"), "w") as f:
+            json.dump(_nodes, f)
 """
 
 MiB = 1 << 20
@@ -256,13 +284,26 @@ def run_tf_training(workload: str, layout: str, target: str, seconds: float) -> 
         tf_client.stop()
 
 
+def node_times(trace_dir: Path, steps: int) -> list[tuple[str, float, float, float]]:
+    """(process: kernel (thread), runs a step, median wall µs, median CPU µs) of the
+    kernels timed with --nodes, the heaviest (runs x CPU) first."""
+    processes = json.loads((trace_dir / "processes.json").read_text())
+    rows = []
+    for path in trace_dir.glob("*.nodes"):
+        who = processes.get(path.stem, f"pid {path.stem}")
+        for kernel, times in json.loads(path.read_text()).items():
+            cpu = statistics.median(t[1] for t in times)
+            rows.append((f"{who}: {kernel}", len(times) / steps, statistics.median(t[0] for t in times), cpu))
+    return sorted(rows, key=lambda row: -row[1] * row[3])
+
+
 def _ordinal(n: int) -> str:
     return {1: "", 2: " (2nd)", 3: " (3rd)"}.get(n, f" ({n}th)")
 
 
-def timeline(trace_dir: Path, anchors: tuple[str, str]) -> list[tuple[str, float, int]]:
-    """(process: mark, median µs after a step's start, steps seen) in time order; a step
-    starts at the mark `anchors[0]` and ends at `anchors[1]`."""
+def timeline(trace_dir: Path, anchors: tuple[str, str]) -> tuple[list[tuple[str, float, int]], int]:
+    """(process: mark, median µs after a step's start, steps seen) in time order, and the
+    number of steps run; a step starts at the mark `anchors[0]` and ends at `anchors[1]`."""
     processes = json.loads((trace_dir / "processes.json").read_text())
     events: list[tuple[str, float]] = []
     for path in trace_dir.glob("*.json"):
@@ -289,7 +330,7 @@ def timeline(trace_dir: Path, anchors: tuple[str, str]) -> list[tuple[str, float
         for mark, values in offsets.items()
         if 2 * len(values) >= len(steps)
     ]
-    return sorted(rows, key=lambda row: row[1])
+    return sorted(rows, key=lambda row: row[1]), len(starts)
 
 
 def main() -> None:
@@ -308,6 +349,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--client", default="ds", choices=["ds", "tf"], help="distserver's client or TensorFlow's (ds)"
+    )
+    parser.add_argument(
+        "--nodes",
+        action="store_true",
+        help="mark every kernel run, and print each kernel's wall and CPU time in the step",
     )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -346,6 +392,8 @@ def main() -> None:
             "DISTSERVER_TRACE_SITE": str(site),
             "DISTSERVER_TRACE_MARKS": json.dumps(MARKS),
         }
+        if args.nodes:
+            env["DISTSERVER_TRACE_NODES"] = "1"
         command = [
             sys.executable,
             __file__,
@@ -372,7 +420,8 @@ def main() -> None:
         else:
             anchors = (f"client: {MARKS[0][3]}", f"client: {MARKS[0][4]}")
             start = "the client started"
-        rows = timeline(trace_dir, anchors)
+        rows, steps = timeline(trace_dir, anchors)
+        kernels = node_times(trace_dir, steps) if args.nodes else []
     step = (
         f"RecvTensor step, {args.size:,} bytes,"
         if args.workload == "recv"
@@ -386,6 +435,13 @@ def main() -> None:
     print("|---:|---|---:|")
     for mark, offset, count in rows:
         print(f"| {offset:,.0f} | {mark} | {count} |")
+    if kernels:
+        print("\nKernels, the heaviest first (runs a step x CPU time): median wall and CPU time of a run")
+        print("(CPU below wall: the thread waited, for the GIL or a core)\n")
+        print("| kernel (thread) | runs a step | wall µs | CPU µs |")
+        print("|---|---:|---:|---:|")
+        for kernel, runs, wall, cpu in kernels:
+            print(f"| {kernel} | {runs:.1f} | {wall:,.1f} | {cpu:,.1f} |")
 
 
 if __name__ == "__main__":

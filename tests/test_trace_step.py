@@ -47,3 +47,29 @@ def test_a_training_step_timeline_covers_client_master_worker_and_ps() -> None:
         assert expected in marks, (expected, done.stdout)
     offsets = [float(row[0].strip("| ").replace(",", "")) for row in rows if not row[0].startswith("|---")]
     assert offsets == sorted(offsets)
+
+
+@pytest.mark.slow
+def test_a_one_task_step_with_nodes_times_each_kernel_by_thread() -> None:
+    command = [sys.executable, str(ROOT / "scripts" / "trace_step.py"), "--workload", "small"]
+    command += ["--protocol", "grpc", "--layout", "one", "--nodes", "--seconds", "2"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("small training step over grpc, one task: median time of each mark")
+    timeline, kernels = done.stdout.split("\nKernels, the heaviest first")
+    marks = [
+        line.split(" | ")[1] for line in timeline.splitlines() if line.startswith("| ") and "µs" not in line
+    ]
+    assert "worker: node _DistserverFusedMatMul" in marks, done.stdout  # a mark as each kernel starts
+    assert not any(mark.startswith("ps:") for mark in marks), done.stdout
+    rows = {}
+    for line in kernels.splitlines():
+        if line.startswith("| worker: "):
+            kernel, runs, wall, cpu = line.strip("| ").split(" | ")
+            rows[kernel] = (float(runs), float(wall.replace(",", "")), float(cpu.replace(",", "")))
+    # `small`'s 30 dense layers each step, on the event loop (the main thread).
+    runs, wall, cpu = rows["worker: _DistserverFusedMatMul (main thread)"]
+    assert 29 <= runs <= 31, done.stdout
+    assert cpu > 0, done.stdout
+    assert wall > 0, done.stdout
+    assert "worker: _DistserverGroupedUpdates (main thread)" in rows, done.stdout
