@@ -18,7 +18,7 @@ tensorflow). That process is not marked: times are then counted from the moment 
 master's RunStep handler starts, and the client's own time between steps is not seen.
 
 `--nodes` adds a mark as each kernel starts ("node MatMul") and a second table: each
-kernel's median wall and CPU time (the thread's clock) per run, by process and thread
+node's median wall and CPU time (the thread's clock) per run, by process and thread
 (the main thread runs the event loop; others are the pool's), the heaviest first.
 
 The marks wrap methods by name; a renamed method makes this script fail loudly
@@ -177,20 +177,21 @@ def _wrap(module, cls, name, start, end):
         wrapped.without_dereference = _marked(inner, start, end)
     setattr(owner, name, wrapped)
 # --nodes: every kernel the executor runs (its straight sequence's `_run_node`, the
-# ready queue's `_compute`), a mark as it starts and its wall and CPU time by thread.
+# ready queue's `_compute`), a mark as it starts and its wall and CPU time, by node
+# and thread.
 _nodes = {}
 def _timed(original, kernel_of):
     import threading
     main = threading.main_thread()
     def run(first, ctx, inputs):
-        op = kernel_of(first).op
-        _events.append(("node " + op, time.perf_counter()))
+        kernel = kernel_of(first)
+        _events.append(("node " + kernel.op, time.perf_counter()))
         wall, cpu = time.perf_counter_ns(), time.thread_time_ns()
         try:
             return original(first, ctx, inputs)
         finally:
             where = "main thread" if threading.current_thread() is main else "other thread"
-            _nodes.setdefault(f"{op} ({where})", []).append(
+            _nodes.setdefault(f"{kernel.name} ({kernel.op}, {where})", []).append(
                 ((time.perf_counter_ns() - wall) / 1e3, (time.thread_time_ns() - cpu) / 1e3))
     return run
 try:
@@ -285,7 +286,7 @@ def run_tf_training(workload: str, layout: str, target: str, seconds: float) -> 
 
 
 def node_times(trace_dir: Path, steps: int) -> list[tuple[str, float, float, float]]:
-    """(process: kernel (thread), runs a step, median wall µs, median CPU µs) of the
+    """(process: node (op, thread), runs a step, median wall µs, median CPU µs) of the
     kernels timed with --nodes, the heaviest (runs x CPU) first."""
     processes = json.loads((trace_dir / "processes.json").read_text())
     rows = []
@@ -437,8 +438,8 @@ def main() -> None:
         print(f"| {offset:,.0f} | {mark} | {count} |")
     if kernels:
         print("\nKernels, the heaviest first (runs a step x CPU time): median wall and CPU time of a run")
-        print("(CPU below wall: the thread waited, for the GIL or a core)\n")
-        print("| kernel (thread) | runs a step | wall µs | CPU µs |")
+        print("(CPU below wall: the thread waited, for the GIL, a core or another thread)\n")
+        print("| node (op, thread) | runs a step | wall µs | CPU µs |")
         print("|---|---:|---:|---:|")
         for kernel, runs, wall, cpu in kernels:
             print(f"| {kernel} | {runs:.1f} | {wall:,.1f} | {cpu:,.1f} |")
