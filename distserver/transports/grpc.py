@@ -127,6 +127,10 @@ _QUIET_CHANNEL_OPTIONS = [
     # getting "connection refused" for up to the backoff after the task is back.
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 250),
+    # gRPC core shares a connection attempt's state among a process's channels to the
+    # same address: a new channel to a task that has just started (or restarted) got
+    # the old channels' "connection refused" at once. Each channel connects for itself.
+    ("grpc.use_local_subchannel_pool", 1),
     # gRPC core gives a connection attempt this long to finish its handshake (the
     # peer's HTTP/2 SETTINGS). At 100 ms a peer that was up but busy for a moment
     # (a loaded host, a pause) failed its callers with UNAVAILABLE at once; a silent
