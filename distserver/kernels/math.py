@@ -548,6 +548,19 @@ class FusedMatMulKernel(OpKernel):
     def output_nbytes(self, inputs: list[Any]) -> int:
         return self.matmul.output_nbytes(inputs[:2])
 
+    def work_nbytes(self, inputs: list[Any]) -> int:
+        # `OpKernel.work_nbytes`'s count, in one call: asked before every layer of a step.
+        try:
+            a, b, bias = inputs
+            if a.ndim == b.ndim == 2:
+                nbytes: int = (
+                    a.nbytes + b.nbytes + bias.nbytes + a.size * b.shape[0 if self.transpose_b else 1] // 2
+                )
+                return nbytes
+        except (AttributeError, ValueError):
+            pass
+        return super().work_nbytes(inputs)
+
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
         a, b, bias = inputs
         dtype = self.dtype
@@ -650,6 +663,25 @@ class FusedMatMulGradKernel(OpKernel):
         if len(inputs) == 6 and getattr(inputs[5], "ndim", 0) == 2:
             work += a.size * inputs[5].shape[0]
         return int(work) // 2
+
+    def work_nbytes(self, inputs: list[Any]) -> int:
+        # `OpKernel.work_nbytes`'s count, in one call: asked before every layer of a step.
+        try:
+            if len(inputs) == 6:
+                a, b, axes, shape, h, w = inputs
+                if a.ndim == h.ndim == w.ndim == 2:
+                    nbytes: int = a.nbytes + b.nbytes + axes.nbytes + shape.nbytes + h.nbytes + w.nbytes
+                    nbytes += (h.size * a.shape[1] + a.size * w.shape[0]) // 2
+                    return nbytes
+            else:
+                a, b, axes, shape, h = inputs
+                if a.ndim == h.ndim == 2:
+                    nbytes = a.nbytes + b.nbytes + axes.nbytes + shape.nbytes + h.nbytes
+                    nbytes += h.size * a.shape[1] // 2
+                    return nbytes
+        except (AttributeError, ValueError):
+            pass
+        return super().work_nbytes(inputs)
 
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
         a, b, axes, shape, h, *rest = inputs

@@ -1215,13 +1215,28 @@ class GroupedUpdatesKernel(OpKernel):
         )
         # The gradient's input name (the one "tensor" input of `_same_update`'s signature).
         self._grad_name = ""
+        self._grad_column = 0  # (the gradient's place among a part's inputs)
         if self._same_update is not None:
-            (self._grad_name,) = [name for name, kind in self._same_update.signature if kind == "tensor"]
+            kinds = [kind for _, kind in self._same_update.signature]
+            self._grad_column = kinds.index("tensor")
+            self._grad_name = self._same_update.signature[self._grad_column][0]
         self._kernels = kernels
         self._arena: _VariableArena | None = None
         # The variables the parts' handles named last time, and what made them valid
         # (`_resources`).
         self._resolved: tuple[Any, ...] | None = None
+
+    def work_nbytes(self, inputs: list[Any]) -> int:
+        # Its gradients' bytes, asked every step: the rest of its inputs are handles and
+        # scalars, which `OpKernel.work_nbytes` would walk too (three times the inputs).
+        if self._same_update is not None:
+            try:
+                grads = inputs[self._grad_column :: len(self._same_update.signature)]
+                nbytes: int = sum(map(_nbytes_of, grads))
+                return nbytes
+            except AttributeError:
+                pass
+        return super().work_nbytes(inputs)
 
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
         if self._same_update is not None and self._update_side_by_side(ctx, inputs):
@@ -1423,6 +1438,7 @@ def _line_up(column: list[VariableResource]) -> tuple[np.ndarray, list[np.ndarra
 _value_of = operator.attrgetter("value")
 _dtype_of = operator.attrgetter("dtype")
 _shape_of = operator.attrgetter("shape")
+_nbytes_of = operator.attrgetter("nbytes")
 
 
 __all__ = [

@@ -30,8 +30,8 @@ resolves inputs, and rejects cycles. `run(ctx)` then executes one step:
   cost more than the node). Kernels whose inputs are large (`OFFLOAD_BYTES`, or the
   kernel's own `OpKernel.offload_bytes`: 2 MiB for a dense optimizer update), or
   whose output or work will be (`OpKernel.output_nbytes`: Fill, Tile, Range, random
-  tensors, a matrix product's multiply-adds), run in the
-  worker's thread pool, and asynchronous kernels (queues) run as tasks, so
+  tensors, a matrix product's multiply-adds; `OpKernel.work_nbytes` adds it up), run
+  in the worker's thread pool, and asynchronous kernels (queues) run as tasks, so
   independent branches proceed concurrently and the loop never blocks on long
   numpy work. A
   `_Recv`'s value is a future the step waits on without a task (`RecvKernel.receive`:
@@ -62,7 +62,6 @@ import concurrent.futures
 import dataclasses
 import functools
 import hashlib
-import operator
 import threading
 import time
 from collections import deque
@@ -105,10 +104,11 @@ from distserver.runtime.fusion import reached_from
 from distserver.runtime.names import parse_input
 from distserver.runtime.rendezvous import StepRendezvous
 
-# Kernels whose inputs (and `output_nbytes`) add up to at least this many bytes run in
-# the thread pool. An element-wise kernel takes ~40 us a MiB here, and a hop to the pool
-# and back 50-100 us: below this a thread costs more than the kernel's work (a 256 KiB
-# gather of an embedding step's gradient: 10 us inline, ~240 us through the pool).
+# Kernels whose calls weigh at least this many bytes (`OpKernel.work_nbytes`: their
+# inputs and `output_nbytes`) run in the thread pool. An element-wise kernel takes ~40
+# us a MiB here, and a hop to the pool and back 50-100 us: below this a thread costs
+# more than the kernel's work (a 256 KiB gather of an embedding step's gradient: 10 us
+# inline, ~240 us through the pool).
 OFFLOAD_BYTES = 1 << 20
 
 
@@ -1345,17 +1345,9 @@ def _mode_of(node: _Node) -> int:
 
 
 def _large(node: _Node, inputs: list[Any]) -> bool:
-    """Whether the kernel's work is large enough for a thread: large inputs, or a large output."""
-    try:  # (inputs are arrays but for rare values: a grouped update's 180 in 5 us, not 18)
-        nbytes: int = sum(map(_nbytes_of, inputs))
-    except AttributeError:
-        nbytes = sum(value.nbytes for value in inputs if isinstance(value, np.ndarray))
-    if node.sizes_its_output:
-        nbytes += node.kernel.output_nbytes(inputs)
-    return nbytes >= (node.kernel.offload_bytes or OFFLOAD_BYTES)
-
-
-_nbytes_of = operator.attrgetter("nbytes")
+    """Whether the kernel's work is large enough for a thread (`OpKernel.work_nbytes`)."""
+    kernel = node.kernel
+    return kernel.work_nbytes(inputs) >= (kernel.offload_bytes or OFFLOAD_BYTES)
 
 
 def _compute_in_thread(kernel: OpKernel, ctx: KernelContext, inputs: list[Any]) -> tuple[list[Any], int]:

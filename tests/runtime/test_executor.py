@@ -249,10 +249,11 @@ async def test_a_kernel_goes_to_the_pool_for_large_work_not_for_a_quarter_mib():
 
 
 def test_the_size_of_a_nodes_work_counts_its_array_inputs_and_skips_other_values():
+    from distserver.kernels.registry import create_kernel
     from distserver.runtime import executor
 
-    # (`_large` reads only these then)
-    node = types.SimpleNamespace(sizes_its_output=False, kernel=types.SimpleNamespace(offload_bytes=None))
+    # (`_large` reads only its kernel; AddN counts its inputs as `OpKernel.work_nbytes` does)
+    node = types.SimpleNamespace(kernel=create_kernel(_node("n", "AddN", T=_F32, N=2)))
     half = np.ones(OFFLOAD_BYTES // 8, np.float32)
     assert executor._large(node, [half, half])
     assert not executor._large(node, [half])
@@ -957,3 +958,63 @@ def test_a_variable_read_by_the_node_that_starts_a_run_in_a_thread_is_still_upda
     assert (after[0] - before[0], after[1] - before[1]) == (3, 0)
     assert losses == [side * side * 0.5, side * side * 0.25, 0.0]
     np.testing.assert_array_equal(value, np.full((side, side), -0.25, np.float32))
+
+
+def test_kernels_asked_before_every_layer_weigh_their_calls_as_the_executor_would(monkeypatch):
+    # A fused dense layer and a fused layer gradient count, in one call, what
+    # `OpKernel.work_nbytes` counts (their inputs' bytes and `output_nbytes`), for the
+    # inputs of a real step and for inputs their fast path does not take; a grouped
+    # update counts its gradients (the rest are handles and scalars).
+    from distserver.kernels.math import FUSED_MATMUL_GRAD_OP, FUSED_MATMUL_OP
+    from distserver.kernels.registry import OpKernel
+    from distserver.kernels.state import GROUPED_UPDATES_OP
+    from distserver.runtime import executor
+
+    asked: dict[str, list[tuple[Any, list[Any]]]] = {}
+    large = executor._large
+
+    def recording(node: Any, inputs: list[Any]) -> bool:
+        asked.setdefault(node.kernel.op, []).append((node.kernel, list(inputs)))
+        return large(node, inputs)
+
+    monkeypatch.setattr(executor, "_large", recording)
+    rng = np.random.default_rng(3)
+    server = ds.Server.create_local_server()
+    try:
+        with ds.Graph().as_default() as graph:
+            x = ds.placeholder(ds.float32, [16, 8], name="x")
+            w1 = ds.Variable(rng.standard_normal((8, 12)).astype(np.float32), name="w1")
+            b1 = ds.Variable(np.zeros(12, np.float32), name="b1")
+            w2 = ds.Variable(rng.standard_normal((12, 4)).astype(np.float32), name="w2")
+            b2 = ds.Variable(np.zeros(4, np.float32), name="b2")
+            hidden = ds.relu(ds.matmul(x, w1) + b1)
+            loss = ds.reduce_sum(ds.square(ds.tanh(ds.matmul(hidden, w2) + b2)))
+            train = ds.train.MomentumOptimizer(0.01, 0.9).minimize(loss)
+            init = ds.global_variables_initializer()
+        with ds.Session(server.target, graph=graph) as session:
+            session.run(init)
+            session.run(train, {x: rng.standard_normal((16, 8)).astype(np.float32)})
+    finally:
+        server.stop()
+    assert len(asked[FUSED_MATMUL_OP]) == 2
+    assert sorted(len(inputs) for _, inputs in asked[FUSED_MATMUL_GRAD_OP]) == [
+        5,
+        6,
+    ]  # (w1's: no input gradient)
+    (grouped,) = asked[GROUPED_UPDATES_OP]
+    for kernel, inputs in asked[FUSED_MATMUL_OP] + asked[FUSED_MATMUL_GRAD_OP]:
+        assert kernel.work_nbytes(inputs) == OpKernel.work_nbytes(kernel, inputs) > 0
+        for odd in (
+            [inputs[0].ravel(), *inputs[1:]],  # a vector: no product to count
+            [inputs[0].tolist(), *inputs[1:]],  # not an array
+            [inputs[0][None], *inputs[1:]],  # three dimensions
+        ):
+            assert kernel.work_nbytes(odd) == OpKernel.work_nbytes(kernel, odd)
+    kernel, inputs = grouped
+    gradients = [
+        value
+        for value in inputs
+        if isinstance(value, np.ndarray) and value.dtype == np.float32 and value.ndim
+    ]
+    assert len(gradients) == 4
+    assert kernel.work_nbytes(inputs) == sum(g.nbytes for g in gradients) == (8 * 12 + 12 + 12 * 4 + 4) * 4
