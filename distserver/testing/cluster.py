@@ -25,6 +25,9 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+# How many of a task's last stderr lines an error inside a `LocalCluster` carries.
+NOTED_STDERR_LINES = 20
+
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     """`count` distinct ports that were free a moment ago."""
@@ -221,8 +224,22 @@ class LocalCluster:
     def __enter__(self) -> LocalCluster:
         return self.start()
 
-    def __exit__(self, *exc_info: Any) -> None:
+    def __exit__(self, exc_type: Any, exc: BaseException | None, traceback: Any) -> None:
+        if exc is not None:
+            self._note_tasks(exc)
         self.stop()
+
+    def _note_tasks(self, exc: BaseException) -> None:
+        """Add to `exc` each task's state and the last lines it wrote to stderr: an
+        error inside the cluster (a failing test) then says what its tasks said."""
+        for task, proc in self.processes.items():
+            try:
+                lines = self.stderr(task).strip().splitlines()[-NOTED_STDERR_LINES:]
+            except (OSError, ValueError):  # (its file already closed)
+                continue
+            state = "running" if proc.poll() is None else f"exited with status {proc.returncode}"
+            said = "\n".join(f"  {line}" for line in lines) if lines else "  (nothing)"
+            exc.add_note(f"{task} ({state}) wrote to stderr, last lines:\n{said}")
 
 
 class _PortTaken(Exception):
