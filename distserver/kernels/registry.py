@@ -237,8 +237,8 @@ class OpKernel:
         `offload_bytes` (or `executor.OFFLOAD_BYTES`) or more in its thread pool.
 
         Its inputs' bytes plus `output_nbytes`. Kernels asked before every call of a
-        step (a dense layer's) may count the same in fewer Python calls: inside a step,
-        where caches are cold, this count cost ~5% of a step of small dense layers.
+        step (a dense layer's) may count the same in fewer Python calls: asked before
+        each of a step's 60 small dense layer nodes, this count came to 3-6% of it.
         """
         try:  # (inputs are arrays but for rare values)
             nbytes: int = sum(map(_nbytes_of, inputs))

@@ -551,7 +551,7 @@ class Executor:
                             in_flight += 1
                             group.create_task(run_task(node, inputs, offload=False))
                         elif pool is not None and (
-                            mode == _THREAD or (mode == _BY_SIZE and _large(node, inputs))
+                            mode == _THREAD or (mode == _BY_SIZE and _large(node.kernel, inputs))
                         ):
                             in_flight += 1
                             group.create_task(run_task(node, inputs, offload=True))
@@ -670,7 +670,7 @@ class _Straight:
                 last_reads = ()
             for src in last_reads:
                 outputs[src] = None
-            if sized and pool is not None and (node.mode == _THREAD or _large(node, inputs)):
+            if sized and pool is not None and (node.mode == _THREAD or _large(node.kernel, inputs)):
                 loop = asyncio.get_running_loop()
                 stop = threading.Event()
                 failed: list[Exception] = []  # by the nodes the thread handed to the loop
@@ -924,10 +924,7 @@ async def run_kernel(kernel: OpKernel, ctx: StepContext, inputs: list[Any]) -> l
     inline, as a task for asynchronous kernels, or in `ctx.pool` when it is large."""
     if kernel.is_async:
         return await _guard(kernel, kernel.compute_async(ctx, inputs))
-    node = _Node(
-        0, kernel, [], [], 0, sizes_its_output=type(kernel).output_nbytes is not OpKernel.output_nbytes
-    )
-    in_a_thread = not kernel.runs_on_loop and (kernel.does_io or _large(node, inputs))
+    in_a_thread = not kernel.runs_on_loop and (kernel.does_io or _large(kernel, inputs))
     if ctx.pool is not None and in_a_thread:
         return await asyncio.get_running_loop().run_in_executor(ctx.pool, _compute, kernel, ctx, inputs)
     return _compute(kernel, ctx, inputs)
@@ -1360,9 +1357,8 @@ def _mode_of(node: _Node) -> int:
     return _INLINE  # no inputs and no output estimate: nothing can make it large
 
 
-def _large(node: _Node, inputs: list[Any]) -> bool:
+def _large(kernel: OpKernel, inputs: list[Any]) -> bool:
     """Whether the kernel's work is large enough for a thread (`OpKernel.work_nbytes`)."""
-    kernel = node.kernel
     return kernel.work_nbytes(inputs) >= (kernel.offload_bytes or OFFLOAD_BYTES)
 
 
@@ -1566,7 +1562,7 @@ class _LoopStep:
                             in_flight += 1
                             group.create_task(run_task(i, iteration, ctx, inputs, offload=False))
                         elif ctx.pool is not None and (
-                            mode == _THREAD or (mode == _BY_SIZE and _large(node, inputs))
+                            mode == _THREAD or (mode == _BY_SIZE and _large(node.kernel, inputs))
                         ):
                             in_flight += 1
                             group.create_task(run_task(i, iteration, ctx, inputs, offload=True))

@@ -7,7 +7,6 @@ import concurrent.futures
 import dataclasses
 import threading
 import tracemalloc
-import types
 from collections.abc import Sequence
 from typing import Any
 
@@ -252,14 +251,13 @@ def test_the_size_of_a_nodes_work_counts_its_array_inputs_and_skips_other_values
     from distserver.kernels.registry import create_kernel
     from distserver.runtime import executor
 
-    # (`_large` reads only its kernel; AddN counts its inputs as `OpKernel.work_nbytes` does)
-    node = types.SimpleNamespace(kernel=create_kernel(_node("n", "AddN", T=_F32, N=2)))
+    kernel = create_kernel(_node("n", "AddN", T=_F32, N=2))  # (counts as `OpKernel.work_nbytes` does)
     half = np.ones(OFFLOAD_BYTES // 8, np.float32)
-    assert executor._large(node, [half, half])
-    assert not executor._large(node, [half])
+    assert executor._large(kernel, [half, half])
+    assert not executor._large(kernel, [half])
     # A value without `nbytes` (a VariableRef, a dataset) counts for nothing.
-    assert executor._large(node, [half, object(), half])
-    assert not executor._large(node, [half, object()])
+    assert executor._large(kernel, [half, object(), half])
+    assert not executor._large(kernel, [half, object()])
 
 
 def test_a_dense_optimizer_update_stays_on_the_loop_up_to_a_2_mib_gradient():
@@ -269,8 +267,7 @@ def test_a_dense_optimizer_update_stays_on_the_loop_up_to_a_2_mib_gradient():
     from distserver.runtime import executor
 
     def node(op: str, **attrs: Any) -> Any:
-        kernel = create_kernel(_node("n", op, T=_F32, **attrs))
-        return types.SimpleNamespace(sizes_its_output=False, kernel=kernel)
+        return create_kernel(_node("n", op, T=_F32, **attrs))
 
     adam, negation = node("ResourceApplyAdam"), node("Neg")
     sparse = node("ResourceSparseApplyAdagrad", Tindices=types_pb2.DT_INT64)
@@ -973,9 +970,9 @@ def test_kernels_asked_before_every_layer_weigh_their_calls_as_the_executor_woul
     asked: dict[str, list[tuple[Any, list[Any]]]] = {}
     large = executor._large
 
-    def recording(node: Any, inputs: list[Any]) -> bool:
-        asked.setdefault(node.kernel.op, []).append((node.kernel, list(inputs)))
-        return large(node, inputs)
+    def recording(kernel: Any, inputs: list[Any]) -> bool:
+        asked.setdefault(kernel.op, []).append((kernel, list(inputs)))
+        return large(kernel, inputs)
 
     monkeypatch.setattr(executor, "_large", recording)
     rng = np.random.default_rng(3)
