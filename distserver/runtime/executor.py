@@ -653,8 +653,9 @@ class _Straight:
         position = start
         while position < end:
             node, sources, last_reads, read, sized, _, hands_over = program[position]
-            # `_take_inputs` for one or two inputs, written out: the call cost ~3% of a
-            # step of small dense layers.
+            # `_take_inputs`, for one or two inputs written out: that call, and the
+            # comprehension (a frame of its own until Python 3.12), cost ~3% of a step
+            # of small dense layers.
             try:
                 if len(sources) == 1:
                     ((src, k),) = sources
@@ -741,18 +742,10 @@ def _take_inputs(
     sources: tuple[tuple[int, int], ...],
     last_reads: tuple[int, ...],
 ) -> list[Any]:
-    """`node`'s inputs from `outputs`, dropping the outputs it is the last to read."""
+    """`node`'s inputs from `outputs`, dropping the outputs it is the last to read.
+    (`_Straight.run` takes one or two inputs itself, the case of most nodes.)"""
     try:
-        # Most nodes read one or two values: without a comprehension (a frame of its own
-        # until Python 3.12; ~0.15 us a node).
-        if len(sources) == 1:
-            ((src, k),) = sources
-            inputs = [outputs[src][k]]  # type: ignore[index]
-        elif len(sources) == 2:
-            (first, i), (second, j) = sources
-            inputs = [outputs[first][i], outputs[second][j]]  # type: ignore[index]
-        else:
-            inputs = [outputs[src][k] for src, k in sources]  # type: ignore[index]
+        inputs = [outputs[src][k] for src, k in sources]  # type: ignore[index]
     except IndexError:  # (`_output` raises the error naming both nodes)
         inputs = [_output(nodes, outputs, src, k, node) for src, k in sources]
     for src in last_reads:
