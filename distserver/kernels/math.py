@@ -653,6 +653,23 @@ class FusedMatMulGradKernel(OpKernel):
             return _layer_products(bias, g, h, w)
 
         self._layer = quiet(layer)
+        # The Sum's axes and the Reshape's shape last found to sum the gradient's
+        # columns into the bias's shape, with that shape: constants, the same read-only
+        # arrays every step (`_sums_columns`).
+        self._summed: tuple[Any, Any, int] | None = None
+
+    def _sums_columns(self, axes: Any, shape: Any, columns: int) -> bool:
+        """Whether `axes` and `shape` make the Sum and Reshape of the fast path: the
+        gradient's rows added up, as a vector of `columns`. Checked once for the same
+        read-only arrays (a graph's constants), not every step."""
+        summed = self._summed
+        if summed is not None and summed[0] is axes and summed[1] is shape and summed[2] == columns:
+            return True
+        if not (_only(axes, (0, -2)) and _only(shape, (columns, -1))):
+            return False
+        if not (axes.flags.writeable or shape.flags.writeable):
+            self._summed = (axes, shape, columns)
+        return True
 
     def output_nbytes(self, inputs: list[Any]) -> int:
         # The products' multiply-adds, two to a byte (`MatMulKernel.output_nbytes`).
@@ -693,8 +710,7 @@ class FusedMatMulGradKernel(OpKernel):
             and a.shape == b.shape
             and h.shape[0] == a.shape[0]
             and (w is None or (w.dtype == dtype and w.ndim == 2 and w.shape[1] == a.shape[1]))
-            and _only(axes, (0, -2))
-            and _only(shape, (a.shape[1], -1))
+            and self._sums_columns(axes, shape, a.shape[1])
         ):
             return self._layer(a, b, h, w)
         (g,) = self.gradient.compute(ctx, [a, b])

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import distserver as ds
+from distserver import errors
 from distserver.kernels import _compiled, create_kernel
 from distserver.kernels.math import FUSED_MATMUL_GRAD_OP, FUSED_NODES_ATTR
 
@@ -215,20 +216,46 @@ def test_segment_sum_loop_gives_numpys_bits(monkeypatch, counted, dtype, index_t
 def _dense_gradients(op, a, b, h, w=None):
     """A dense layer's backward pass as one node (`FusedMatMulGradKernel`): the gradient
     `op` of (a, b), the bias's gradient, the weights' [and the input's]."""
-    dtype = a.dtype.type
+    axes, shape = np.array([0], np.int32), np.array([a.shape[1]], np.int32)
+    inputs = [a, b, axes, shape, h] + ([] if w is None else [w])
+    return _dense_gradient_kernel(op, a.dtype.type, w is not None).compute(Context(), inputs)
+
+
+def _dense_gradient_kernel(op, dtype, with_input_gradient):
+    """The kernel of `_dense_gradients`."""
     parts = [
         make_node(op, ["a", "b"], name="g", T=dtype),
         make_node("Sum", ["g", "axes"], name="s", T=dtype, Tidx=np.int32, keep_dims=True),
         make_node("Reshape", ["s", "shape"], name="r", T=dtype, Tshape=np.int32),
         make_node("MatMul", ["h", "g"], name="m", T=dtype, transpose_a=True),
     ]
-    if w is not None:
+    if with_input_gradient:
         parts.append(make_node("MatMul", ["g", "w"], name="i", T=dtype, transpose_b=True))
     node = make_node(FUSED_MATMUL_GRAD_OP, name="layer_grad", T=dtype, N=len(parts) - 4)
     node.attr[FUSED_NODES_ATTR].list.s.extend(part.SerializeToString() for part in parts)
-    axes, shape = np.array([0], np.int32), np.array([a.shape[1]], np.int32)
-    inputs = [a, b, axes, shape, h] + ([] if w is None else [w])
-    return create_kernel(node).compute(Context(), inputs)
+    return create_kernel(node)
+
+
+def test_a_layer_gradient_checks_its_sum_and_reshape_again_unless_the_same_constants_fit():
+    # The fast path's Sum axes and Reshape shape are checked once for the same read-only
+    # arrays (a graph's constants) and the same number of columns; otherwise again.
+    kernel = _dense_gradient_kernel("TanhGrad", np.float32, False)
+    rng = np.random.default_rng(9)
+    a, b = (rng.normal(size=(32, 16)).astype(np.float32) for _ in "ab")
+    h = rng.normal(size=(32, 8)).astype(np.float32)
+    axes, shape = _received(np.array([0], np.int32)), _received(np.array([16], np.int32))
+    first = kernel.compute(Context(), [a, b, axes, shape, h])
+    _assert_same_bits(kernel.compute(Context(), [a, b, axes, shape, h]), first)
+    # The same shape array, but a gradient of 8 columns: the Reshape to [16] refuses.
+    narrow = [a[:, :8].copy(), b[:, :8].copy(), axes, shape, h]
+    with pytest.raises(errors.InvalidArgumentError, match="requested shape"):
+        kernel.compute(Context(), narrow)
+    # Arrays that may change are checked every time: axis 1 sums the rows' other way.
+    changing = np.array([0], np.int32)
+    kernel.compute(Context(), [a, b, changing, shape, h])
+    changing[0] = 1
+    with pytest.raises(errors.InvalidArgumentError, match="requested shape"):
+        kernel.compute(Context(), [a, b, changing, shape, h])
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
