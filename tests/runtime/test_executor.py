@@ -1015,3 +1015,15 @@ def test_kernels_asked_before_every_layer_weigh_their_calls_as_the_executor_woul
     ]
     assert len(gradients) == 4
     assert kernel.work_nbytes(inputs) == sum(g.nbytes for g in gradients) == (8 * 12 + 12 + 12 * 4 + 4) * 4
+
+
+@pytest.mark.parametrize("inputs", [["c:1"], ["c", "c:1"]], ids=["one-input", "two-inputs"])
+async def test_a_node_reading_an_output_its_producer_lacks_gets_an_error_naming_both(inputs):
+    # The straight sequence takes one or two inputs itself; a missing output still gets
+    # `_take_inputs`' error, not an IndexError.
+    c = _node("c", "Const", dtype=_F32, value=np.array(2.0, np.float32))
+    op = "Neg" if len(inputs) == 1 else "AddV2"
+    executor = Executor(_graph(c, _node("n", op, inputs, T=_F32)))
+    missing = r"'n' wants output 1 of 'c' \(Const\), which has only 1 outputs"
+    with pytest.raises(errors.InvalidArgumentError, match=missing):
+        await executor.run(_step_context(None))
