@@ -21,9 +21,3 @@ def test_an_error_inside_a_local_cluster_carries_its_tasks_states_and_stderr():
     assert "SIGTERM, stopping /job:worker/replica:0/task:1" in notes
     assert "/job:worker/replica:0/task:0 (running) wrote to stderr" in notes
     assert "Started server with target" in notes
-
-
-def test_a_local_cluster_that_ends_without_an_error_adds_nothing():
-    with LocalCluster({"worker": 1}) as local:
-        pass
-    assert local.processes == {}
