@@ -189,7 +189,7 @@ class RecordingProxy:
 
     @property
     def address(self) -> str:
-        return f"localhost:{self.port}"
+        return f"127.0.0.1:{self.port}"
 
     @property
     def calls(self) -> list[RecordedCall]:

@@ -2,7 +2,7 @@
 
     python recording_proxy.py UPSTREAM LOGFILE
 
-Prints the port it listens on (loopback), then forwards each unary call's bytes to
+Prints the port it listens on (127.0.0.1), then forwards each unary call's bytes to
 UPSTREAM and appends one JSON line per call to LOGFILE: method, request and
 response (base64) and the status code name. TensorFlow clients name it as their
 session target, so tests see exactly the MasterService RPCs a client made and what
@@ -63,7 +63,9 @@ def main() -> int:
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
     server.add_generic_rpc_handlers([Forwarder()])
-    port = server.add_insecure_port("localhost:0")
+    # One address family: "localhost" binds [::1] and 127.0.0.1 on the port the first
+    # got, and a client may reach the other one, held by some other process.
+    port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
