@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from distserver.kernels.math import FUSED_MATMUL_GRAD_OP, FUSED_MATMUL_OP  # noqa: E402
 from distserver.kernels.registry import registered_ops  # noqa: E402
-from distserver.kernels.state import GROUPED_UPDATES_OP  # noqa: E402
+from distserver.kernels.state import GROUPED_READS_OP, GROUPED_UPDATES_OP  # noqa: E402
 from distserver.runtime.functions import INLINED_OPS  # noqa: E402
 
 TABLE = ROOT / "distserver" / "runtime" / "op_signatures.json"
@@ -36,6 +36,7 @@ DEFAULT_TF_PYTHON = ROOT.parent / "main" / ".tfenv" / "bin" / "python"
 OWN_OPS = {
     FUSED_MATMUL_OP: {"inputs": [["a", 1], ["b", 1], ["bias", 1]], "outputs": [["product", 1]]},
     GROUPED_UPDATES_OP: {"inputs": [["inputs", "N"]], "outputs": []},
+    GROUPED_READS_OP: {"inputs": [["resources", "N"]], "outputs": [["values", "N"]]},
     FUSED_MATMUL_GRAD_OP: {
         "inputs": [["a", 1], ["b", 1], ["axes", 1], ["shape", 1], ["h", 1], ["w", "N"]],
         "outputs": [["bias", 1], ["weights", 1], ["layer_input", "N"]],

@@ -1138,6 +1138,74 @@ class ApplyFtrlV2Kernel(ApplyFtrlKernel):
     )
 
 
+# --------------------------------------------------------------------------- grouped reads
+
+GROUPED_READS_OP = "_DistserverGroupedReads"
+
+
+@register_kernel(GROUPED_READS_OP)
+class GroupedReadsKernel(OpKernel):
+    """Reads of resource variables as one node (`runtime.fusion.group_variable_reads`):
+    its parts' ReadVariableOp NodeDefs in attr `FUSED_NODES_ATTR`, input p part p's
+    handle, output p its value. Each value is the variable's stored array, taken under
+    the variable's lock as `ReadVariableOpKernel` takes it. When a part would fail (a
+    variable uninitialized or destroyed, another dtype), the parts' kernels run one by
+    one instead, so the error is the part's and names it."""
+
+    runs_on_loop = True  # no work, as for its parts
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        parts = _fused_parts(self)
+        if not parts or any(part.op != "ReadVariableOp" for part in parts):
+            raise errors.InvalidArgumentError(
+                f"Node '{self.name}' ({GROUPED_READS_OP}) groups {[part.op for part in parts]}: "
+                "expected ReadVariableOps",
+                node_name=self.name,
+            )
+        if len(parts) != self.attr_int("N"):
+            raise errors.InvalidArgumentError(
+                f"Node '{self.name}' ({GROUPED_READS_OP}) has N = {self.attr_int('N')} inputs, "
+                f"but {len(parts)} parts",
+                node_name=self.name,
+            )
+        self._kernels: list[ReadVariableOpKernel] = [ReadVariableOpKernel(part) for part in parts]
+        self._dtypes = [kernel.dtype for kernel in self._kernels]
+        # The variables the handles named last time, and what made them valid
+        # (`_still_resolved`).
+        self._resolved: tuple[Any, ...] | None = None
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        variables = self._variables(ctx, inputs)
+        if variables is not None:
+            values = [variable.read() for variable in variables]
+            if list(map(_dtype_or_none, values)) == self._dtypes:
+                return values
+        return [
+            kernel.compute(ctx, [handle])[0] for kernel, handle in zip(self._kernels, inputs, strict=True)
+        ]
+
+    def _variables(self, ctx: KernelContext, handles: list[Any]) -> list[VariableResource] | None:
+        """The initialized variables `handles` name, or None when one does not."""
+        last = self._resolved
+        if last is not None and _still_resolved(last, ctx, handles):
+            found: list[VariableResource] = last[4]
+            return found
+        generation = ctx.resources.generation  # (read first: a removal after it shows)
+        variables = []
+        for kernel, handle in zip(self._kernels, handles, strict=True):
+            variable = kernel._find_input(ctx, handle)
+            if variable is None:
+                return None
+            variables.append(variable)
+        self._resolved = (ctx.resources, generation, ctx.device, list(handles), variables)
+        return variables
+
+
+def _dtype_or_none(value: np.ndarray | None) -> np.dtype[Any] | None:
+    return None if value is None else value.dtype
+
+
 # --------------------------------------------------------------------------- grouped updates
 
 GROUPED_UPDATES_OP = "_DistserverGroupedUpdates"
@@ -1172,15 +1240,7 @@ class GroupedUpdatesKernel(OpKernel):
 
     def __init__(self, node: NodeDef) -> None:
         super().__init__(node)
-        parts = []
-        for data in self._attr(FUSED_NODES_ATTR).list.s:
-            try:
-                parts.append(NodeDef.FromString(data))
-            except DecodeError as exc:
-                raise errors.InvalidArgumentError(
-                    f"Node '{self.name}' ({GROUPED_UPDATES_OP}) has a part that is not a NodeDef: {exc}",
-                    node_name=self.name,
-                ) from None
+        parts = _fused_parts(self)
         arities = [sum(1 for text in part.input if not text.startswith("^")) for part in parts]
         if not parts or any(part.op not in GROUPABLE_UPDATE_OPS for part in parts):
             raise errors.InvalidArgumentError(
@@ -1307,14 +1367,7 @@ class GroupedUpdatesKernel(OpKernel):
         manager = ctx.resources
         flat = [handle for column in handles for handle in column]
         last = self._resolved
-        if (
-            last is not None
-            and last[0] is manager
-            and last[1] == manager.generation
-            and last[2] == ctx.device
-            and len(last[3]) == len(flat)
-            and all(map(operator.is_, flat, last[3]))
-        ):
+        if last is not None and _still_resolved(last, ctx, flat):
             found: tuple[list[list[VariableResource]], list[threading.Lock]] = last[4]
             return found
         generation = manager.generation  # (read first: a removal after it shows)
@@ -1330,6 +1383,35 @@ class GroupedUpdatesKernel(OpKernel):
         found = (resources, _locked.lock_order([v for column in resources for v in column]))
         self._resolved = (manager, generation, ctx.device, flat, found)
         return found
+
+
+def _fused_parts(kernel: OpKernel) -> list[NodeDef]:
+    """The NodeDefs a grouped node carries in attr `FUSED_NODES_ATTR`."""
+    parts = []
+    for data in kernel._attr(FUSED_NODES_ATTR).list.s:
+        try:
+            parts.append(NodeDef.FromString(data))
+        except DecodeError as exc:
+            raise errors.InvalidArgumentError(
+                f"Node '{kernel.name}' ({kernel.op}) has a part that is not a NodeDef: {exc}",
+                node_name=kernel.name,
+            ) from None
+    return parts
+
+
+def _still_resolved(last: tuple[Any, ...], ctx: KernelContext, handles: list[Any]) -> bool:
+    """Whether the variables found for a grouped node's handles (`last`: the resource
+    manager, its generation, the device, the handles, what was found) still hold: the
+    same manager with no resource removed since, the same device, the same handle
+    arrays (a VarHandleOp's output is one array for every step)."""
+    manager = ctx.resources
+    return (
+        last[0] is manager
+        and last[1] == manager.generation
+        and last[2] == ctx.device
+        and len(last[3]) == len(handles)
+        and all(map(operator.is_, handles, last[3]))
+    )
 
 
 def _own_attrs(node: NodeDef) -> dict[str, Any]:
@@ -1444,6 +1526,7 @@ _nbytes_of = operator.attrgetter("nbytes")
 __all__ = [
     "ARENA_MAX_VARIABLE_BYTES",
     "GROUPABLE_UPDATE_OPS",
+    "GROUPED_READS_OP",
     "GROUPED_UPDATES_OP",
     "ApplyAdagradKernel",
     "ApplyAdagradV2Kernel",
@@ -1458,6 +1541,7 @@ __all__ = [
     "AssignUpdateVariableOpKernel",
     "AssignVariableOpKernel",
     "DestroyResourceOpKernel",
+    "GroupedReadsKernel",
     "GroupedUpdatesKernel",
     "ReadVariableOpKernel",
     "ResourceGatherKernel",

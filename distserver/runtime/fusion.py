@@ -26,7 +26,12 @@ from typing import TypeVar
 
 from distserver import errors
 from distserver.kernels.math import ACTIVATION_OPS, BIAS_ADD_OPS, FUSED_MATMUL_OP, FUSED_NODES_ATTR
-from distserver.kernels.state import ARENA_MAX_VARIABLE_BYTES, GROUPABLE_UPDATE_OPS, GROUPED_UPDATES_OP
+from distserver.kernels.state import (
+    ARENA_MAX_VARIABLE_BYTES,
+    GROUPABLE_UPDATE_OPS,
+    GROUPED_READS_OP,
+    GROUPED_UPDATES_OP,
+)
 from distserver.protos.graph_pb2 import GraphDef
 from distserver.protos.node_def_pb2 import NodeDef
 from distserver.protos.types_pb2 import DT_DOUBLE, DT_FLOAT
@@ -201,10 +206,7 @@ def group_variable_updates(graph_def: GraphDef) -> GraphDef:
     del result.node[:]
     grouped_nodes = []
     for parts in groups:
-        name = f"{parts[0].name}/_grouped_updates"
-        while name in names:
-            name += "_"
-        names.add(name)
+        name = _unique(f"{parts[0].name}/_grouped_updates", names)
         grouped_nodes.append(_grouped_node(name, parts))
         group_of.update((part.name, name) for part in parts)
     for node in graph_def.node:
@@ -215,6 +217,100 @@ def group_variable_updates(graph_def: GraphDef) -> GraphDef:
         result.node.append(node)
     result.node.extend(grouped_nodes)
     return result
+
+
+def group_variable_reads(graph_def: GraphDef) -> GraphDef:
+    """`graph_def` with the reads of small resource variables on each device (a
+    ReadVariableOp per variable at the start of a step: 60 a step for 60 variables)
+    grouped into one `GROUPED_READS_OP` node, whose output p is part p's value: one
+    node for the executor instead of one per variable. `graph_def` itself when there
+    is nothing to group.
+
+    Grouped are reads that wait for nothing but their handle, straight from a
+    VarHandleOp of their device that has no inputs either: the group then waits for
+    nothing a read did not, and is ready when each of them was, as a step starts.
+    Reads with a control input (a value read after an update) stay apart. So do
+    reads of a variable larger than an arena takes (`_of_a_small_variable`): the
+    group's values are held until the last of them has been read, and an update of
+    a variable whose value is still held copies it rather than writing in place,
+    which costs a large variable more than its read's node does.
+    """
+    handles = {node.name: node for node in graph_def.node if node.op == "VarHandleOp" and not node.input}
+    # (a node's output other than its first: a ReadVariableOp has none, and its read
+    # stays apart for the executor to name the error)
+    beyond_first = {
+        name for node in graph_def.node for name, index, _ in map(parse_input, node.input) if index > 0
+    }
+    by_device: defaultdict[str, list[NodeDef]] = defaultdict(list)
+    for node in graph_def.node:
+        if node.op != "ReadVariableOp" or len(node.input) != 1 or node.name in beyond_first:
+            continue
+        name, index, is_control = parse_input(node.input[0])
+        handle = handles.get(name)
+        if (
+            not is_control
+            and index == 0
+            and handle is not None
+            and handle.device == node.device
+            and _of_a_small_variable(node, handles)
+        ):
+            by_device[node.device].append(node)
+    groups = [parts for parts in by_device.values() if len(parts) > 1]
+    if not groups:
+        return graph_def
+
+    names = {node.name for node in graph_def.node}
+    value_of: dict[str, str] = {}  # a grouped read -> its value's input text
+    group_of: dict[str, str] = {}  # a grouped read -> its group's name
+    grouped_nodes: dict[str, NodeDef] = {}  # the first part's name -> the group
+    for parts in groups:
+        name = _unique(f"{parts[0].name}/_grouped_reads", names)
+        node = NodeDef(name=name, op=GROUPED_READS_OP, device=parts[0].device)
+        node.input.extend(part.input[0] for part in parts)
+        node.attr["N"].i = len(parts)
+        node.attr[FUSED_NODES_ATTR].list.s.extend(part.SerializeToString() for part in parts)
+        grouped_nodes[parts[0].name] = node
+        for p, part in enumerate(parts):
+            value_of[part.name] = f"{name}:{p}"
+            group_of[part.name] = name
+    result = GraphDef()
+    result.CopyFrom(graph_def)
+    del result.node[:]
+    for node in graph_def.node:
+        if node.name in grouped_nodes:
+            result.node.append(grouped_nodes[node.name])  # (where its first part was)
+        elif node.name in group_of:
+            continue
+        elif any(parse_input(text)[0] in group_of for text in node.input):
+            result.node.append(_reading_groups(node, value_of, group_of))
+        else:
+            result.node.append(node)
+    return result
+
+
+def _unique(name: str, names: set[str]) -> str:
+    """`name`, with underscores added until no node of `names` has it; added to `names`."""
+    while name in names:
+        name += "_"
+    names.add(name)
+    return name
+
+
+def _reading_groups(node: NodeDef, value_of: dict[str, str], group_of: dict[str, str]) -> NodeDef:
+    """A copy of `node` whose inputs from grouped reads take their groups' outputs,
+    and whose control inputs on them wait for their groups."""
+    copy = NodeDef()
+    copy.CopyFrom(node)
+    del copy.input[:]
+    for text in node.input:
+        name, _, is_control = parse_input(text)
+        if is_control and name in group_of:
+            text = "^" + group_of[name]
+        elif name in value_of:  # (its output 0: see `beyond_first`)
+            text = value_of[name]
+        if not (text.startswith("^") and text in copy.input):
+            copy.input.append(text)
+    return copy
 
 
 def reached_from(starts: Iterable[_T], edges: Mapping[_T, Iterable[_T]]) -> set[_T]:
@@ -235,10 +331,10 @@ def _to_client(node: NodeDef) -> bool:
     return "client_terminated" in node.attr and node.attr["client_terminated"].b
 
 
-def _of_a_small_variable(update: NodeDef, handles: dict[str, NodeDef]) -> bool:
-    """Whether `update`'s variable (its first input) comes straight from a VarHandleOp
-    whose shape is known and whose size an arena takes."""
-    inputs = _data_inputs(update)
+def _of_a_small_variable(node: NodeDef, handles: dict[str, NodeDef]) -> bool:
+    """Whether the variable of `node` (an update or a read: its first input) comes
+    straight from a VarHandleOp whose shape is known and whose size an arena takes."""
+    inputs = _data_inputs(node)
     handle = handles.get(parse_input(inputs[0])[0]) if inputs else None
     if handle is None or "shape" not in handle.attr or "dtype" not in handle.attr:
         return False

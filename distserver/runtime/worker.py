@@ -38,7 +38,7 @@ from distserver.runtime.clients import WorkerClient
 from distserver.runtime.concurrency import request_tensors
 from distserver.runtime.counters import StepCounters
 from distserver.runtime.executor import Executor, StepContext
-from distserver.runtime.fusion import fuse_dense_layers, group_variable_updates
+from distserver.runtime.fusion import fuse_dense_layers, group_variable_reads, group_variable_updates
 from distserver.runtime.push import PUSH_LIMIT_BYTES, worker_returns
 from distserver.runtime.rendezvous import RendezvousTable, StepRendezvous
 from distserver.tensors import tensor_nbytes
@@ -64,8 +64,8 @@ class WorkerSession:
 
 def _build_executor(graph_def: GraphDef, task_name: str, stateful_kernels: dict[str, OpKernel]) -> Executor:
     """The executor of a partition registered with a worker of `task_name`, its dense
-    layers fused (`fuse_dense_layers`) and its variable updates grouped
-    (`group_variable_updates`)."""
+    layers fused (`fuse_dense_layers`), its variable updates and reads grouped
+    (`group_variable_updates`, `group_variable_reads`)."""
     for node in graph_def.node:
         if node.device and not node.device.startswith(task_name + "/"):
             raise errors.InvalidArgumentError(
@@ -73,7 +73,9 @@ def _build_executor(graph_def: GraphDef, task_name: str, stateful_kernels: dict[
                 f"this task ({task_name})",
                 node_name=node.name,
             )
-    return Executor(group_variable_updates(fuse_dense_layers(graph_def)), stateful_kernels)
+    return Executor(
+        group_variable_reads(group_variable_updates(fuse_dense_layers(graph_def))), stateful_kernels
+    )
 
 
 # How long the first call to a peer may take (it is up: a RecvTensor to it follows).
