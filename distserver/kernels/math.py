@@ -501,7 +501,7 @@ class FusedMatMulKernel(OpKernel):
     def __init__(self, node: NodeDef) -> None:
         super().__init__(node)
         self.dtype = attr_type_in(self, "T", FUSED_TYPES)
-        parts = [_fused_part(self, data) for data in self._attr(FUSED_NODES_ATTR).list.s]
+        parts = fused_parts(self)
         ops = [part.op for part in parts]
         # The sum's operands: the product (by the MatMul's name; node names have no ":")
         # and the bias.
@@ -576,14 +576,18 @@ class FusedMatMulKernel(OpKernel):
         return [value]
 
 
-def _fused_part(kernel: OpKernel, data: bytes) -> NodeDef:
-    try:
-        return NodeDef.FromString(data)
-    except DecodeError as exc:
-        raise errors.InvalidArgumentError(
-            f"Node '{kernel.name}' ({kernel.op}) has a part that is not a NodeDef: {exc}",
-            node_name=kernel.name,
-        ) from None
+def fused_parts(kernel: OpKernel) -> list[NodeDef]:
+    """The NodeDefs a fused or grouped node carries in attr `FUSED_NODES_ATTR`."""
+    parts = []
+    for data in kernel._attr(FUSED_NODES_ATTR).list.s:
+        try:
+            parts.append(NodeDef.FromString(data))
+        except DecodeError as exc:
+            raise errors.InvalidArgumentError(
+                f"Node '{kernel.name}' ({kernel.op}) has a part that is not a NodeDef: {exc}",
+                node_name=kernel.name,
+            ) from None
+    return parts
 
 
 # The gradients of a dense layer, as TensorFlow's gradient functions write them, fused
@@ -618,7 +622,7 @@ class FusedMatMulGradKernel(OpKernel):
     def __init__(self, node: NodeDef) -> None:
         super().__init__(node)
         self.dtype = attr_type_in(self, "T", FUSED_TYPES)
-        parts = [_fused_part(self, data) for data in self._attr(FUSED_NODES_ATTR).list.s]
+        parts = fused_parts(self)
         if not is_dense_gradient(parts, node.attr["T"].type):
             raise errors.InvalidArgumentError(
                 f"Node '{self.name}' ({FUSED_MATMUL_GRAD_OP}) fuses {[part.op for part in parts]}: expected "

@@ -30,7 +30,6 @@ import weakref
 from typing import Any, ClassVar
 
 import numpy as np
-from google.protobuf.message import DecodeError
 
 from distserver import errors
 from distserver.kernels import _compiled
@@ -53,7 +52,7 @@ from distserver.kernels._common import (
     type_name,
 )
 from distserver.kernels.array import GatherKernel
-from distserver.kernels.math import FUSED_NODES_ATTR
+from distserver.kernels.math import fused_parts
 from distserver.kernels.ref_variables import count_up_to, ref_input, requested_input
 from distserver.kernels.registry import (
     KernelContext,
@@ -1156,7 +1155,7 @@ class GroupedReadsKernel(OpKernel):
 
     def __init__(self, node: NodeDef) -> None:
         super().__init__(node)
-        parts = _fused_parts(self)
+        parts = fused_parts(self)
         if not parts or any(part.op != "ReadVariableOp" for part in parts):
             raise errors.InvalidArgumentError(
                 f"Node '{self.name}' ({GROUPED_READS_OP}) groups {[part.op for part in parts]}: "
@@ -1240,7 +1239,7 @@ class GroupedUpdatesKernel(OpKernel):
 
     def __init__(self, node: NodeDef) -> None:
         super().__init__(node)
-        parts = _fused_parts(self)
+        parts = fused_parts(self)
         arities = [sum(1 for text in part.input if not text.startswith("^")) for part in parts]
         if not parts or any(part.op not in GROUPABLE_UPDATE_OPS for part in parts):
             raise errors.InvalidArgumentError(
@@ -1383,20 +1382,6 @@ class GroupedUpdatesKernel(OpKernel):
         found = (resources, _locked.lock_order([v for column in resources for v in column]))
         self._resolved = (manager, generation, ctx.device, flat, found)
         return found
-
-
-def _fused_parts(kernel: OpKernel) -> list[NodeDef]:
-    """The NodeDefs a grouped node carries in attr `FUSED_NODES_ATTR`."""
-    parts = []
-    for data in kernel._attr(FUSED_NODES_ATTR).list.s:
-        try:
-            parts.append(NodeDef.FromString(data))
-        except DecodeError as exc:
-            raise errors.InvalidArgumentError(
-                f"Node '{kernel.name}' ({kernel.op}) has a part that is not a NodeDef: {exc}",
-                node_name=kernel.name,
-            ) from None
-    return parts
 
 
 def _still_resolved(last: tuple[Any, ...], ctx: KernelContext, handles: list[Any]) -> bool:
