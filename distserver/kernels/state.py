@@ -1411,7 +1411,8 @@ ARENA_MAX_VARIABLE_BYTES = 64 * 1024
 
 
 def _fits_an_arena(value: np.ndarray) -> bool:
-    return value.ndim > 0 and value.nbytes <= ARENA_MAX_VARIABLE_BYTES
+    # (a scalar too: its view is one element of the flat array, reshaped to ())
+    return value.nbytes <= ARENA_MAX_VARIABLE_BYTES
 
 
 def _same_scalar(value: Any, first: np.ndarray) -> bool:

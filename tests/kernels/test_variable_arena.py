@@ -23,7 +23,7 @@ from distserver.protos.node_def_pb2 import NodeDef
 from .conftest import Context, make_node
 from .test_in_place_updates import CASES, SLOTS, _optimizer_inputs, _variable
 
-SHAPES = [(3, 4), (7,), (2, 2, 2), (1,), (5, 3)]
+SHAPES = [(3, 4), (7,), (2, 2, 2), (1,), (5, 3), ()]  # (a scalar variable too)
 DENSE_CASES = [case for case in CASES if "Sparse" not in case[0]]
 
 
@@ -81,7 +81,7 @@ def _one_by_one(op: str, dtype: type, attrs: dict, steps: int) -> list[np.ndarra
 
 def _assert_same_bits(got: list[np.ndarray], expected: list[np.ndarray]) -> None:
     for a, b in zip(got, expected, strict=True):
-        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+        np.testing.assert_array_equal(a.reshape(-1).view(np.uint8), b.reshape(-1).view(np.uint8))
 
 
 def _in_arena(kernel, model: Model) -> bool:
