@@ -516,6 +516,7 @@ def test_sums_over_an_inner_axis_keep_numpys_bits(run_op, shape, dtype, keep_dim
     x = (rng.normal(size=shape) * 10.0 ** rng.integers(-6, 7, size=shape)).astype(dtype)
     if dtype == np.complex64:
         x = x + 1j * x[..., ::-1]
+    x[0] = -0.0  # (numpy's reduction starts from zero: negative zeros sum to 0.0)
     axis = np.array([1], np.int32)
     (total,) = run_op("Sum", x, axis, T=dtype, Tidx=np.int32, keep_dims=keep_dims)
     expected = np.add.reduce(x, axis=1, dtype=x.dtype, keepdims=keep_dims)
