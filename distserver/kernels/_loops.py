@@ -25,10 +25,11 @@ _OPTIONS: dict[str, Any] = {"nogil": True, "cache": True, "error_model": "numpy"
 # arrays of it that the loop writes (W: 1-d, WW: 2-d) or only reads (R, RR: read-only
 # arrays, as the tensors a task receives are; numba takes a writeable array there too,
 # at the same cost, and `_compiled.read_only` gives a read-only view in the loop's
-# shape), int64 row numbers (I), a flag (B) and an int64 (N).
+# shape; RRR: 3-d), int64 row numbers (I), a flag (B) and an int64 (N).
 _LETTERS = {
     "WW": lambda t: types.Array(t, 2, "C"),
     "RR": lambda t: types.Array(t, 2, "C", readonly=True),
+    "RRR": lambda t: types.Array(t, 3, "C", readonly=True),
     "W": lambda t: types.Array(t, 1, "C"),
     "R": lambda t: types.Array(t, 1, "C", readonly=True),
     "I": lambda t: types.Array(types.int64, 1, "C", readonly=True),
@@ -127,6 +128,19 @@ def add_rows_at(output: np.ndarray, ids: np.ndarray, rows: np.ndarray) -> None: 
         r = ids[k]
         for j in range(output.shape[1]):
             output[r, j] = output[r, j] + rows[k, j]
+
+
+@numba.njit(_signatures("WW", "RRR"), **_OPTIONS)
+def sum_middle_axis(output: np.ndarray, x: np.ndarray) -> None:  # pragma: no cover
+    """output[r] = 0 + x[r, 0] + x[r, 1] + ... for every row r, added one after the other
+    in axis order, as numpy's reduction over a middle axis adds them (`math._sum`;
+    from zero: negative zeros sum to zero)."""
+    for r in range(x.shape[0]):
+        for j in range(x.shape[2]):
+            output[r, j] = 0
+        for e in range(x.shape[1]):
+            for j in range(x.shape[2]):
+                output[r, j] = output[r, j] + x[r, e, j]
 
 
 # `activation_gradient_with_sums`'s kinds: the gradient op, and its inputs (a, b).

@@ -21,7 +21,15 @@ from distserver.kernels.math import FUSED_MATMUL_GRAD_OP, FUSED_NODES_ATTR
 from .conftest import Context, make_node
 from .test_in_place_updates import _variable, torn_reads
 
-LOOPS = ("adam", "momentum", "adagrad", "sparse_adagrad", "add_rows_at", "activation_gradient_with_sums")
+LOOPS = (
+    "adam",
+    "momentum",
+    "adagrad",
+    "sparse_adagrad",
+    "add_rows_at",
+    "activation_gradient_with_sums",
+    "sum_middle_axis",
+)
 
 
 @pytest.fixture
@@ -211,6 +219,29 @@ def test_segment_sum_loop_gives_numpys_bits(monkeypatch, counted, dtype, index_t
     kept = np.array(ids) >= 0
     np.add.at(expected, np.array(ids)[kept], data[kept])
     _assert_same_bits(compiled, [expected])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize(("op", "keep_dims"), [("Sum", False), ("Sum", True), ("Mean", False)])
+def test_a_sum_over_a_middle_axis_loop_gives_numpys_bits(monkeypatch, counted, dtype, op, keep_dims):
+    # An embedding's looked-up rows pooled: [256, 8, 32] over axis 1, with values of
+    # many magnitudes (the order of the additions shows), infinities and negative zeros.
+    rng = np.random.default_rng(4)
+    shape = (256, 8, 32)
+    x = (rng.normal(size=shape) * 10.0 ** rng.integers(-8, 8, size=shape)).astype(dtype)
+    x.flat[::97], x[:2] = np.inf, -0.0
+    kernel = create_kernel(make_node(op, ["x", "axes"], T=dtype, Tidx=np.int32, keep_dims=keep_dims))
+    run = lambda: kernel.compute(Context(), [_received(x), np.array([1], np.int32)])  # noqa: E731
+    compiled, numpy = _both_ways(monkeypatch, run)
+    assert counted["sum_middle_axis"] == 1
+    _assert_same_bits(compiled, numpy)
+    total = np.add.reduce(x, axis=1, keepdims=keep_dims)
+    _assert_same_bits(compiled, [total if op == "Sum" else np.true_divide(total, dtype(8))])
+    # (the rows of negative zeros sum to zero, as numpy's reduction and TensorFlow's
+    # start from zero)
+    assert np.isinf(total).any()
+    assert np.signbit(x[0]).all()
+    assert not np.signbit(total[0]).any()
 
 
 def _dense_gradients(op, a, b, h, w=None):
