@@ -213,7 +213,7 @@ def group_variable_updates(graph_def: GraphDef) -> GraphDef:
         if node.name in group_of:
             continue
         if any(text.startswith("^") and text[1:] in group_of for text in node.input):
-            node = _waiting_for_groups(node, group_of)
+            node = _rewired(node, {}, group_of)
         result.node.append(node)
     result.node.extend(grouped_nodes)
     return result
@@ -282,7 +282,7 @@ def group_variable_reads(graph_def: GraphDef) -> GraphDef:
         elif node.name in group_of:
             continue
         elif any(parse_input(text)[0] in group_of for text in node.input):
-            result.node.append(_reading_groups(node, value_of, group_of))
+            result.node.append(_rewired(node, value_of, group_of))
         else:
             result.node.append(node)
     return result
@@ -296,9 +296,10 @@ def _unique(name: str, names: set[str]) -> str:
     return name
 
 
-def _reading_groups(node: NodeDef, value_of: dict[str, str], group_of: dict[str, str]) -> NodeDef:
-    """A copy of `node` whose inputs from grouped reads take their groups' outputs,
-    and whose control inputs on them wait for their groups."""
+def _rewired(node: NodeDef, value_of: dict[str, str], group_of: dict[str, str]) -> NodeDef:
+    """A copy of `node` whose data inputs from grouped nodes take their groups' outputs
+    (`value_of`: a part -> its value's input text), and whose control inputs on them
+    wait for their groups (`group_of`: a part -> its group's name)."""
     copy = NodeDef()
     copy.CopyFrom(node)
     del copy.input[:]
@@ -363,16 +364,3 @@ def _grouped_node(name: str, parts: list[NodeDef]) -> NodeDef:
     node.attr["N"].i = len(data)
     node.attr[FUSED_NODES_ATTR].list.s.extend(part.SerializeToString() for part in parts)
     return node
-
-
-def _waiting_for_groups(node: NodeDef, group_of: dict[str, str]) -> NodeDef:
-    """A copy of `node` whose control inputs on grouped updates wait for their groups."""
-    copy = NodeDef()
-    copy.CopyFrom(node)
-    del copy.input[:]
-    for text in node.input:
-        if text.startswith("^") and text[1:] in group_of:
-            text = "^" + group_of[text[1:]]
-        if not (text.startswith("^") and text in copy.input):
-            copy.input.append(text)
-    return copy
