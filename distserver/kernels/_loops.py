@@ -25,7 +25,7 @@ _OPTIONS: dict[str, Any] = {"nogil": True, "cache": True, "error_model": "numpy"
 # arrays of it that the loop writes (W: 1-d, WW: 2-d) or only reads (R, RR: read-only
 # arrays, as the tensors a task receives are; numba takes a writeable array there too,
 # at the same cost, and `_compiled.read_only` gives a read-only view in the loop's
-# shape; RRR: 3-d), int64 row numbers (I), a flag (B) and an int64 (N).
+# shape; RRR: 3-d), int64 or int32 row numbers (I, I32), a flag (B) and an int64 (N).
 _LETTERS = {
     "WW": lambda t: types.Array(t, 2, "C"),
     "RR": lambda t: types.Array(t, 2, "C", readonly=True),
@@ -33,6 +33,7 @@ _LETTERS = {
     "W": lambda t: types.Array(t, 1, "C"),
     "R": lambda t: types.Array(t, 1, "C", readonly=True),
     "I": lambda t: types.Array(types.int64, 1, "C", readonly=True),
+    "I32": lambda t: types.Array(types.int32, 1, "C", readonly=True),
     "B": lambda t: types.boolean,
     "N": lambda t: types.int64,
     "T": lambda t: t,
@@ -128,6 +129,16 @@ def add_rows_at(output: np.ndarray, ids: np.ndarray, rows: np.ndarray) -> None: 
         r = ids[k]
         for j in range(output.shape[1]):
             output[r, j] = output[r, j] + rows[k, j]
+
+
+@numba.njit(_signatures("WW", "I32", "RR"), **_OPTIONS)
+def set_rows_at(output: np.ndarray, ids: np.ndarray, rows: np.ndarray) -> None:  # pragma: no cover
+    """output[ids[k]] = rows[k] for every k, in order (`output[ids] = rows`: a repeated
+    id keeps its last row; the ids in range)."""
+    for k in range(ids.size):
+        r = ids[k]
+        for j in range(output.shape[1]):
+            output[r, j] = rows[k, j]
 
 
 @numba.njit(_signatures("WW", "RRR"), **_OPTIONS)

@@ -29,6 +29,7 @@ LOOPS = (
     "add_rows_at",
     "activation_gradient_with_sums",
     "sum_middle_axis",
+    "set_rows_at",
 )
 
 
@@ -242,6 +243,37 @@ def test_a_sum_over_a_middle_axis_loop_gives_numpys_bits(monkeypatch, counted, d
     assert np.isinf(total).any()
     assert np.signbit(x[0]).all()
     assert not np.signbit(total[0]).any()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("op", ["DynamicStitch", "ParallelDynamicStitch"])
+@pytest.mark.parametrize("trailing", [(), (3,), (2, 4)])
+def test_a_stitch_loop_gives_numpys_bits(monkeypatch, counted, dtype, op, trailing):
+    # Rows from three inputs, ids repeated within an input and across them (the later
+    # row wins), one row no id names (zeros), NaNs, infinities and negative zeros copied
+    # as they are.
+    rng = np.random.default_rng(6)
+    ids = [np.array([4, 0, 4, 7], np.int32), np.array([[1, 7], [3, 0]], np.int32), np.array([5, 6], np.int32)]
+    values = [(rng.normal(size=(*i.shape, *trailing)) * 1e30).astype(dtype) for i in ids]
+    values[0].flat[::3], values[1].flat[::4], values[2].flat[:1] = np.nan, -0.0, -np.inf
+    kernel = create_kernel(make_node(op, [f"in{i}" for i in range(6)], N=3, T=dtype))
+    run = lambda: kernel.compute(Context(), [*map(_received, ids), *map(_received, values)])  # noqa: E731
+    loops = _compiled.loops()
+    compiled, numpy = _both_ways(monkeypatch, run)
+    assert counted["set_rows_at"] == 3
+    _assert_same_bits(compiled, numpy)
+    expected = np.zeros((8, *trailing), dtype)
+    for i, v in zip(ids, values, strict=True):
+        expected[i.reshape(-1)] = v.reshape(-1, *trailing)
+    _assert_same_bits(compiled, [expected])
+    # Rows that are not C-contiguous (every other row of a larger array) take numpy's path.
+    monkeypatch.setattr(_compiled, "_loops", loops)
+    counted.clear()
+    strided = np.repeat(values[0], 2, axis=0)[::2]
+    assert not strided.flags.c_contiguous
+    (got,) = kernel.compute(Context(), [*ids, strided, *values[1:]])
+    assert counted["set_rows_at"] == 2
+    _assert_same_bits([got], [expected])
 
 
 def _dense_gradients(op, a, b, h, w=None):
