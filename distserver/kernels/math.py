@@ -862,7 +862,7 @@ class _ReductionKernel(OpKernel):
 # after it, is added slice by slice: numpy's reduction runs a short inner loop per row
 # (an embedding's looked-up rows pooled, [256, 8, 32] over axis 1: 41 -> 21 us), and
 # with the compiled loops in one pass (`_loops.sum_middle_axis`, 5 us). All three add
-# the entries of each output in axis order, so the bits are the same. Where the
+# the entries of each output in axis order, from zero, so the bits are the same. Where the
 # slices pay (measured): ...
 _SLICED_SUM_MIN_ROWS = 64  # ... at least this many rows before the axis,
 _SLICED_SUM_MAX_ENTRIES = 64  # at most this many entries along it,
