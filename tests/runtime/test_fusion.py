@@ -3,7 +3,7 @@ the same bits, the same errors, and nothing fused that something else reads."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -32,13 +32,6 @@ _ACTIVATIONS: dict[str, tuple[Callable[[Any], Any] | None, Callable[[np.ndarray]
     "Relu": (ds.relu, lambda x: np.maximum(x, np.float32(0))),
     "Sigmoid": (ds.sigmoid, lambda x: 1 / (1 + np.exp(-x))),
 }
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[ds.Server]:
-    server = ds.Server.create_local_server()
-    yield server
-    server.stop()
 
 
 def _layer(add: str, activation: str, transpose_b: bool = False) -> tuple[ds.Graph, Any, Any]:

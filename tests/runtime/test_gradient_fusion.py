@@ -4,7 +4,7 @@ part, and nothing fused that something else reads or that would wait for itself.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -34,13 +34,6 @@ _ACTIVATIONS: dict[str, tuple[Callable[[Any], Any], Callable[..., Any], Callable
     "Sigmoid": (ds.sigmoid, lambda x: 1 / (1 + np.exp(-x)), lambda y, dy: dy * y * (1 - y)),
     "Relu": (ds.relu, lambda x: np.maximum(x, F32(0)), lambda y, dy: dy * (y > 0)),
 }
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[ds.Server]:
-    server = ds.Server.create_local_server()
-    yield server
-    server.stop()
 
 
 def _live_ops(graph_def: Any) -> list[str]:

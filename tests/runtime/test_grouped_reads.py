@@ -5,7 +5,6 @@ was destroyed."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -13,7 +12,6 @@ import pytest
 
 import distserver as ds
 from distserver import errors
-from distserver.kernels import create_kernel
 from distserver.kernels.math import FUSED_NODES_ATTR
 from distserver.kernels.state import ARENA_MAX_VARIABLE_BYTES, GROUPED_READS_OP
 from distserver.protos.attr_value_pb2 import AttrValue
@@ -22,13 +20,6 @@ from distserver.protos.types_pb2 import DT_FLOAT, DT_INT32
 from distserver.runtime.fusion import group_variable_reads
 
 F32 = np.float32
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[ds.Server]:
-    server = ds.Server.create_local_server()
-    yield server
-    server.stop()
 
 
 def _read(variable: ds.Variable, name: str, dtype: Any = F32) -> Any:
@@ -161,22 +152,3 @@ def test_a_failing_read_is_named_and_a_destroyed_variable_is_looked_up_again(ser
         sess.run(destroy_v)
         sess.run(recreate_v)
         np.testing.assert_array_equal(sess.run([read_u, read_v]), [[0.0, 0.0], [7.0, 7.0]])
-
-
-def test_a_grouped_reads_node_of_other_ops_or_a_wrong_count_is_refused():
-    part = NodeDef(name="p", op="ReadVariableOp", input=["v"])
-    part.attr["dtype"].type = DT_FLOAT
-    node = NodeDef(name="g", op=GROUPED_READS_OP, input=["v"])
-    node.attr["N"].i = 1
-    node.attr[FUSED_NODES_ATTR].list.s.append(part.SerializeToString())
-    create_kernel(node)  # well formed
-    node.attr["N"].i = 2
-    with pytest.raises(errors.InvalidArgumentError, match="N = 2 inputs, but 1 parts"):
-        create_kernel(node)
-    node.attr["N"].i = 1
-    node.attr[FUSED_NODES_ATTR].list.s[0] = NodeDef(name="p", op="AssignVariableOp").SerializeToString()
-    with pytest.raises(errors.InvalidArgumentError, match="expected ReadVariableOps"):
-        create_kernel(node)
-    node.attr[FUSED_NODES_ATTR].list.s[0] = b"\xff\xff"
-    with pytest.raises(errors.InvalidArgumentError, match="not a NodeDef"):
-        create_kernel(node)

@@ -1,10 +1,10 @@
 """Variable updates grouped when a worker registers a graph (`runtime.fusion.group_variable_updates`):
 one node for the independent updates of a device, the same values, errors naming the part,
-and no group that would wait for itself."""
+and no group that would wait for itself; and malformed grouped nodes (updates and reads)
+refused."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -14,7 +14,7 @@ import distserver as ds
 from distserver import errors
 from distserver.kernels import create_kernel
 from distserver.kernels.math import FUSED_NODES_ATTR
-from distserver.kernels.state import ARENA_MAX_VARIABLE_BYTES, GROUPED_UPDATES_OP
+from distserver.kernels.state import ARENA_MAX_VARIABLE_BYTES, GROUPED_READS_OP, GROUPED_UPDATES_OP
 from distserver.protos.attr_value_pb2 import AttrValue
 from distserver.protos.node_def_pb2 import NodeDef
 from distserver.protos.types_pb2 import DT_FLOAT
@@ -22,13 +22,6 @@ from distserver.runtime.fusion import group_variable_updates
 from distserver.testing import LocalCluster
 
 F32 = np.float32
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[ds.Server]:
-    server = ds.Server.create_local_server()
-    yield server
-    server.stop()
 
 
 def _descent(variable: ds.Variable, grad: Any, name: str) -> Any:
@@ -258,19 +251,41 @@ def test_a_failing_part_is_named_in_the_error(server):
     assert "var and delta do not have the same shape" in caught.value.message
 
 
-def test_a_grouped_node_of_other_ops_or_a_wrong_count_is_refused():
-    part = NodeDef(name="p", op="ResourceApplyGradientDescent", input=["v", "lr", "g"])
-    part.attr["T"].type = DT_FLOAT
-    node = NodeDef(name="g", op=GROUPED_UPDATES_OP, input=["v", "lr", "g"])
-    node.attr["N"].i = 3
+# A grouped node's op, one well-formed part of it (op, data inputs, type attr), and what
+# an N one too large and a part of another op are refused with.
+GROUPED_NODES = [
+    (
+        GROUPED_UPDATES_OP,
+        ("ResourceApplyGradientDescent", ["v", "lr", "g"], "T"),
+        "N = 4 inputs, but its parts take 3",
+        "expected dense updates of resource variables",
+    ),
+    (
+        GROUPED_READS_OP,
+        ("ReadVariableOp", ["v"], "dtype"),
+        "N = 2 inputs, but 1 parts",
+        "expected ReadVariableOps",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("op", "part_of", "wrong_count", "wrong_op"), GROUPED_NODES, ids=["updates", "reads"]
+)
+def test_a_grouped_node_of_other_ops_or_a_wrong_count_is_refused(op, part_of, wrong_count, wrong_op):
+    part_op, inputs, type_attr = part_of
+    part = NodeDef(name="p", op=part_op, input=inputs)
+    part.attr[type_attr].type = DT_FLOAT
+    node = NodeDef(name="g", op=op, input=inputs)
+    node.attr["N"].i = len(inputs)
     node.attr[FUSED_NODES_ATTR].list.s.append(part.SerializeToString())
     create_kernel(node)  # well formed
-    node.attr["N"].i = 2
-    with pytest.raises(errors.InvalidArgumentError, match="N = 2 inputs, but its parts take 3"):
+    node.attr["N"].i = len(inputs) + 1
+    with pytest.raises(errors.InvalidArgumentError, match=wrong_count):
         create_kernel(node)
-    node.attr["N"].i = 3
+    node.attr["N"].i = len(inputs)
     node.attr[FUSED_NODES_ATTR].list.s[0] = NodeDef(name="p", op="AssignVariableOp").SerializeToString()
-    with pytest.raises(errors.InvalidArgumentError, match="expected dense updates of resource variables"):
+    with pytest.raises(errors.InvalidArgumentError, match=wrong_op):
         create_kernel(node)
     node.attr[FUSED_NODES_ATTR].list.s[0] = b"\xff\xff"
     with pytest.raises(errors.InvalidArgumentError, match="not a NodeDef"):
