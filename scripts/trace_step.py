@@ -177,8 +177,8 @@ def _wrap(module, cls, name, start, end):
         wrapped.without_dereference = _marked(inner, start, end)
     setattr(owner, name, wrapped)
 # --nodes: every kernel the executor runs (its straight sequence's `_run_node`, the
-# ready queue's `_compute`), a mark as it starts and its wall and CPU time, by node
-# and thread.
+# ready queue's `_compute` and `node.compute`), a mark as it starts and its wall and
+# CPU time, by node and thread.
 _nodes = {}
 def _timed(original, kernel_of):
     import threading
@@ -201,6 +201,12 @@ try:
         _executor = importlib.import_module("distserver.runtime.executor")
         _executor._run_node = _timed(_executor._run_node, lambda node: node.kernel)
         _executor._compute = _timed(_executor._compute, lambda kernel: kernel)
+        # The ready queue's own calls: `node.compute`, made at registration.
+        _compute_of = _executor.compute_without_dereference
+        def _timed_compute(kernel):
+            compute = _compute_of(kernel)
+            return functools.partial(_timed(lambda _, ctx, inputs: compute(ctx, inputs), lambda k: k), kernel)
+        _executor.compute_without_dereference = _timed_compute
 except Exception as exc:  # sitecustomize errors are only printed: leave a record
     with open(os.path.join(os.environ["DISTSERVER_TRACE_DIR"], f"{os.getpid()}.error"), "w") as f:
         f.write(f"{type(exc).__name__}: {exc}")
