@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math as _math
 from collections.abc import Callable
+from operator import attrgetter
 from typing import Any, ClassVar
 
 import numpy as np
@@ -594,6 +595,8 @@ def fused_parts(kernel: OpKernel) -> list[NodeDef]:
 # when an executor is built (`runtime.executor._fuse_dense_gradients`).
 FUSED_MATMUL_GRAD_OP = "_DistserverFusedMatMulGrad"
 FUSED_GRADIENT_OPS = frozenset({"TanhGrad", "SigmoidGrad", "ReluGrad"})
+# The input of each that is the gradient coming down (TanhGrad(y, dy), ReluGrad(dy, x)).
+GRADIENT_INPUT = {"TanhGrad": 1, "SigmoidGrad": 1, "ReluGrad": 0}
 # Their kinds in `_loops.activation_gradient_with_sums` (`_loops` itself is imported by
 # `_compiled`'s background thread only).
 _GRADIENT_LOOP_KINDS = {"ReluGrad": 0, "TanhGrad": 1, "SigmoidGrad": 2}
@@ -786,6 +789,115 @@ def is_dense_gradient(parts: list[NodeDef], dtype: int) -> bool:
         and product(weights, 1, (True, False))
         and all(product(part, 0, (False, True)) for part in rest)
     )
+
+
+DENSE_STACK_OP = "_DistserverDenseStack"
+# A stack weighed below this bound is small (`DenseStackKernel.work_nbytes`).
+_WEIGH_EXACTLY_FROM = 1 << 20
+
+
+@register_kernel(DENSE_STACK_OP)
+class DenseStackKernel(OpKernel):
+    """Fused dense layers that follow one another, as one node: the members
+    (`FUSED_NODES_ATTR`, in the order they run) are all `FUSED_MATMUL_OP`s, each
+    reading the one before's output as its `a`, or all `FUSED_MATMUL_GRAD_OP`s, each
+    reading the one before's layer-input gradient (its output 2) as the gradient
+    coming down (its input `GRADIENT_INPUT`). The executor makes them
+    (`executor._stack_dense_layers`).
+
+    Inputs: the first member's inputs, then each later member's but the one the chain
+    gives it. Outputs: of layers, every member's output; of gradients, every member's
+    bias and weights gradients, then the last one's layer-input gradient if it has one.
+    Each member runs its own kernel, so the same bits, and its errors name the member
+    or its part; the stack saves the executor's work between them (~1 us a layer).
+    """
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        self.dtype = attr_type_in(self, "T", FUSED_TYPES)
+        members = fused_parts(self)
+        ops = {member.op for member in members}
+        self.forward = ops == {FUSED_MATMUL_OP}
+        if len(members) < 2 or not (self.forward or ops == {FUSED_MATMUL_GRAD_OP}):
+            raise errors.InvalidArgumentError(
+                f"Node '{self.name}' ({DENSE_STACK_OP}) stacks {[member.op for member in members]}: "
+                f"expected two or more of {FUSED_MATMUL_OP}, or of {FUSED_MATMUL_GRAD_OP}",
+                node_name=self.name,
+            )
+        self.members = [create_kernel(member) for member in members]
+        # The output that goes on to the next member, and where each member takes it.
+        self._passed = 0 if self.forward else 2
+        self._taken = [0 if self.forward else GRADIENT_INPUT[m.gradient.op] for m in self.members]  # type: ignore[attr-defined]
+        # Each member's own inputs: inputs[start:end].
+        self._spans: list[tuple[int, int]] = []
+        start = 0
+        for member in members:
+            count = 3 if self.forward else 6 - (member.attr["N"].i == 0)
+            end = start + count - (start > 0)
+            self._spans.append((start, end))
+            start = end
+        if not self.forward and any(member.attr["N"].i == 0 for member in members[:-1]):
+            raise errors.InvalidArgumentError(
+                f"Node '{self.name}' ({DENSE_STACK_OP}): every member but the last must pass a "
+                "layer-input gradient on (N = 1)",
+                node_name=self.name,
+            )
+        if self.forward and any(member.transpose_a for member in self.members):  # type: ignore[attr-defined]
+            raise errors.InvalidArgumentError(
+                f"Node '{self.name}' ({DENSE_STACK_OP}): a layer may not transpose its input (transpose_a)",
+                node_name=self.name,
+            )
+
+    def work_nbytes(self, inputs: list[Any]) -> int:
+        # The heaviest member's count (`OpKernel.work_nbytes`): the stack goes to the pool
+        # when a member alone would (run one by one, small members held the event loop's
+        # turn as long). First a bound from the largest input, in one pass: a member
+        # reads at most six inputs' bytes and, with R rows and weights of at most E
+        # elements, makes at most R * E multiply-adds and an R * E activation. Under
+        # `_WEIGH_EXACTLY_FROM` (the executor's `OFFLOAD_BYTES`) it says "small"; else
+        # each member is weighed from the shapes it will see.
+        try:
+            first = inputs[0]
+            largest = max(map(attrgetter("nbytes"), inputs))
+            bound = 6 * largest + first.shape[0] * (largest // first.itemsize) * (first.itemsize + 1)
+            if bound < _WEIGH_EXACTLY_FROM:
+                return int(bound)
+            heaviest = 0
+            if self.forward:
+                rows, columns, itemsize = first.shape[0], first.shape[1], first.itemsize
+                for member, (_, end) in zip(self.members, self._spans, strict=True):
+                    w, bias = inputs[end - 2], inputs[end - 1]
+                    inner, out = w.shape[::-1] if member.transpose_b else w.shape  # type: ignore[attr-defined]
+                    work = rows * columns * itemsize + w.nbytes + bias.nbytes + rows * inner * out // 2
+                    heaviest = max(heaviest, work)
+                    columns = out
+                return int(heaviest)
+            for member, taken, (start, end) in zip(self.members, self._taken, self._spans, strict=True):
+                own = inputs[start:end]
+                if start:  # (the gradient coming down has the shape of the activation's other input)
+                    own.insert(taken, own[0])
+                heaviest = max(heaviest, member.work_nbytes(own))
+            return heaviest
+        except (AttributeError, ValueError, IndexError, TypeError):
+            return super().work_nbytes(inputs)
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        results: list[Any] = []
+        passed: Any = None
+        for member, taken, (start, end) in zip(self.members, self._taken, self._spans, strict=True):
+            own = inputs[start:end]
+            if start:
+                own.insert(taken, passed)
+            try:
+                values = member.compute(ctx, own)
+            except errors.OpError as exc:
+                raise errors.with_node(exc, member.name) from None
+            del own
+            passed = values[self._passed] if len(values) > self._passed else None
+            results += values if self.forward else values[:2]
+        if not self.forward and passed is not None:
+            results.append(passed)
+        return results
 
 
 @register_kernel("AddN")

@@ -75,9 +75,12 @@ from distserver import errors
 from distserver.kernels._common import warnings_off
 from distserver.kernels.control_flow import SwitchKernel
 from distserver.kernels.math import (
+    DENSE_STACK_OP,
     FUSED_GRADIENT_OPS,
     FUSED_MATMUL_GRAD_OP,
+    FUSED_MATMUL_OP,
     FUSED_NODES_ATTR,
+    GRADIENT_INPUT,
     is_dense_gradient,
 )
 from distserver.kernels.registry import (
@@ -268,6 +271,7 @@ class Executor:
             _skip_unread_results(self._nodes, control_sources)
             _leave_out_pass_through(self._nodes, control_sources)
             _fuse_dense_gradients(self._nodes, control_sources)
+            _stack_dense_layers(self._nodes, control_sources)
         for node in self._nodes:
             node.mode = _mode_of(node)
             node.sources = tuple(src for src, _ in node.inputs)
@@ -1279,10 +1283,30 @@ def _wired(nodes: list[_Node], node: _Node) -> NodeDef:
 def _fuse_parts(nodes: list[_Node], control_sources: list[list[int]], parts: list[_Node]) -> None:
     """Make `parts` (`_dense_gradient_parts`) one node in the `Reshape`'s slot."""
     g, sum_, reshape, weights, *rest = parts
-    inner = {part.index for part in parts}
     inputs = [*g.inputs, sum_.inputs[1], reshape.inputs[1], weights.inputs[0], *(p.inputs[1] for p in rest)]
+    output_of = {(part.index, 0): k for k, part in enumerate([reshape, weights, *rest])}
+    node_def = NodeDef(name=reshape.kernel.name, op=FUSED_MATMUL_GRAD_OP, device=g.kernel.node.device)
+    node_def.attr["T"].CopyFrom(g.kernel.node.attr["T"])
+    node_def.attr["N"].i = len(rest)
+    node_def.attr[FUSED_NODES_ATTR].list.s.extend(_wired(nodes, part).SerializeToString() for part in parts)
+    _merge(nodes, control_sources, parts, reshape, inputs, output_of, node_def)
+
+
+def _merge(
+    nodes: list[_Node],
+    control_sources: list[list[int]],
+    parts: list[_Node],
+    slot: _Node,
+    inputs: list[tuple[int, int]],
+    output_of: dict[tuple[int, int], int],
+    node_def: NodeDef,
+) -> None:
+    """Make `parts` one node computing `node_def`, in the place of `slot` (one of them):
+    it reads `inputs` (outputs of other nodes), a reader of output k of a part reads its
+    output `output_of[(part, k)]`, and it waits for what the parts waited for (control
+    edges) and is waited for by what waited for them."""
+    inner = {part.index for part in parts}
     controls = list(dict.fromkeys(src for p in parts for src in control_sources[p.index] if src not in inner))
-    output_of = {part.index: k for k, part in enumerate([reshape, weights, *rest])}
     readers: list[int] = []  # one entry per data edge out
     waiting: list[int] = []  # the nodes waiting for a part through control edges
     for part in parts:
@@ -1297,41 +1321,162 @@ def _fuse_parts(nodes: list[_Node], control_sources: list[list[int]], parts: lis
                 control_sources[c].remove(part.index)
                 nodes[c].num_waits -= 1
                 waiting.append(c)
-        for c in dict.fromkeys(part.consumers):
-            consumer = nodes[c]
-            for slot, (src, _) in enumerate(consumer.inputs):
-                if src == part.index and c not in inner:
-                    consumer.inputs[slot] = (reshape.index, output_of[part.index])
-                    readers.append(c)
-    node_def = NodeDef(name=reshape.kernel.name, op=FUSED_MATMUL_GRAD_OP, device=g.kernel.node.device)
-    node_def.attr["T"].CopyFrom(g.kernel.node.attr["T"])
-    node_def.attr["N"].i = len(rest)
-    node_def.attr[FUSED_NODES_ATTR].list.s.extend(_wired(nodes, part).SerializeToString() for part in parts)
+    # Each reader's inputs rewired once (`slot` is one of the parts).
+    for c in dict.fromkeys(c for part in parts for c in part.consumers if c not in inner):
+        consumer = nodes[c]
+        for position, (src, k) in enumerate(consumer.inputs):
+            if src in inner:
+                consumer.inputs[position] = (slot.index, output_of[(src, k)])
+                readers.append(c)
     for part in parts:
         part.inputs, part.consumers, part.control_consumers = [], [], []
         part.num_waits = part.num_reads = 0
         control_sources[part.index] = []
         part.left_out = True
-    fused = reshape
-    fused.left_out = False
-    fused.kernel = _shared_or_new_kernel(node_def, None)
-    fused.sizes_its_output = True
-    fused.inputs = inputs
+    merged = slot
+    merged.left_out = False
+    merged.kernel = _shared_or_new_kernel(node_def, None)
+    merged.sizes_its_output = True
+    merged.inputs = inputs
     for src, _ in inputs:
-        nodes[src].consumers.append(fused.index)
+        nodes[src].consumers.append(merged.index)
         nodes[src].num_reads += 1
     for src in controls:
-        nodes[src].consumers.append(fused.index)
-        nodes[src].control_consumers.append(fused.index)
-    control_sources[fused.index] = controls
-    fused.num_waits = len(inputs) + len(controls)
-    fused.num_reads = len(readers)
+        nodes[src].consumers.append(merged.index)
+        nodes[src].control_consumers.append(merged.index)
+    control_sources[merged.index] = controls
+    merged.num_waits = len(inputs) + len(controls)
+    merged.num_reads = len(readers)
     waiting = list(dict.fromkeys(waiting))
     for c in waiting:
-        control_sources[c].append(fused.index)
+        control_sources[c].append(merged.index)
         nodes[c].num_waits += 1
-    fused.consumers = readers + waiting
-    fused.control_consumers = waiting
+    merged.consumers = readers + waiting
+    merged.control_consumers = waiting
+
+
+def _stack_dense_layers(nodes: list[_Node], control_sources: list[list[int]]) -> None:
+    """Run each chain of fused dense layers (`FUSED_MATMUL_OP`, each reading the one
+    before's output) and each chain of their fused gradients (`FUSED_MATMUL_GRAD_OP`,
+    each reading the one before's layer-input gradient, which nothing else reads) as
+    one node (`DENSE_STACK_OP`, `kernels.math.DenseStackKernel`): a one-task step of 30
+    small layers runs 60 such nodes, and the executor's work around each (taking its
+    inputs, weighing it for the pool, the loop) costs ~1 us.
+
+    A chain joins nodes of one device and dtype whose layers do not transpose their
+    input. Every other input of its members (weights, biases, activations, control
+    inputs) must come before its first member in a topological order of the graph, so
+    the graph stays acyclic with the stack in its last member's place. A member whose
+    value another task waits for (read by a `_Send` to it) is left out: the stack would
+    hold the value back until its last member has run. Not in a graph with a node that
+    makes values dead (a Switch), as for `_fuse_dense_gradients`.
+    """
+    if any(n.kernel.may_output_dead and not isinstance(n.kernel, RecvKernel) for n in nodes):
+        return
+    position = _topological_positions(nodes)
+    to_peers = {
+        src
+        for n in nodes
+        if isinstance(n.kernel, SendKernel)
+        and not n.kernel.client_terminated
+        and n.kernel.key.dst_task != n.kernel.key.src_task
+        for src, _ in n.inputs
+    }
+    for op, passed in ((FUSED_MATMUL_OP, 0), (FUSED_MATMUL_GRAD_OP, 2)):
+        following = _chain_links(nodes, op, passed, to_peers)
+        for first in sorted(set(following) - set(following.values())):
+            chain = [nodes[first]]
+            while chain[-1].index in following:
+                chain.append(nodes[following[chain[-1].index]])
+            while len(chain) >= 2:
+                run = _stackable_run(chain, control_sources, position)
+                if len(run) >= 2:
+                    _merge_stack(nodes, control_sources, run)
+                    # A stack's place: its first member's. Every edge then still goes up
+                    # the order (an edge in comes before the first member, one out leaves
+                    # a member), so later runs are checked against the graph as it is.
+                    position[run[-1].index] = position[run[0].index]
+                chain = chain[len(run) :]
+
+
+def _taken(node: _Node) -> int:
+    """The input of a stacked node that the one before it in the chain gives it."""
+    kernel = node.kernel
+    return GRADIENT_INPUT[kernel.gradient.op] if kernel.op == FUSED_MATMUL_GRAD_OP else 0  # type: ignore[attr-defined]
+
+
+def _chain_links(nodes: list[_Node], op: str, passed: int, to_peers: set[int]) -> dict[int, int]:
+    """Each node of `op` that may be stacked -> the one that takes its output `passed`
+    as the next in a chain (see `_stack_dense_layers`)."""
+
+    def member(node: _Node) -> bool:
+        return (
+            not node.left_out
+            and node.kernel.op == op
+            and node.index not in to_peers
+            and not getattr(node.kernel, "transpose_a", False)
+        )
+
+    following: dict[int, int] = {}
+    for node in nodes:
+        if not member(node):
+            continue
+        takers = [
+            (nodes[c], slot)
+            for c in dict.fromkeys(node.consumers)
+            for slot, (src, k) in enumerate(nodes[c].inputs)
+            if src == node.index and k == passed
+        ]
+        chained = [c for c, slot in takers if member(c) and slot == _taken(c)]
+        # A layer's output may have other readers (its gradients); a gradient's passed
+        # value may not (the stack does not return it).
+        if len(chained) != 1 or (op == FUSED_MATMUL_GRAD_OP and len(takers) != 1):
+            continue
+        (nxt,) = chained
+        if nxt.kernel.node.device == node.kernel.node.device and _type_attr(nxt.kernel.node) == _type_attr(
+            node.kernel.node
+        ):
+            following[node.index] = nxt.index
+    return following
+
+
+def _stackable_run(
+    chain: list[_Node], control_sources: list[list[int]], position: list[tuple[int, int]]
+) -> list[_Node]:
+    """The longest start of `chain` whose members' other inputs come before its first
+    member: data inputs but the passed value, and control inputs but from members."""
+    first = position[chain[0].index]
+    run = [chain[0]]
+    members = {chain[0].index}
+    for node in chain[1:]:
+        sources = [src for slot, (src, _) in enumerate(node.inputs) if slot != _taken(node)]
+        sources += [src for src in control_sources[node.index] if src not in members]
+        if not all(position[src] < first for src in sources):
+            break
+        run.append(node)
+        members.add(node.index)
+    return run
+
+
+def _merge_stack(nodes: list[_Node], control_sources: list[list[int]], run: list[_Node]) -> None:
+    """Make `run` (`_stackable_run`) one `DENSE_STACK_OP` node in its last member's place."""
+    last = run[-1]
+    forward = last.kernel.op == FUSED_MATMUL_OP
+    inputs = list(run[0].inputs)
+    for node in run[1:]:
+        inputs += [edge for slot, edge in enumerate(node.inputs) if slot != _taken(node)]
+    output_of: dict[tuple[int, int], int] = {}
+    for node in run:
+        for k in (0,) if forward else (0, 1):
+            output_of[(node.index, k)] = len(output_of)
+    if not forward and last.kernel.attr_int("N"):
+        output_of[(last.index, 2)] = len(output_of)
+    node_def = NodeDef(name=last.kernel.name, op=DENSE_STACK_OP, device=last.kernel.node.device)
+    node_def.attr["T"].CopyFrom(last.kernel.node.attr["T"])
+    node_def.attr["N"].i = len(inputs)
+    node_def.attr["M"].i = len(output_of)
+    node_def.attr[FUSED_NODES_ATTR].list.s.extend(node.kernel.node.SerializeToString() for node in run)
+    _merge(nodes, control_sources, run, last, inputs, output_of, node_def)
 
 
 def _mode_of(node: _Node) -> int:

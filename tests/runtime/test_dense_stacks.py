@@ -1,0 +1,194 @@
+"""Chains of fused dense layers, and of their gradients, run as one node each
+(`executor._stack_dense_layers`, `kernels.math.DenseStackKernel`): the same bits as the
+members one by one, errors naming the member's part, the pool when a member alone
+would go there, and chains cut where stacking would hold a peer's value back or make
+a cycle."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import distserver as ds
+from distserver import errors
+from distserver.kernels.math import DENSE_STACK_OP, FUSED_MATMUL_GRAD_OP, FUSED_MATMUL_OP, FUSED_NODES_ATTR
+from distserver.protos.graph_pb2 import GraphDef
+from distserver.protos.node_def_pb2 import NodeDef
+from distserver.protos.types_pb2 import DT_FLOAT
+from distserver.runtime import executor as executor_module
+from distserver.runtime.executor import Executor
+from distserver.runtime.fusion import fuse_dense_layers
+
+F32 = np.float32
+PS = "/job:ps/replica:0/task:0"
+HERE = "/job:localhost/replica:0/task:0"
+
+
+def _mlp(layers: int, width: int, rng: np.random.Generator) -> tuple[ds.Graph, Any, Any, Any, Any]:
+    """A training graph of `layers` dense layers (tanh, relu and sigmoid in turn) and a
+    momentum update: (graph, init, train, loss, x)."""
+    activations = [ds.tanh, ds.relu, ds.sigmoid]
+    with ds.Graph().as_default() as graph:
+        x = ds.placeholder(ds.float32, [8, width], name="x")
+        h = x
+        for i in range(layers):
+            w = ds.Variable(rng.standard_normal((width, width)).astype(F32) * F32(0.5), name=f"w{i}")
+            b = ds.Variable(rng.standard_normal(width).astype(F32) * F32(0.1), name=f"b{i}")
+            h = activations[i % 3](ds.matmul(h, w) + b, name=f"layer{i}")
+        loss = ds.reduce_mean(ds.square(h), name="loss")
+        train = ds.train.MomentumOptimizer(0.05, 0.9).minimize(loss)
+        init = ds.global_variables_initializer()
+    return graph, init, train, loss, x
+
+
+def _executors(monkeypatch: pytest.MonkeyPatch) -> list[Executor]:
+    made: list[Executor] = []
+    build = Executor.__init__
+
+    def recording(self: Executor, *args: Any, **kwargs: Any) -> None:
+        build(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(Executor, "__init__", recording)
+    return made
+
+
+def _live(executor: Executor, op: str) -> list[Any]:
+    return [node for node in executor._nodes if not node.left_out and node.kernel.op == op]
+
+
+def _members(node: Any) -> list[NodeDef]:
+    return [NodeDef.FromString(data) for data in node.kernel.node.attr[FUSED_NODES_ATTR].list.s]
+
+
+def _train(server: ds.Server, graph: ds.Graph, feeds: list[Any], *step: Any) -> Any:
+    """The losses of steps fed `feeds` (`step`: init, train, loss, x), then every
+    variable's value."""
+    init, train, loss, x = step
+    config = ds.ConfigProto(isolate_session_state=True)  # (each session its own variables)
+    with ds.Session(server.target, graph=graph, config=config) as session:
+        session.run(init)
+        losses = [session.run([train, loss], {x: feed})[1] for feed in feeds]
+        with graph.as_default():
+            return losses, session.run(ds.global_variables())
+
+
+def test_a_deep_mlp_runs_its_layers_and_their_gradients_as_two_stacks_with_the_same_bits(server, monkeypatch):
+    rng = np.random.default_rng(5)
+    graph, init, train, loss, x = _mlp(6, 16, rng)
+    feeds = [rng.standard_normal((8, 16)).astype(F32) for _ in range(4)]
+    made = _executors(monkeypatch)
+    stacked = _train(server, graph, feeds, init, train, loss, x)
+    step = max(made, key=lambda e: len(_live(e, DENSE_STACK_OP)))
+    forward, backward = sorted(_live(step, DENSE_STACK_OP), key=lambda n: n.kernel.forward, reverse=True)
+    assert [m.op for m in _members(forward)] == [FUSED_MATMUL_OP] * 6
+    assert [m.name for m in _members(forward)] == [f"layer{i}" for i in range(6)]
+    assert [m.op for m in _members(backward)] == [FUSED_MATMUL_GRAD_OP] * 6
+    assert [m.attr["N"].i for m in _members(backward)] == [1] * 5 + [0]  # (no gradient of x)
+    assert not _live(step, FUSED_MATMUL_OP)
+    assert not _live(step, FUSED_MATMUL_GRAD_OP)
+    assert len(forward.kernel.node.attr[FUSED_NODES_ATTR].list.s) == forward.kernel.node.attr["M"].i
+    assert backward.kernel.node.attr["M"].i == 12  # each layer's bias and weights gradients
+    # The same steps with every layer and gradient a node of its own: the same bits.
+    monkeypatch.setattr(executor_module, "_stack_dense_layers", lambda nodes, control_sources: None)
+    alone = _train(server, graph, feeds, init, train, loss, x)
+    np.testing.assert_array_equal(stacked[0], alone[0])
+    for value, expected in zip(stacked[1], alone[1], strict=True):
+        np.testing.assert_array_equal(value, expected)
+    assert len(set(map(float, stacked[0]))) == 4  # (it trained)
+
+
+def test_a_member_that_fails_is_named_by_its_part(server):
+    with ds.Graph().as_default() as graph:
+        x = ds.placeholder(ds.float32, [4, 3], name="x")
+        weights = [ds.placeholder(ds.float32, None, name=f"w{i}") for i in range(3)]
+        h = x
+        for i, w in enumerate(weights):
+            h = ds.relu(ds.matmul(h, w) + ds.zeros([3]), name=f"layer{i}")
+    ok = np.ones((3, 3), F32)
+    with ds.Session(server.target, graph=graph) as session:
+        value = session.run(h, {x: np.ones((4, 3), F32), weights[0]: ok, weights[1]: ok, weights[2]: ok})
+        np.testing.assert_array_equal(value, np.full((4, 3), 27.0, F32))
+        bad = np.ones((2, 3), F32)
+        with pytest.raises(errors.InvalidArgumentError) as raised:
+            session.run(h, {x: np.ones((4, 3), F32), weights[0]: ok, weights[1]: bad, weights[2]: ok})
+    assert raised.value.node_name == "MatMul_1"  # layer1's product, as TensorFlow names it
+    assert "Matrix size-incompatible" in raised.value.message
+
+
+def _layers_graph(count: int) -> GraphDef:
+    rng = np.random.default_rng(7)
+    with ds.Graph().as_default() as graph:
+        h = ds.constant(rng.standard_normal((4, 5)).astype(F32), name="x")
+        for i in range(count):
+            w = ds.constant(rng.standard_normal((5, 5)).astype(F32), name=f"w{i}")
+            h = ds.tanh(ds.matmul(h, w) + ds.constant(np.zeros(5, F32), name=f"b{i}"), name=f"layer{i}")
+        ds.identity(h, name="out")
+    return fuse_dense_layers(graph.as_graph_def())
+
+
+def _send(name: str, source: str, task: str) -> NodeDef:
+    node = NodeDef(name=name, op="_Send", input=[source])
+    node.attr["T"].type = DT_FLOAT
+    node.attr["send_device"].s = f"{HERE}/device:CPU:0".encode()
+    node.attr["recv_device"].s = f"{task}/device:CPU:0".encode()
+    node.attr["send_device_incarnation"].i = 1
+    node.attr["tensor_name"].s = name.encode()
+    return node
+
+
+def _stacks(executor: Executor) -> list[list[str]]:
+    return [[m.name for m in _members(node)] for node in _live(executor, DENSE_STACK_OP)]
+
+
+def test_a_layer_another_task_waits_for_is_left_out_of_the_stack():
+    graph_def = _layers_graph(5)
+    assert _stacks(Executor(graph_def)) == [[f"layer{i}" for i in range(5)]]
+    graph_def.node.append(_send("to_ps", "layer1", PS))
+    graph_def.node.append(_send("to_client", "layer3", HERE))  # (the client: no hurry)
+    assert _stacks(Executor(graph_def)) == [["layer2", "layer3", "layer4"]]
+
+
+def test_a_chain_is_cut_before_a_layer_that_waits_for_a_value_from_the_chain():
+    graph_def = _layers_graph(4)
+    square = NodeDef(name="square", op="Square", input=["layer0"])
+    square.attr["T"].type = DT_FLOAT
+    graph_def.node.append(square)
+    graph_def.node.append(_send("fetch_square", "square", HERE))  # (read: not skipped)
+    for node in graph_def.node:
+        if node.name == "layer2":
+            node.input.append("^square")  # stacked with layer0, it would wait for itself
+    assert _stacks(Executor(graph_def)) == [["layer0", "layer1"], ["layer2", "layer3"]]
+
+
+def _inputs_and_member_counts(executor: Executor) -> tuple[Any, list[Any], list[int]]:
+    """The forward stack of a graph of constants, its inputs, and what each member weighs
+    (`OpKernel.work_nbytes`) on the inputs it sees when the members run one by one."""
+    (stack,) = _live(executor, DENSE_STACK_OP)
+    inputs = [executor._nodes[src].kernel.compute(None, [])[k] for src, k in stack.inputs]  # (Consts)
+    counts, passed = [], None
+    for member, (start, end) in zip(stack.kernel.members, stack.kernel._spans, strict=True):
+        own = inputs[start:end]
+        if start:
+            own.insert(0, passed)
+        counts.append(member.work_nbytes(own))
+        (passed,) = member.compute(None, own)
+    return stack, inputs, counts
+
+
+def test_a_stack_goes_to_the_pool_when_one_of_its_layers_would():
+    rng = np.random.default_rng(9)
+    with ds.Graph().as_default() as graph:
+        h = ds.constant(rng.standard_normal((256, 784)).astype(F32), name="x")
+        for i, (rows, columns) in enumerate([(784, 512), (512, 10), (10, 10)]):
+            w = ds.constant(rng.standard_normal((rows, columns)).astype(F32), name=f"w{i}")
+            h = ds.relu(ds.matmul(h, w) + ds.constant(np.zeros(columns, F32)), name=f"layer{i}")
+    stack, inputs, counts = _inputs_and_member_counts(Executor(fuse_dense_layers(graph.as_graph_def())))
+    assert stack.kernel.work_nbytes(inputs) == max(counts) == counts[0]  # (the first layer's)
+    assert executor_module._large(stack.kernel, inputs)
+    # Small layers: a bound from the largest input, at least what the heaviest weighs.
+    stack, inputs, counts = _inputs_and_member_counts(Executor(_layers_graph(6)))
+    assert max(counts) <= stack.kernel.work_nbytes(inputs) < executor_module.OFFLOAD_BYTES
+    assert not executor_module._large(stack.kernel, inputs)
