@@ -176,9 +176,9 @@ def _wrap(module, cls, name, start, end):
     if inner is not None:
         wrapped.without_dereference = _marked(inner, start, end)
     setattr(owner, name, wrapped)
-# --nodes: every kernel the executor runs (its straight sequence's `_run_node`, the
-# ready queue's `_compute` and `node.compute`), a mark as it starts and its wall and
-# CPU time, by node and thread.
+# --nodes: every kernel the executor runs (`node.compute`, which the straight sequence
+# and the ready queue call, and `_compute`, a traced step's and a thread's), a mark as
+# it starts and its wall and CPU time, by node and thread.
 _nodes = {}
 def _timed(original, kernel_of):
     import threading
@@ -199,9 +199,9 @@ try:
         _wrap(*_mark)
     if os.environ.get("DISTSERVER_TRACE_NODES"):
         _executor = importlib.import_module("distserver.runtime.executor")
-        _executor._run_node = _timed(_executor._run_node, lambda node: node.kernel)
         _executor._compute = _timed(_executor._compute, lambda kernel: kernel)
-        # The ready queue's own calls: `node.compute`, made at registration.
+        # `node.compute`, made at registration, which the straight sequence
+        # (`_run_node`) and the ready queue call.
         _compute_of = _executor.compute_without_dereference
         def _timed_compute(kernel):
             compute = _compute_of(kernel)

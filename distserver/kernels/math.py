@@ -562,14 +562,21 @@ class FusedMatMulKernel(OpKernel):
             pass
         return super().work_nbytes(inputs)
 
-    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
-        a, b, bias = inputs
-        dtype = self.dtype
-        if a.dtype == b.dtype == bias.dtype == dtype and a.ndim == b.ndim == 2 and bias.ndim == 1:
+    def layer(self, a: Any, b: Any, bias: Any) -> np.ndarray | None:
+        """The fast path of `compute`: the layer's value, or None for inputs it does not
+        take (a stack of layers calls it: `DenseStackKernel`)."""
+        if a.dtype == b.dtype == bias.dtype == self.dtype and a.ndim == b.ndim == 2 and bias.ndim == 1:
             lhs = a.T if self.transpose_a else a
             rhs = b.T if self.transpose_b else b
             if lhs.shape[1] == rhs.shape[0] and rhs.shape[1] == bias.shape[0]:
-                return [self._layer(lhs, rhs, bias)]
+                return self._layer(lhs, rhs, bias)  # type: ignore[no-any-return]
+        return None
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        a, b, bias = inputs
+        value = self.layer(a, b, bias)
+        if value is not None:
+            return [value]
         (value,) = self.matmul.compute(ctx, [a, b])
         (value,) = self.add.compute(ctx, [bias, value] if self.bias_first else [value, bias])
         if self.activation is not None:
@@ -707,9 +714,9 @@ class FusedMatMulGradKernel(OpKernel):
             pass
         return super().work_nbytes(inputs)
 
-    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
-        a, b, axes, shape, h, *rest = inputs
-        w = rest[0] if rest else None
+    def gradients(self, a: Any, b: Any, axes: Any, shape: Any, h: Any, w: Any) -> list[np.ndarray] | None:
+        """The fast path of `compute` (`w` None without the input's product): the
+        outputs, or None for inputs it does not take (a stack calls it: `DenseStackKernel`)."""
         dtype = self.dtype
         if (
             a.dtype == b.dtype == h.dtype == dtype
@@ -719,7 +726,15 @@ class FusedMatMulGradKernel(OpKernel):
             and (w is None or (w.dtype == dtype and w.ndim == 2 and w.shape[1] == a.shape[1]))
             and self._sums_columns(axes, shape, a.shape[1])
         ):
-            return self._layer(a, b, h, w)
+            return self._layer(a, b, h, w)  # type: ignore[no-any-return]
+        return None
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        a, b, axes, shape, h, *rest = inputs
+        w = rest[0] if rest else None
+        values = self.gradients(a, b, axes, shape, h, w)
+        if values is not None:
+            return values
         (g,) = self.gradient.compute(ctx, [a, b])
         (summed,) = self.sum.compute(ctx, [g, axes])
         (bias,) = self.reshape.compute(ctx, [summed, shape])
@@ -825,8 +840,8 @@ class DenseStackKernel(OpKernel):
                 node_name=self.name,
             )
         self.members = [create_kernel(member) for member in members]
-        # The output that goes on to the next member, and where each member takes it.
-        self._passed = 0 if self.forward else 2
+        # Where each member takes the value the one before passes on (output 0 of a
+        # layer, 2 of a gradient).
         self._taken = [0 if self.forward else GRADIENT_INPUT[m.gradient.op] for m in self.members]  # type: ignore[attr-defined]
         # Each member's own inputs: inputs[start:end].
         self._spans: list[tuple[int, int]] = []
@@ -882,22 +897,40 @@ class DenseStackKernel(OpKernel):
             return super().work_nbytes(inputs)
 
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
-        results: list[Any] = []
+        # Each member's fast path (`FusedMatMulKernel.layer`, `FusedMatMulGradKernel.gradients`),
+        # called directly: the checks of its `compute` without building its input list.
+        if self.forward:
+            h = inputs[0]
+            layers: list[Any] = []
+            for member, (_, end) in zip(self.members, self._spans, strict=True):
+                w, bias = inputs[end - 2], inputs[end - 1]
+                value = member.layer(h, w, bias)  # type: ignore[attr-defined]
+                h = value if value is not None else self._run(member, ctx, [h, w, bias])[0]
+                layers.append(h)
+            return layers
+        gradients: list[Any] = []
         passed: Any = None
         for member, taken, (start, end) in zip(self.members, self._taken, self._spans, strict=True):
             own = inputs[start:end]
             if start:
                 own.insert(taken, passed)
-            try:
-                values = member.compute(ctx, own)
-            except errors.OpError as exc:
-                raise errors.with_node(exc, member.name) from None
-            del own
-            passed = values[self._passed] if len(values) > self._passed else None
-            results += values if self.forward else values[:2]
-        if not self.forward and passed is not None:
-            results.append(passed)
-        return results
+            a, b, axes, shape, h, *w = own
+            values = member.gradients(a, b, axes, shape, h, w[0] if w else None)  # type: ignore[attr-defined]
+            if values is None:
+                values = self._run(member, ctx, own)
+            gradients += values[:2]
+            passed = values[2] if len(values) == 3 else None
+        if passed is not None:
+            gradients.append(passed)
+        return gradients
+
+    @staticmethod
+    def _run(member: OpKernel, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        """`member.compute` (inputs its fast path does not take), its errors naming it."""
+        try:
+            return member.compute(ctx, inputs)
+        except errors.OpError as exc:
+            raise errors.with_node(exc, member.name) from None
 
 
 @register_kernel("AddN")
