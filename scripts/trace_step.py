@@ -118,11 +118,12 @@ MARKS = [
     ("distserver.transports.verbs._qp", "QueuePair", "send_nowait", "verbs message sent", None),
     ("distserver.transports.verbs._qp", "QueuePair", "_on_packet", "verbs message read", None),
     ("distserver.runtime.executor", "Executor", "run", "executor starts", "executor ends"),
-    ("distserver.kernels.math", "FusedMatMulKernel", "compute", "FusedMatMul starts", "FusedMatMul ends"),
+    # (the fused kernels' fast paths, which a stack of layers calls too)
+    ("distserver.kernels.math", "FusedMatMulKernel", "layer", "FusedMatMul starts", "FusedMatMul ends"),
     (
         "distserver.kernels.math",
         "FusedMatMulGradKernel",
-        "compute",
+        "gradients",
         "FusedMatMulGrad starts",
         "FusedMatMulGrad ends",
     ),
@@ -177,18 +178,19 @@ def _wrap(module, cls, name, start, end):
         wrapped.without_dereference = _marked(inner, start, end)
     setattr(owner, name, wrapped)
 # --nodes: every kernel the executor runs (`node.compute`, which the straight sequence
-# and the ready queue call, and `_compute`, a traced step's and a thread's), a mark as
-# it starts and its wall and CPU time, by node and thread.
+# and the ready queue call, `_compute`, a traced step's and a thread's, and the members
+# of a stack of dense layers), a mark as it starts and its wall and CPU time, by node
+# and thread.
 _nodes = {}
-def _timed(original, kernel_of):
+def _timed(call, kernel_of):
     import threading
     main = threading.main_thread()
-    def run(first, ctx, inputs):
-        kernel = kernel_of(first)
+    def run(*args):
+        kernel = kernel_of(*args)
         _events.append(("node " + kernel.op, time.perf_counter()))
         wall, cpu = time.perf_counter_ns(), time.thread_time_ns()
         try:
-            return original(first, ctx, inputs)
+            return call(*args)
         finally:
             where = "main thread" if threading.current_thread() is main else "other thread"
             _nodes.setdefault(f"{kernel.name} ({kernel.op}, {where})", []).append(
@@ -199,14 +201,20 @@ try:
         _wrap(*_mark)
     if os.environ.get("DISTSERVER_TRACE_NODES"):
         _executor = importlib.import_module("distserver.runtime.executor")
-        _executor._compute = _timed(_executor._compute, lambda kernel: kernel)
-        # `node.compute`, made at registration, which the straight sequence
-        # (`_run_node`) and the ready queue call.
+        _executor._compute = _timed(_executor._compute, lambda kernel, ctx, inputs: kernel)
         _compute_of = _executor.compute_without_dereference
         def _timed_compute(kernel):
-            compute = _compute_of(kernel)
-            return functools.partial(_timed(lambda _, ctx, inputs: compute(ctx, inputs), lambda k: k), kernel)
+            return _timed(_compute_of(kernel), lambda ctx, inputs: kernel)
         _executor.compute_without_dereference = _timed_compute
+        # A stack calls its members' fast paths (`DenseStackKernel.compute`).
+        _stack = importlib.import_module("distserver.kernels.math").DenseStackKernel
+        _stack_init = _stack.__init__
+        def _timed_members(self, node):
+            _stack_init(self, node)
+            path = "layer" if self.forward else "gradients"
+            for member in self.members:
+                setattr(member, path, _timed(getattr(member, path), lambda *args, member=member: member))
+        _stack.__init__ = _timed_members
 except Exception as exc:  # sitecustomize errors are only printed: leave a record
     with open(os.path.join(os.environ["DISTSERVER_TRACE_DIR"], f"{os.getpid()}.error"), "w") as f:
         f.write(f"{type(exc).__name__}: {exc}")

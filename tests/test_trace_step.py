@@ -75,3 +75,5 @@ def test_a_one_task_step_with_nodes_times_each_kernel_by_thread() -> None:
         assert cpu > 0, done.stdout
         assert wall > 0, done.stdout
     assert any("(_DistserverGroupedUpdates, main thread)" in node for node in rows), done.stdout
+    # (the layers are the members of a stack: `executor._stack_dense_layers`)
+    assert sum("(_DistserverDenseStack, main thread)" in node for node in rows) == 2, done.stdout
