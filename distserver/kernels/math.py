@@ -851,6 +851,7 @@ class DenseStackKernel(OpKernel):
             end = start + count - (start > 0)
             self._spans.append((start, end))
             start = end
+        self._last_without_weights = not self.forward and members[-1].attr["N"].i == 0
         if not self.forward and any(member.attr["N"].i == 0 for member in members[:-1]):
             raise errors.InvalidArgumentError(
                 f"Node '{self.name}' ({DENSE_STACK_OP}): every member but the last must pass a "
@@ -867,14 +868,20 @@ class DenseStackKernel(OpKernel):
         # The heaviest member's count (`OpKernel.work_nbytes`): the stack goes to the pool
         # when a member alone would (run one by one, small members held the event loop's
         # turn as long). First a bound from the largest input, in one pass: a member
-        # reads at most six inputs' bytes and, with R rows and weights of at most E
-        # elements, makes at most R * E multiply-adds and an R * E activation. Under
+        # reads at most six inputs' bytes and, with R rows and weights (an input) of at
+        # most E elements, makes at most R * E multiply-adds and an R * E activation. A
+        # last gradient without its weights (N = 0) is weighed itself. Under
         # `_WEIGH_EXACTLY_FROM` (the executor's `OFFLOAD_BYTES`) it says "small"; else
         # each member is weighed from the shapes it will see.
         try:
             first = inputs[0]
             largest = max(map(attrgetter("nbytes"), inputs))
             bound = 6 * largest + first.shape[0] * (largest // first.itemsize) * (first.itemsize + 1)
+            if self._last_without_weights:
+                start, _ = self._spans[-1]
+                own = inputs[start:]
+                own.insert(self._taken[-1], own[0])
+                bound = max(bound, self.members[-1].work_nbytes(own))
             if bound < _WEIGH_EXACTLY_FROM:
                 return int(bound)
             heaviest = 0

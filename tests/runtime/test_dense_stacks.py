@@ -192,3 +192,41 @@ def test_a_stack_goes_to_the_pool_when_one_of_its_layers_would():
     stack, inputs, counts = _inputs_and_member_counts(Executor(_layers_graph(6)))
     assert max(counts) <= stack.kernel.work_nbytes(inputs) < executor_module.OFFLOAD_BYTES
     assert not executor_module._large(stack.kernel, inputs)
+
+
+def test_a_gradient_stack_weighs_a_last_member_without_weights_itself(server, monkeypatch):
+    # The first layer's gradient (the stack's last member) has no weights input (N = 0):
+    # its product, h.T @ g, is 2048 x 2048 multiply-adds from two 1 x 2048 inputs, which
+    # the bound from the stack's largest input (layer 1's 2048 x 4 weights) does not see.
+    from distserver.kernels.math import DenseStackKernel
+
+    seen: dict[bool, tuple[Any, list[Any]]] = {}
+    compute = DenseStackKernel.compute
+
+    def recording(kernel: Any, ctx: Any, inputs: list[Any]) -> list[Any]:
+        seen[kernel.forward] = (kernel, list(inputs))
+        return compute(kernel, ctx, inputs)
+
+    monkeypatch.setattr(DenseStackKernel, "compute", recording)
+    rng = np.random.default_rng(11)
+    with ds.Graph().as_default() as graph:
+        x = ds.placeholder(ds.float32, [1, 2048], name="x")
+        w0 = ds.Variable(ds.random_uniform([2048, 2048], -0.01, 0.01, seed=1), name="w0")
+        w1 = ds.Variable(rng.standard_normal((2048, 4)).astype(F32), name="w1")
+        b0, b1 = ds.Variable(np.zeros(2048, F32), name="b0"), ds.Variable(np.zeros(4, F32), name="b1")
+        hidden = ds.tanh(ds.matmul(x, w0) + b0, name="layer0")
+        out = ds.tanh(ds.matmul(hidden, w1) + b1, name="layer1")
+        grads = ds.gradients(ds.reduce_sum(ds.square(out)), [w0, b0, w1, b1])
+        init = ds.global_variables_initializer()
+    config = ds.ConfigProto(isolate_session_state=True)
+    with ds.Session(server.target, graph=graph, config=config) as session:
+        session.run(init)
+        session.run(grads, {x: rng.standard_normal((1, 2048)).astype(F32)})
+    kernel, inputs = seen[False]
+    assert [member.attr_int("N") for member in kernel.members] == [1, 0]
+    largest = max(value.nbytes for value in inputs)
+    assert largest == 2048 * 4 * 4  # (w1)
+    own = inputs[kernel._spans[-1][0] :]
+    own.insert(1, own[0])  # (TanhGrad's y stands in for the gradient coming down: its shape)
+    assert kernel.members[-1].work_nbytes(own) >= executor_module.OFFLOAD_BYTES
+    assert executor_module._large(kernel, inputs)
