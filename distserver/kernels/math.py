@@ -809,6 +809,7 @@ def is_dense_gradient(parts: list[NodeDef], dtype: int) -> bool:
 DENSE_STACK_OP = "_DistserverDenseStack"
 # A stack weighed below this bound is small (`DenseStackKernel.work_nbytes`).
 _WEIGH_EXACTLY_FROM = 1 << 20
+_nbytes_of = attrgetter("nbytes")
 
 
 @register_kernel(DENSE_STACK_OP)
@@ -875,7 +876,7 @@ class DenseStackKernel(OpKernel):
         # each member is weighed from the shapes it will see.
         try:
             first = inputs[0]
-            largest = max(map(attrgetter("nbytes"), inputs))
+            largest = max(map(_nbytes_of, inputs))
             bound = 6 * largest + first.shape[0] * (largest // first.itemsize) * (first.itemsize + 1)
             if self._last_without_weights:
                 start, _ = self._spans[-1]

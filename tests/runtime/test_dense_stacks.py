@@ -100,7 +100,8 @@ def test_a_deep_mlp_runs_its_layers_and_their_gradients_as_two_stacks_with_the_s
     assert len(set(map(float, stacked[0]))) == 4  # (it trained)
 
 
-def test_a_member_that_fails_is_named_by_its_part(server):
+def test_a_member_that_fails_is_named_by_its_part(server, monkeypatch):
+    made = _executors(monkeypatch)
     with ds.Graph().as_default() as graph:
         x = ds.placeholder(ds.float32, [4, 3], name="x")
         weights = [ds.placeholder(ds.float32, None, name=f"w{i}") for i in range(3)]
@@ -114,6 +115,7 @@ def test_a_member_that_fails_is_named_by_its_part(server):
         bad = np.ones((2, 3), F32)
         with pytest.raises(errors.InvalidArgumentError) as raised:
             session.run(h, {x: np.ones((4, 3), F32), weights[0]: ok, weights[1]: bad, weights[2]: ok})
+    assert [["layer0", "layer1", "layer2"]] in [_stacks(executor) for executor in made]  # (one stack)
     assert raised.value.node_name == "MatMul_1"  # layer1's product, as TensorFlow names it
     assert "Matrix size-incompatible" in raised.value.message
 
