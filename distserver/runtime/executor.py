@@ -613,12 +613,15 @@ class _Entry(NamedTuple):
 
 
 # What a run of nodes in a thread (`_Straight._run_in_thread`) does with a node: run it;
-# hand it to the event loop and go on (a `_Send` to this task: the loop sends the value
-# at once, so the fetch waits no longer than it did); stop before it (a `_Send` to
-# another task: the loop sends it and hands it over before any other node, rather than
-# once the thread lets go of the GIL; or another node bound to the loop,
-# `OpKernel.loop_bound`: a stack, a tensor array).
-_RUN, _TO_LOOP, _STOP = 0, 1, 2
+# hand it to the event loop and go on (a `_Send` to another partition of this task: the
+# loop sends the value at once, so its receiver waits no longer than it did); keep it for
+# the loop to run once the thread is done (a fetch, a `_Send` to the client: read when
+# the step ends, and handing it over at once would wake the loop, which then takes the
+# GIL from the thread's next nodes); stop before it (a `_Send` to another task: the loop
+# sends it and hands it over before any other node, rather than once the thread lets go
+# of the GIL; or another node bound to the loop, `OpKernel.loop_bound`: a stack, a
+# tensor array).
+_RUN, _TO_LOOP, _AFTER, _STOP = 0, 1, 2, 3
 
 
 class _Straight:
@@ -685,7 +688,7 @@ class _Straight:
                 held = [inputs]
                 del inputs
                 try:
-                    position = await loop.run_in_executor(
+                    position, kept = await loop.run_in_executor(
                         pool, self._run_in_thread, ctx, outputs, (position, end), held, (loop, stop, failed)
                     )
                 except asyncio.CancelledError:
@@ -693,6 +696,9 @@ class _Straight:
                     raise
                 if failed:  # (the loop ran them before it resumed this step: first in, first out)
                     raise failed[0]
+                for node, inputs in kept:
+                    _run_node(node, ctx, inputs)
+                del kept
                 continue
             values = _run_node(node, ctx, inputs)
             del inputs
@@ -710,15 +716,17 @@ class _Straight:
         span: tuple[int, int],
         held: list[list[Any]],
         back: tuple[asyncio.AbstractEventLoop, threading.Event, list[Exception]],
-    ) -> int:
+    ) -> tuple[int, list[tuple[_Node, list[Any]]]]:
         """Run the node at `span`'s start (its inputs taken, in `held`) and the next ones
-        before its end that may run in a thread; return where the event loop goes on.
-        `back`: the loop, the event that stops this run (the step was cancelled), and
-        where the nodes handed to the loop put their errors."""
+        before its end that may run in a thread; return where the event loop goes on,
+        and the nodes (with their inputs) it runs first (`_AFTER`). `back`: the loop,
+        the event that stops this run (the step was cancelled), and where the nodes
+        handed to the loop put their errors."""
         program = self.program
         position, end = span
         loop, stop, failed = back
         inputs = held.pop()
+        kept: list[tuple[_Node, list[Any]]] = []
         with warnings_off():
             while True:
                 entry = program[position]
@@ -728,13 +736,16 @@ class _Straight:
                     outputs[entry.node.index] = values
                 del values
                 position += 1
-                while position < end and program[position].in_thread == _TO_LOOP:
-                    node, sources, last_reads, *_ = program[position]
+                while position < end and program[position].in_thread in (_TO_LOOP, _AFTER):
+                    node, sources, last_reads, _, _, in_thread, _ = program[position]
                     inputs = _take_inputs(self.nodes, outputs, node, sources, last_reads)
-                    loop.call_soon_threadsafe(_run_on_loop, node, ctx, inputs, failed)
+                    if in_thread == _AFTER:
+                        kept.append((node, inputs))
+                    else:
+                        loop.call_soon_threadsafe(_run_on_loop, node, ctx, inputs, failed)
                     position += 1
                 if position == end or program[position].in_thread == _STOP or stop.is_set():
-                    return position
+                    return position, kept
                 node, sources, last_reads, *_ = program[position]
                 inputs = _take_inputs(self.nodes, outputs, node, sources, last_reads)
 
@@ -876,7 +887,9 @@ def _in_thread(kernel: OpKernel, to_peer: bool) -> int:
     `to_peer`: the node is a `_Send` to another task."""
     if not kernel.loop_bound:
         return _RUN
-    return _TO_LOOP if isinstance(kernel, SendKernel) and not to_peer else _STOP
+    if not isinstance(kernel, SendKernel) or to_peer:
+        return _STOP
+    return _AFTER if kernel.client_terminated else _TO_LOOP
 
 
 async def _wait_for_receives(futures: list[asyncio.Future[tuple[Any, bool]]]) -> None:

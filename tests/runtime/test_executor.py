@@ -822,6 +822,59 @@ async def test_a_large_node_takes_the_nodes_after_it_to_its_thread_sends_going_b
     np.testing.assert_array_equal(value, np.ones(elements, np.float32))
 
 
+async def test_a_fetch_sent_during_a_run_in_a_thread_waits_for_the_run_to_end(monkeypatch):
+    # A fetch (a `_Send` to the client) is read when the step ends: the loop sends it
+    # once the thread is done, rather than waking up in the middle of the thread's
+    # nodes. A `_Send` to another partition of this task still goes at once.
+    from distserver.runtime import executor as executor_module
+
+    events: list[tuple[str, str]] = []
+    handed: list[str] = []  # by the thread to the loop, as it goes
+    original, original_on_loop = executor_module._run_node, executor_module._run_on_loop
+
+    def recording(node, ctx, inputs):
+        events.append((node.kernel.name, threading.current_thread().name))
+        return original(node, ctx, inputs)
+
+    def recording_handed(node, ctx, inputs, failed):
+        handed.append(node.kernel.name)
+        return original_on_loop(node, ctx, inputs, failed)
+
+    monkeypatch.setattr(executor_module, "_run_node", recording)
+    monkeypatch.setattr(executor_module, "_run_on_loop", recording_handed)
+    elements = OFFLOAD_BYTES // 4
+    fetch = _send("fetch_a", "a")
+    fetch.attr["client_terminated"].b = True
+    graph = _graph(
+        _node("shape", "Const", dtype=types_pb2.DT_INT32, value=np.int32([elements])),
+        _const("one", 1.0),
+        _node("big", "Fill", ["shape", "one"], T=_F32),  # large: to a thread
+        _node("a", "Neg", ["big"], T=_F32),
+        fetch,
+        _send("to_partition", "a"),  # to this task, not the client: handed over at once
+        _node("b", "Square", ["a"], T=_F32),
+        _node("c", "Neg", ["b"], T=_F32),
+        _send("fetch_c", "c"),
+    )
+    graph.node[-1].attr["client_terminated"].b = True
+    executor = Executor(graph)
+    program = [entry.node.kernel.name for entry in executor._straight.program]  # type: ignore[union-attr]
+    assert program == ["big", "a", "fetch_a", "to_partition", "b", "c", "fetch_c"]
+    with _HopCountingPool() as pool:
+        ctx = _step_context(pool)
+        await executor.run(ctx)
+    assert pool.hops == 1
+    assert handed == ["to_partition"]
+    here = threading.current_thread().name
+    assert [name for name, thread in events if thread == here] == ["to_partition", "fetch_a", "fetch_c"]
+    order = [name for name, _ in events]
+    assert order.index("c") < order.index("fetch_a") < order.index("fetch_c")
+    value, _ = await ctx.rendezvous.recv_local(executor._nodes[4].kernel.key)  # type: ignore[attr-defined]
+    np.testing.assert_array_equal(value, -np.ones(elements, np.float32))
+    value, _ = await ctx.rendezvous.recv_local(executor._nodes[8].kernel.key)  # type: ignore[attr-defined]
+    np.testing.assert_array_equal(value, -np.ones(elements, np.float32))
+
+
 async def test_a_send_that_fails_after_a_thread_handed_it_to_the_loop_fails_the_step():
     elements = OFFLOAD_BYTES // 4
     graph = _graph(
