@@ -610,6 +610,11 @@ class _Entry(NamedTuple):
     sized: bool  # whether it may go to the pool (`_BY_SIZE`, `_THREAD`)
     in_thread: int  # what a run of nodes in a thread does with it (`_in_thread`)
     hands_over: bool  # whether it ends a run of nodes leading to a `_Send` to another task
+    # For a node of more than two inputs, some of them outputs of fixed or folded nodes
+    # (the same values every step on a device: variable handles, constants): its other
+    # inputs as (place, producer, output), filled into a copy of a list that holds the
+    # fixed ones (`_Straight.take`); else None.
+    varying: tuple[tuple[int, int, int], ...] | None
 
 
 # What a run of nodes in a thread (`_Straight._run_in_thread`) does with a node: run it;
@@ -651,6 +656,34 @@ class _Straight:
         # only a step whose receives have all arrived when it starts runs the sequence.
         late = [i for i in receives if i not in self.feeds]
         self.gated = bool(late) and all(nodes[i].kernel.may_wait_first for i in late)  # type: ignore[attr-defined]
+        # device -> {position: the inputs of `program[position]` with its varying ones
+        # None} (`take`): the fixed values are a device's own.
+        self._with_fixed: dict[str, dict[int, list[Any]]] = {}
+
+    def take(self, ctx: StepContext, outputs: list[list[Any] | None], position: int) -> list[Any]:
+        """The inputs of `program[position]`, a node of more than two inputs (`_take_inputs`;
+        from a list that holds its fixed inputs when it has some: a grouped update's
+        handles and hyperparameters are most of its inputs)."""
+        entry = self.program[position]
+        varying = entry.varying
+        if varying is None:
+            return _take_inputs(self.nodes, outputs, entry.node, entry.sources, entry.last_reads)
+        try:
+            templates = self._with_fixed.setdefault(ctx.device, {})
+            template = templates.get(position)
+            if template is None:  # (the first step on the device: every fixed output is there)
+                template = [outputs[src][k] for src, k in entry.sources]  # type: ignore[index]
+                for place, _, _ in varying:
+                    template[place] = None
+                templates[position] = template
+            inputs = template.copy()
+            for place, src, k in varying:
+                inputs[place] = outputs[src][k]  # type: ignore[index]
+        except IndexError:  # (`_take_inputs` raises the error naming both nodes)
+            return _take_inputs(self.nodes, outputs, entry.node, entry.sources, entry.last_reads)
+        for src in entry.last_reads:
+            outputs[src] = None
+        return inputs
 
     async def run(self, ctx: StepContext, outputs: list[list[Any] | None], start: int, end: int) -> None:
         """Run `program[start:end]`; `outputs` holds those of the nodes before `start`
@@ -659,7 +692,7 @@ class _Straight:
         pool = ctx.pool
         position = start
         while position < end:
-            node, sources, last_reads, read, sized, _, hands_over = program[position]
+            node, sources, last_reads, read, sized, _, hands_over, _ = program[position]
             # `_take_inputs`, for one or two inputs written out: that call, and the
             # comprehension (a frame of its own until Python 3.12), cost ~3% of a step
             # of small dense layers.
@@ -671,7 +704,7 @@ class _Straight:
                     (first, i), (second, j) = sources
                     inputs = [outputs[first][i], outputs[second][j]]  # type: ignore[index]
                 else:
-                    inputs = _take_inputs(self.nodes, outputs, node, sources, last_reads)
+                    inputs = self.take(ctx, outputs, position)
                     last_reads = ()
             except IndexError:  # (`_take_inputs` raises the error naming both nodes)
                 inputs = _take_inputs(self.nodes, outputs, node, sources, last_reads)
@@ -737,17 +770,16 @@ class _Straight:
                 del values
                 position += 1
                 while position < end and program[position].in_thread in (_TO_LOOP, _AFTER):
-                    node, sources, last_reads, _, _, in_thread, _ = program[position]
-                    inputs = _take_inputs(self.nodes, outputs, node, sources, last_reads)
-                    if in_thread == _AFTER:
+                    node = program[position].node
+                    inputs = self.take(ctx, outputs, position)
+                    if program[position].in_thread == _AFTER:
                         kept.append((node, inputs))
                     else:
                         loop.call_soon_threadsafe(_run_on_loop, node, ctx, inputs, failed)
                     position += 1
                 if position == end or program[position].in_thread == _STOP or stop.is_set():
                     return position, kept
-                node, sources, last_reads, *_ = program[position]
-                inputs = _take_inputs(self.nodes, outputs, node, sources, last_reads)
+                inputs = self.take(ctx, outputs, position)
 
 
 def _take_inputs(
@@ -825,6 +857,7 @@ def _plan_straight(executor: Executor) -> _Straight | None:
     first = [i for i in order if i not in after_receive]
     order = first + [i for i in order if i in after_receive]
     unread = list(executor._unread_after_fixed)
+    fixed = {*executor._fixed, *executor._folded}
     program = []
     for position, i in enumerate(order):
         node = nodes[i]
@@ -833,6 +866,7 @@ def _plan_straight(executor: Executor) -> _Straight | None:
             unread[src] -= 1
             if not unread[src]:
                 last_reads.append(src)
+        varying = tuple((place, src, k) for place, (src, k) in enumerate(node.inputs) if src not in fixed)
         program.append(
             _Entry(
                 node,
@@ -842,6 +876,7 @@ def _plan_straight(executor: Executor) -> _Straight | None:
                 node.mode in (_BY_SIZE, _THREAD) and not node.kernel.loop_bound,
                 _in_thread(node.kernel, i in executor._peer_sends),
                 to_peers[i] and position + 1 < len(order) and not to_peers[order[position + 1]],
+                varying if len(node.inputs) > 2 and len(varying) < len(node.inputs) else None,
             )
         )
     return _Straight(nodes, receives, program, len(first))

@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import gc
 import threading
 import tracemalloc
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -748,6 +750,43 @@ async def test_a_step_whose_receives_have_arrived_runs_as_one_sequence_with_the_
     await executor.run(dead)
     assert len(straight_runs) == 1
     assert (await dead.rendezvous.recv_local(executor._nodes[4].kernel.key))[1] is True  # type: ignore[attr-defined]
+
+
+async def test_a_node_of_many_inputs_takes_its_fixed_ones_from_a_list_made_once():
+    # A grouped update's handles and hyperparameters are the same every step: they are
+    # kept in a list made at the first step, and only the others are taken per step.
+    # That list must hold no step's own values.
+    graph = _graph(
+        _recv("x"),
+        _recv("y"),
+        _const("c", 2.0),
+        _const("d", 3.0),
+        _node("total", "AddN", ["x", "c", "y", "d"], T=_F32, N=4),
+        _send("fetch", "total"),
+    )
+    executor = Executor(graph)
+    straight = executor._straight
+    assert straight is not None
+    (entry,) = [e for e in straight.program if e.node.kernel.name == "total"]
+    assert entry.varying is not None
+    assert [place for place, _, _ in entry.varying] == [0, 2]
+    fed = []
+    for x, y in [(1.0, 10.0), (100.0, 1000.0), (-7.0, 0.5)]:
+        ctx = _step_context(None)
+        values = [np.array(x, np.float32), np.array(y, np.float32)]
+        for i, value in enumerate(values):
+            ctx.rendezvous.send(executor._nodes[i].kernel.key, value)  # type: ignore[attr-defined]
+        await executor.run(ctx)
+        total, _ = await ctx.rendezvous.recv_local(executor._nodes[5].kernel.key)  # type: ignore[attr-defined]
+        assert total == np.float32(x + y + 5.0)
+        fed += [weakref.ref(value) for value in values]
+        del ctx, values, value, total
+    gc.collect()
+    assert all(value() is None for value in fed)  # (no step's feed outlives its step)
+    (kept,) = straight._with_fixed[DEVICE].values()
+    assert kept[0] is None
+    assert kept[2] is None
+    assert (kept[1], kept[3]) == (np.float32(2.0), np.float32(3.0))
 
 
 async def test_graphs_that_need_the_ready_queue_have_no_sequence():
