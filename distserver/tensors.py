@@ -225,6 +225,10 @@ def as_datatype(dtype_like: Any) -> int:
     Raises:
         TypeError: When `dtype_like` names no DataType distserver supports.
     """
+    if isinstance(dtype_like, np.dtype):  # (most calls: an array's dtype, in native byte order)
+        found = _DATATYPE_BY_NUMPY.get(dtype_like)
+        if found is not None:
+            return found
     if isinstance(dtype_like, bool) or dtype_like is None:
         raise TypeError(f"Cannot convert {dtype_like!r} to a tensor DataType")
     if isinstance(dtype_like, int):
