@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math as _math
 from collections.abc import Callable
-from operator import attrgetter
+from operator import attrgetter, is_
 from typing import Any, ClassVar
 
 import numpy as np
@@ -544,6 +544,9 @@ class FusedMatMulKernel(OpKernel):
                 return product
             return _matmul(lhs, rhs, then=lambda block: quiet_finish(block, bias))
 
+        # The fast path's arithmetic, for inputs `layer` took (numpy's warnings off):
+        # a stack calls it for inputs of shapes its members took before.
+        self.checked_layer = layer
         self._layer = quiet(layer)
 
     def output_nbytes(self, inputs: list[Any]) -> int:
@@ -666,6 +669,9 @@ class FusedMatMulGradKernel(OpKernel):
             loops.activation_gradient_with_sums(g, bias, a, b, kind, zero, one)
             return _layer_products(bias, g, h, w)
 
+        # The fast path's arithmetic, for inputs `gradients` took (numpy's warnings
+        # off): a stack calls it for inputs of shapes its members took before.
+        self.checked_gradients = layer
         self._layer = quiet(layer)
         # The Sum's axes and the Reshape's shape last found to sum the gradient's
         # columns into the bias's shape, with that shape: constants, the same read-only
@@ -810,6 +816,8 @@ DENSE_STACK_OP = "_DistserverDenseStack"
 # A stack weighed below this bound is small (`DenseStackKernel.work_nbytes`).
 _WEIGH_EXACTLY_FROM = 1 << 20
 _nbytes_of = attrgetter("nbytes")
+_dtype_of = attrgetter("dtype")
+_shape_of = attrgetter("shape")
 
 
 @register_kernel(DENSE_STACK_OP)
@@ -864,6 +872,18 @@ class DenseStackKernel(OpKernel):
                 f"Node '{self.name}' ({DENSE_STACK_OP}): a layer may not transpose its input (transpose_a)",
                 node_name=self.name,
             )
+        # The inputs of a gradient stack that are its members' Sum axes and Reshape
+        # shapes (constants: `FusedMatMulGradKernel._sums_columns` checks their values).
+        # (A later member's own inputs leave out the one the chain gives it, before them.)
+        self._constants = (
+            []
+            if self.forward
+            else [start + place - (start > 0) for start, _ in self._spans for place in (2, 3)]
+        )
+        # What inputs every member's fast path took in a step look like: their dtypes
+        # and shapes, and the constants themselves (read-only arrays). Inputs like those
+        # go to the members' arithmetic without their checks (~1 us a member).
+        self._took: tuple[list[Any], list[Any], list[Any]] | None = None
 
     def work_nbytes(self, inputs: list[Any]) -> int:
         # The heaviest member's count (`OpKernel.work_nbytes`): the stack goes to the pool
@@ -905,17 +925,40 @@ class DenseStackKernel(OpKernel):
             return super().work_nbytes(inputs)
 
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
-        # Each member's fast path (`FusedMatMulKernel.layer`, `FusedMatMulGradKernel.gradients`),
-        # called directly: the checks of its `compute` without building its input list.
-        if self.forward:
-            h = inputs[0]
-            layers: list[Any] = []
-            for member, (_, end) in zip(self.members, self._spans, strict=True):
-                w, bias = inputs[end - 2], inputs[end - 1]
+        took = self._took
+        checked = took is not None and self._like(inputs, took)
+        values, every_fast = (
+            self._layers(ctx, inputs, checked) if self.forward else self._gradients(ctx, inputs, checked)
+        )
+        if every_fast and not checked:
+            self._remember(inputs)
+        return values
+
+    def _layers(self, ctx: KernelContext, inputs: list[Any], checked: bool) -> tuple[list[Any], bool]:
+        """Every member's output, and whether every member's fast path took its inputs:
+        `FusedMatMulKernel.layer` (the checks of its `compute` without building its
+        input list) or, for inputs `checked` already, its arithmetic alone."""
+        every_fast = True
+        h = inputs[0]
+        layers: list[Any] = []
+        for member, (_, end) in zip(self.members, self._spans, strict=True):
+            w, bias = inputs[end - 2], inputs[end - 1]
+            if checked:
+                h = member.checked_layer(h, w.T if member.transpose_b else w, bias)  # type: ignore[attr-defined]
+            else:
                 value = member.layer(h, w, bias)  # type: ignore[attr-defined]
-                h = value if value is not None else self._run(member, ctx, [h, w, bias])[0]
-                layers.append(h)
-            return layers
+                if value is None:
+                    every_fast = False
+                    value = self._run(member, ctx, [h, w, bias])[0]
+                h = value
+            layers.append(h)
+        return layers, every_fast
+
+    def _gradients(self, ctx: KernelContext, inputs: list[Any], checked: bool) -> tuple[list[Any], bool]:
+        """Every member's bias and weights gradients, then the last one's input gradient
+        if it has one, and whether every member's fast path took its inputs (as `_layers`,
+        with `FusedMatMulGradKernel.gradients`)."""
+        every_fast = True
         gradients: list[Any] = []
         passed: Any = None
         for member, taken, (start, end) in zip(self.members, self._taken, self._spans, strict=True):
@@ -923,14 +966,38 @@ class DenseStackKernel(OpKernel):
             if start:
                 own.insert(taken, passed)
             a, b, axes, shape, h, *w = own
-            values = member.gradients(a, b, axes, shape, h, w[0] if w else None)  # type: ignore[attr-defined]
-            if values is None:
-                values = self._run(member, ctx, own)
+            if checked:
+                values = member.checked_gradients(a, b, h, w[0] if w else None)  # type: ignore[attr-defined]
+            else:
+                values = member.gradients(a, b, axes, shape, h, w[0] if w else None)  # type: ignore[attr-defined]
+                if values is None:
+                    every_fast = False
+                    values = self._run(member, ctx, own)
             gradients += values[:2]
             passed = values[2] if len(values) == 3 else None
         if passed is not None:
             gradients.append(passed)
-        return gradients
+        return gradients, every_fast
+
+    def _remember(self, inputs: list[Any]) -> None:
+        """Keep what inputs that every member's fast path took look like (`_took`), when
+        they are arrays and the constants read-only (a graph's)."""
+        constants = [inputs[i] for i in self._constants]
+        if list(map(type, inputs)).count(np.ndarray) == len(inputs) and not any(
+            c.flags.writeable for c in constants
+        ):
+            self._took = (list(map(_dtype_of, inputs)), list(map(_shape_of, inputs)), constants)
+
+    def _like(self, inputs: list[Any], took: tuple[list[Any], list[Any], list[Any]]) -> bool:
+        """Whether `inputs` are arrays of `took`'s dtypes and shapes, with its constants:
+        every member's fast path takes them."""
+        dtypes, shapes, constants = took
+        return (
+            list(map(type, inputs)).count(np.ndarray) == len(inputs)
+            and list(map(_shape_of, inputs)) == shapes
+            and list(map(_dtype_of, inputs)) == dtypes
+            and all(map(is_, [inputs[i] for i in self._constants], constants))
+        )
 
     @staticmethod
     def _run(member: OpKernel, ctx: KernelContext, inputs: list[Any]) -> list[Any]:

@@ -232,3 +232,60 @@ def test_a_gradient_stack_weighs_a_last_member_without_weights_itself(server, mo
     own.insert(1, own[0])  # (TanhGrad's y stands in for the gradient coming down: its shape)
     assert kernel.members[-1].work_nbytes(own) >= executor_module.OFFLOAD_BYTES
     assert executor_module._large(kernel, inputs)
+
+
+def _count_checked_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The members' fast paths that check their inputs (`layer`, `gradients`), as they are called."""
+    from distserver.kernels.math import FusedMatMulGradKernel, FusedMatMulKernel
+
+    checked: list[str] = []
+    for kernel, name in ((FusedMatMulKernel, "layer"), (FusedMatMulGradKernel, "gradients")):
+        original = getattr(kernel, name)
+
+        def counting(self: Any, *args: Any, _original: Any = original, _name: str = name) -> Any:
+            checked.append(_name)
+            return _original(self, *args)
+
+        monkeypatch.setattr(kernel, name, counting)
+    return checked
+
+
+def test_a_stack_skips_its_members_checks_for_inputs_like_those_they_took(server, monkeypatch):
+    # After a step whose inputs every member's fast path took, inputs of the same dtypes
+    # and shapes (and the same constants) go straight to the members' arithmetic: the
+    # same bits as the members one by one.
+    checked = _count_checked_calls(monkeypatch)
+    rng = np.random.default_rng(13)
+    graph, init, train, loss, x = _mlp(4, 16, rng)
+    feeds = [rng.standard_normal((8, 16)).astype(F32) for _ in range(4)]
+    stacked = _train(server, graph, feeds, init, train, loss, x)
+    assert sorted(checked) == ["gradients"] * 4 + ["layer"] * 4  # (the first step's)
+    monkeypatch.setattr(executor_module, "_stack_dense_layers", lambda nodes, control_sources: None)
+    alone = _train(server, graph, feeds, init, train, loss, x)
+    np.testing.assert_array_equal(stacked[0], alone[0])
+    for value, expected in zip(stacked[1], alone[1], strict=True):
+        np.testing.assert_array_equal(value, expected)
+
+
+def test_inputs_unlike_those_the_members_took_go_through_their_checks(monkeypatch):
+    checked = _count_checked_calls(monkeypatch)
+    stack, inputs, _ = _inputs_and_member_counts(Executor(_layers_graph(3)))
+    kernel = stack.kernel
+    checked.clear()  # (the members' own runs above)
+    layers = kernel.compute(None, inputs)
+    assert len(checked) == 3
+    np.testing.assert_array_equal(kernel.compute(None, list(inputs))[-1], layers[-1])
+    assert len(checked) == 3  # (the same shapes: unchecked)
+    # Another batch size: each member checks its inputs again, and the result is theirs.
+    rows = np.ones((2, 5), F32)
+    expected = rows
+    for member, (_, end) in zip(kernel.members, kernel._spans, strict=True):
+        (expected,) = member.compute(None, [expected, *inputs[end - 2 : end]])
+    checked.clear()
+    np.testing.assert_array_equal(kernel.compute(None, [rows, *inputs[1:]])[-1], expected)
+    assert len(checked) == 3
+    # Another dtype: the first member's checks refuse it, and its own kernel says why
+    # (its unchecked arithmetic would have made a float64 product).
+    with pytest.raises(errors.InvalidArgumentError) as raised:
+        kernel.compute(None, [rows.astype(np.float64), *inputs[1:]])
+    assert raised.value.node_name == "MatMul"
