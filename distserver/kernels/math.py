@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math as _math
 from collections.abc import Callable
-from operator import attrgetter, is_
+from operator import attrgetter, is_, itemgetter
 from typing import Any, ClassVar
 
 import numpy as np
@@ -820,6 +820,15 @@ _dtype_of = attrgetter("dtype")
 _shape_of = attrgetter("shape")
 
 
+def _getter(places: list[int]) -> Callable[[list[Any]], tuple[Any, ...]]:
+    """A function of a list: the tuple of its items at `places` (`itemgetter`, which
+    gives an item, not a tuple, for one place)."""
+    if len(places) == 1:
+        (place,) = places
+        return lambda items: (items[place],)
+    return itemgetter(*places) if places else lambda items: ()
+
+
 @register_kernel(DENSE_STACK_OP)
 class DenseStackKernel(OpKernel):
     """Fused dense layers that follow one another, as one node: the members
@@ -873,17 +882,22 @@ class DenseStackKernel(OpKernel):
                 node_name=self.name,
             )
         # The inputs of a gradient stack that are its members' Sum axes and Reshape
-        # shapes (constants: `FusedMatMulGradKernel._sums_columns` checks their values).
-        # (A later member's own inputs leave out the one the chain gives it, before them.)
-        self._constants = (
+        # shapes (constants: `FusedMatMulGradKernel._sums_columns` checks their values),
+        # and the others. (A later member's own inputs leave out the one the chain gives
+        # it, before them.)
+        constants = (
             []
             if self.forward
             else [start + place - (start > 0) for start, _ in self._spans for place in (2, 3)]
         )
-        # What inputs every member's fast path took in a step look like: their dtypes
-        # and shapes, and the constants themselves (read-only arrays). Inputs like those
-        # go to the members' arithmetic without their checks (~1 us a member).
-        self._took: tuple[list[Any], list[Any], list[Any]] | None = None
+        count = self._spans[-1][1]
+        self._constants_of = _getter([i for i in range(count) if i in constants])
+        self._others_of = _getter([i for i in range(count) if i not in constants])
+        # What inputs that every member's fast path took in a step look like: the
+        # others' dtypes and shapes, and the constants themselves (read-only arrays).
+        # Inputs like those go to the members' arithmetic without their checks (~1 us a
+        # member).
+        self._took: tuple[list[Any], list[Any], tuple[Any, ...]] | None = None
 
     def work_nbytes(self, inputs: list[Any]) -> int:
         # The heaviest member's count (`OpKernel.work_nbytes`): the stack goes to the pool
@@ -982,21 +996,22 @@ class DenseStackKernel(OpKernel):
     def _remember(self, inputs: list[Any]) -> None:
         """Keep what inputs that every member's fast path took look like (`_took`), when
         they are arrays and the constants read-only (a graph's)."""
-        constants = [inputs[i] for i in self._constants]
+        constants, others = self._constants_of(inputs), self._others_of(inputs)
         if list(map(type, inputs)).count(np.ndarray) == len(inputs) and not any(
             c.flags.writeable for c in constants
         ):
-            self._took = (list(map(_dtype_of, inputs)), list(map(_shape_of, inputs)), constants)
+            self._took = (list(map(_dtype_of, others)), list(map(_shape_of, others)), constants)
 
-    def _like(self, inputs: list[Any], took: tuple[list[Any], list[Any], list[Any]]) -> bool:
-        """Whether `inputs` are arrays of `took`'s dtypes and shapes, with its constants:
+    def _like(self, inputs: list[Any], took: tuple[list[Any], list[Any], tuple[Any, ...]]) -> bool:
+        """Whether `inputs` hold `took`'s constants and arrays of its dtypes and shapes:
         every member's fast path takes them."""
         dtypes, shapes, constants = took
+        others = self._others_of(inputs)
         return (
-            list(map(type, inputs)).count(np.ndarray) == len(inputs)
-            and list(map(_shape_of, inputs)) == shapes
-            and list(map(_dtype_of, inputs)) == dtypes
-            and all(map(is_, [inputs[i] for i in self._constants], constants))
+            all(map(is_, self._constants_of(inputs), constants))
+            and list(map(type, others)).count(np.ndarray) == len(others)
+            and list(map(_shape_of, others)) == shapes
+            and list(map(_dtype_of, others)) == dtypes
         )
 
     @staticmethod
