@@ -199,6 +199,17 @@ def _timed(call, kernel_of):
 try:
     for _mark in json.loads(os.environ["DISTSERVER_TRACE_MARKS"]):
         _wrap(*_mark)
+    # The fused kernels' arithmetic that a stack calls without their checks (an
+    # attribute of each kernel): marked as their fast paths are (`MARKS`).
+    _math = importlib.import_module("distserver.kernels.math")
+    for _cls, _path, _start, _end in (
+        (_math.FusedMatMulKernel, "checked_layer", "FusedMatMul starts", "FusedMatMul ends"),
+        (_math.FusedMatMulGradKernel, "checked_gradients", "FusedMatMulGrad starts", "FusedMatMulGrad ends"),
+    ):
+        def _marking_init(self, node, _init=_cls.__init__, _path=_path, _start=_start, _end=_end):
+            _init(self, node)
+            setattr(self, _path, _marked(getattr(self, _path), _start, _end))
+        _cls.__init__ = _marking_init
     if os.environ.get("DISTSERVER_TRACE_NODES"):
         _executor = importlib.import_module("distserver.runtime.executor")
         _executor._compute = _timed(_executor._compute, lambda kernel, ctx, inputs: kernel)
@@ -206,14 +217,16 @@ try:
         def _timed_compute(kernel):
             return _timed(_compute_of(kernel), lambda ctx, inputs: kernel)
         _executor.compute_without_dereference = _timed_compute
-        # A stack calls its members' fast paths (`DenseStackKernel.compute`).
+        # A stack calls its members' fast paths, or, for inputs like those they took
+        # before, their arithmetic alone (`DenseStackKernel.compute`).
         _stack = importlib.import_module("distserver.kernels.math").DenseStackKernel
         _stack_init = _stack.__init__
         def _timed_members(self, node):
             _stack_init(self, node)
-            path = "layer" if self.forward else "gradients"
+            paths = ("layer", "checked_layer") if self.forward else ("gradients", "checked_gradients")
             for member in self.members:
-                setattr(member, path, _timed(getattr(member, path), lambda *args, member=member: member))
+                for path in paths:
+                    setattr(member, path, _timed(getattr(member, path), lambda *args, member=member: member))
         _stack.__init__ = _timed_members
 except Exception as exc:  # sitecustomize errors are only printed: leave a record
     with open(os.path.join(os.environ["DISTSERVER_TRACE_DIR"], f"{os.getpid()}.error"), "w") as f:
