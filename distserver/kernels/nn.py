@@ -227,7 +227,7 @@ def _row_max(x: np.ndarray) -> np.ndarray:
 def _log_softmax(x: np.ndarray) -> np.ndarray:
     """log(softmax(x)) over the last axis, computed stably."""
     shifted = x - _row_max(x)
-    result: np.ndarray = shifted - np.log(np.sum(np.exp(shifted), axis=-1, keepdims=True))
+    result: np.ndarray = shifted - np.log(np.add.reduce(np.exp(shifted), axis=-1, keepdims=True))
     return result
 
 
@@ -343,8 +343,8 @@ class SparseSoftmaxCrossEntropyWithLogitsKernel(OpKernel):
                 f"{shape_str(features.shape)} and labels shape {shape_str(labels.shape)}",
             )
         batch, classes = features.shape
-        bad = (labels < 0) | (labels >= classes)
-        if np.any(bad):
+        if labels.size and (labels.min() < 0 or labels.max() >= classes):
+            bad = (labels < 0) | (labels >= classes)
             first = int(labels[np.flatnonzero(bad)[0]])
             listed = " ".join(str(int(v)) for v in labels)
             raise kernel_error(
@@ -355,10 +355,11 @@ class SparseSoftmaxCrossEntropyWithLogitsKernel(OpKernel):
         work = _work_dtype(self.dtype)
         with np.errstate(all="ignore"):
             log_probs = _log_softmax(features.astype(work, copy=False)) if classes else np.zeros((batch, 0))
-            rows = np.arange(batch)
-            loss = -log_probs[rows, labels]
+            # Each row's label, as a place in the flat array (one index, not two).
+            at_labels = np.arange(0, batch * classes, classes) + labels
+            loss = np.negative(log_probs.reshape(-1)[at_labels])
             backprop = np.exp(log_probs)
-            backprop[rows, labels] -= 1
+            backprop.reshape(-1)[at_labels] -= 1
         return [array(loss, self.dtype), array(backprop, self.dtype)]
 
 
