@@ -249,6 +249,32 @@ def test_sparse_softmax_cross_entropy_refuses_labels_out_of_range(run_op):
     assert info.value.node_name == "xent"
 
 
+def test_sparse_softmax_cross_entropy_refuses_a_negative_label_and_names_the_first_bad_one(run_op):
+    with pytest.raises(errors.InvalidArgumentError) as info:
+        run_op(
+            "SparseSoftmaxCrossEntropyWithLogits",
+            np.zeros((4, 3), np.float32),
+            np.array([2, -1, 7, 0], np.int64),
+            T=np.float32,
+            Tlabels=np.int64,
+        )
+    assert info.value.message.startswith(
+        "Received a label value of -1 which is outside the valid range of [0, 3).  Label values: 2 -1 7 0"
+    )
+
+
+def test_sparse_softmax_cross_entropy_of_an_empty_batch(run_op):
+    loss, backprop = run_op(
+        "SparseSoftmaxCrossEntropyWithLogits",
+        np.zeros((0, 3), np.float32),
+        np.zeros(0, np.int32),
+        T=np.float32,
+        Tlabels=np.int32,
+    )
+    assert loss.shape == (0,)
+    assert backprop.shape == (0, 3)
+
+
 def test_sparse_softmax_cross_entropy_checks_shapes(run_op):
     with pytest.raises(errors.InvalidArgumentError, match="same first dimension"):
         run_op(
