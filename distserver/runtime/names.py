@@ -19,8 +19,11 @@ def parse_input(text: str) -> tuple[str, int, bool]:
 
 def canonical_tensor_name(name: str) -> str:
     """`"x"` -> `"x:0"`; `"x:1"` stays."""
-    node, index, _ = parse_input(name)
-    return f"{node}:{index}"
+    _, sep, index = name.rpartition(":")
+    if sep and index.isascii() and index.isdigit() and (index == "0" or index[0] != "0") and name[0] != "^":
+        return name  # (already canonical: the master's feeds and fetches, every step)
+    node, number, _ = parse_input(name)
+    return f"{node}:{number}"
 
 
 def split_tensor_name(name: str) -> tuple[str, int]:
