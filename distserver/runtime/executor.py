@@ -729,8 +729,8 @@ class _Straight:
                     raise
                 if failed:  # (the loop ran them before it resumed this step: first in, first out)
                     raise failed[0]
-                for node, inputs in kept:
-                    _run_node(node, ctx, inputs)
+                for fetch, fetched in kept:  # (the fetches the thread kept, in order)
+                    _run_node(fetch, ctx, fetched)
                 del kept
                 continue
             values = _run_node(node, ctx, inputs)
