@@ -7,7 +7,10 @@ partition and a `_Recv` in the destination partition, with TensorFlow's attrs
 destination device however many nodes consume it there. A control edge across
 devices is carried by a dummy scalar: a `Const` in the source partition that
 waits on the source node is sent, and the destination node waits on its `_Recv`.
-An edge inside a loop is cut so that both tasks run their part of each iteration
+A small `Const` without inputs (an optimizer's learning rate, say) that another task
+uses is copied into that task's partition instead: its value is in the graph, so
+sending it would cost every step a transfer (and often a round trip of its own)
+for nothing. An edge inside a loop is cut so that both tasks run their part of each iteration
 (`control_loops`).
 """
 
@@ -25,6 +28,10 @@ from distserver.runtime.control_loops import ENTER_OPS, LOOP_FRAME_ATTR, Control
 from distserver.runtime.names import int64_attr, parse_input
 from distserver.tensors import to_tensor_proto
 
+# A `Const` whose value (its TensorProto) is at most this large is copied into the
+# partitions that use it rather than sent to them.
+COPIED_CONST_BYTES = 1024
+
 
 def partition(
     nodes: Sequence[NodeDef],
@@ -41,6 +48,7 @@ def partition(
         Task name ("/job:J/replica:R/task:T") -> the partition's GraphDef.
     """
     device_of = {node.name: node.device for node in nodes}
+    copied = {node.name: node for node in nodes if _copied_const(node)}
     parts: dict[str, GraphDef] = {}
     # (source tensor or "^node", destination device) -> name of the _Recv there.
     received: dict[tuple[str, str], str] = {}
@@ -59,8 +67,17 @@ def partition(
         recv_name = received.get(key)
         if recv_name is not None:
             return recv_name
-        src_device = device_of[src_node]
         edge = next(edge_ids)
+        if not is_control and src_node in copied and tensor == src_node + ":0":
+            copy = part(dst_device).node.add()
+            copy.CopyFrom(copied[src_node])
+            copy.name = f"{src_node}/_copy_{edge}"
+            copy.device = dst_device
+            if "_class" in copy.attr:  # (placed already: no colocation to keep)
+                del copy.attr["_class"]
+            received[key] = copy.name
+            return copy.name
+        src_device = device_of[src_node]
         src_part = part(src_device)
         value = tensor
         if is_control:
@@ -103,3 +120,13 @@ def partition(
             recv_name = cross(src, f"{src}:{index}", is_control, node.device)
             copy.input[i] = "^" + recv_name if is_control else recv_name + ":0"
     return parts
+
+
+def _copied_const(node: NodeDef) -> bool:
+    """Whether `node` is a constant that other tasks get a copy of (see the module)."""
+    return (
+        node.op == "Const"
+        and not node.input
+        and "value" in node.attr
+        and node.attr["value"].tensor.ByteSize() <= COPIED_CONST_BYTES
+    )

@@ -176,8 +176,9 @@ def test_a_peer_dying_mid_batch_fails_the_step():
         graph = ds.Graph()
         with graph.as_default():
             with ds.device("/job:ps/task:0"):
-                # The worker's partition receives this: its values are fetched, not pushed.
-                one = ds.constant(1.0, name="one")
+                # The worker's partition receives this (a constant would be copied
+                # there): its values are fetched, not pushed.
+                one = ds.identity(ds.constant(1.0), name="one")
             with ds.device("/job:worker/task:0"):
                 queue = ds.FIFOQueue(1, [ds.float32], shapes=[[]], name="gate")
                 gated = queue.dequeue() + one

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from distserver import errors
 from distserver.devices import rendezvous_key
 from distserver.protos.node_def_pb2 import NodeDef
-from distserver.runtime.partition import partition
+from distserver.runtime.partition import COPIED_CONST_BYTES, partition
 from distserver.runtime.placement import place
 from distserver.runtime.plan import build_plan, mark_receives_first
 from distserver.runtime.push import plan_pushes
 from distserver.runtime.subgraph import move_client_endpoints, rewrite_for_step
+from distserver.tensors import from_tensor_proto, to_tensor_proto
 
 PS0 = "/job:ps/replica:0/task:0/device:CPU:0"
 PS1 = "/job:ps/replica:0/task:1/device:CPU:0"
@@ -209,6 +211,56 @@ class TestPartition:
         control = [i for i in w0["d"].input if i.startswith("^")]
         assert len(control) == 1
         assert w0[control[0][1:]].op == "_Recv"
+
+    def test_a_small_constant_another_task_uses_is_copied_there_not_sent(self):
+        rate = constant("rate", np.float32(0.01), W0, _class="loc:@w")
+        big = constant("big", np.zeros(COPIED_CONST_BYTES // 4 + 1, np.float32), W0)
+        waits = constant("waits", np.float32(2.0), W0)
+        waits.input.append("^rate")  # ordered after another node: not a plain value
+        nodes = [
+            rate,
+            big,
+            waits,
+            node("w", "VarHandleOp", device=PS0),
+            node("update", "Apply", ["w", "rate", "big", "waits", "rate:0"], device=PS0),
+            node("also", "Neg", ["rate"], device=PS1),
+        ]
+        parts = partition(nodes, incarnation=INCARNATIONS.__getitem__)
+        ps = {n.name: n for n in parts["/job:ps/replica:0/task:0"].node}
+        ps1 = {n.name: n for n in parts["/job:ps/replica:0/task:1"].node}
+        worker = parts["/job:worker/replica:0/task:0"].node
+        copies = [n for n in ps.values() if n.op == "Const"]
+        assert len(copies) == 1  # one copy for both uses of the rate
+        (copy,) = copies
+        assert copy.device == PS0
+        assert not copy.input
+        assert "_class" not in copy.attr
+        assert from_tensor_proto(copy.attr["value"].tensor) == np.float32(0.01)
+        update = ps["update"].input
+        assert update[0] == "w"
+        assert update[1] == update[4] == copy.name + ":0"
+        # The large constant and the one with a control input cross as values.
+        assert [ps[name.split(":")[0]].op for name in update[2:4]] == ["_Recv", "_Recv"]
+        assert sorted(n.input[0] for n in worker if n.op == "_Send") == ["big:0", "waits:0"]
+        # Each task that uses it gets its own copy; the original stays where it was.
+        (other,) = [n for n in ps1.values() if n.op == "Const"]
+        assert ps1["also"].input == [other.name + ":0"]
+        assert other.device == PS1
+        assert [n.name for n in worker if n.op == "Const"] == ["rate", "big", "waits"]
+
+    def test_a_control_edge_from_a_small_constant_still_carries_a_dummy_value(self):
+        nodes = [constant("rate", np.float32(0.01), W0), node("after", "NoOp", ["^rate"], device=PS0)]
+        parts = partition(nodes, incarnation=INCARNATIONS.__getitem__)
+        ps = {n.name: n for n in parts["/job:ps/replica:0/task:0"].node}
+        (control,) = ps["after"].input
+        assert ps[control[1:]].op == "_Recv"
+
+
+def constant(name, value, device, **attrs):
+    n = node(name, "Const", device=device, **attrs)
+    n.attr["dtype"].type = to_tensor_proto(value).dtype
+    n.attr["value"].tensor.CopyFrom(to_tensor_proto(value))
+    return n
 
 
 def test_feeds_and_fetches_move_to_the_device_that_uses_them():
