@@ -14,7 +14,8 @@ resolves inputs, and rejects cycles. `run(ctx)` then executes one step:
 * What another task waits for goes first: of the nodes ready, those a `_Send` to
   another task needs run before the others (in the queue and in the sequence alike),
   and once they have run, the event loop hands the sent values to the requests
-  already waiting for them before any other node runs (`_sending_to_peers`).
+  already waiting for them before any other node runs (`_sending_to_peers`). (In a
+  run of nodes in a pool thread, such a `_Send` waits for the run to end: see `_AFTER`.)
 * Per-step work that does not depend on the data is done once, at registration or
   at the first step: how each node runs (`_Node.mode`), and the outputs of nodes
   without inputs whose kernel says they are fixed (`OpKernel.outputs_fixed`: Const,
@@ -621,11 +622,12 @@ class _Entry(NamedTuple):
 # hand it to the event loop and go on (a `_Send` to another partition of this task: the
 # loop sends the value at once, so its receiver waits no longer than it did); keep it for
 # the loop to run once the thread is done (a fetch, a `_Send` to the client: read when
-# the step ends, and handing it over at once would wake the loop, which then takes the
-# GIL from the thread's next nodes); stop before it (a `_Send` to another task: the loop
-# sends it and hands it over before any other node, rather than once the thread lets go
-# of the GIL; or another node bound to the loop, `OpKernel.loop_bound`: a stack, a
-# tensor array).
+# the step ends; a `_Send` to another task, which the loop then hands over before any
+# other node: stopping before it cost a hop back to the loop, the loop's answer to the
+# peer, and a hop to a thread again before the next large node -- ~0.4 ms of a cluster
+# `mlp` step's critical path -- and handing it over at once would wake the loop, which
+# then takes the GIL and a CPU from the thread's next nodes); stop before it (another
+# node bound to the loop, `OpKernel.loop_bound`: a stack, a tensor array).
 _RUN, _TO_LOOP, _AFTER, _STOP = 0, 1, 2, 3
 
 
@@ -637,10 +639,12 @@ class _Straight:
 
     Nodes run one after the other on the event loop. A node that goes to the pool
     (large) takes the nodes after it along, `_Send`s to this task handed back to the
-    loop as they come, up to the first `_Send` to another task or other node that
-    must run on the loop (`OpKernel.loop_bound`): one hop to a thread and back for
-    all of them, not one per large node (a hop costs ~0.1-0.3 ms on a busy 2-CPU
-    machine; a one-task `mlp` step has six large nodes)."""
+    loop as they come and those to the client or another task kept until the thread
+    is done, up to the first node that must run on the loop (`OpKernel.loop_bound`)
+    or the end of the span: one hop to a thread and back for all of them, not one per
+    large node (a hop costs ~0.1-0.3 ms on a busy 2-CPU machine; a one-task `mlp`
+    step has six large nodes). A value for another task so leaves when the thread's
+    run ends (a span ends before the step waits for its receives: see `gated`)."""
 
     def __init__(self, nodes: list[_Node], receives: list[int], program: list[_Entry], gate: int) -> None:
         self.nodes = nodes
@@ -729,9 +733,8 @@ class _Straight:
                     raise
                 if failed:  # (the loop ran them before it resumed this step: first in, first out)
                     raise failed[0]
-                for fetch, fetched in kept:  # (the fetches the thread kept, in order)
-                    _run_node(fetch, ctx, fetched)
-                del kept
+                if _send_kept(kept, ctx):
+                    await _hand_over_sent_values()
                 continue
             values = _run_node(node, ctx, inputs)
             del inputs
@@ -780,6 +783,17 @@ class _Straight:
                 if position == end or program[position].in_thread == _STOP or stop.is_set():
                     return position, kept
                 inputs = self.take(ctx, outputs, position)
+
+
+def _send_kept(kept: list[tuple[_Node, list[Any]]], ctx: StepContext) -> bool:
+    """Run the `_Send`s a run of nodes in a thread kept (`_AFTER`), in order, emptying
+    `kept`; return whether one sent to another task."""
+    to_peer = False
+    for node, inputs in kept:
+        _run_node(node, ctx, inputs)
+        to_peer = to_peer or not node.kernel.client_terminated  # type: ignore[attr-defined]
+    kept.clear()
+    return to_peer
 
 
 def _take_inputs(
@@ -922,9 +936,9 @@ def _in_thread(kernel: OpKernel, to_peer: bool) -> int:
     `to_peer`: the node is a `_Send` to another task."""
     if not kernel.loop_bound:
         return _RUN
-    if not isinstance(kernel, SendKernel) or to_peer:
+    if not isinstance(kernel, SendKernel):
         return _STOP
-    return _AFTER if kernel.client_terminated else _TO_LOOP
+    return _AFTER if kernel.client_terminated or to_peer else _TO_LOOP
 
 
 async def _wait_for_receives(futures: list[asyncio.Future[tuple[Any, bool]]]) -> None:

@@ -564,12 +564,13 @@ async def test_what_another_task_waits_for_is_sent_and_handed_over_before_the_re
     assert await worker_request == ({sent.text: np.float32(9.0)} if batched else (np.float32(9.0), False))
 
 
-async def test_a_send_to_another_task_ends_a_run_in_a_thread_and_is_handed_over_before_the_rest():
-    # A worker's last gradient (`rows`, large: computed in a pool thread) goes to the ps,
+async def test_a_send_to_another_task_in_a_run_in_a_thread_goes_when_the_run_ends():
+    # A worker's gradient (`rows`, large: computed in a pool thread) goes to the ps,
     # whose request waits; `local` (small, the loss for the client) comes after it. The
-    # thread stops before the send: the event loop sends at once and hands the value
-    # over before `local` runs, rather than when the thread's run ends and lets go of
-    # the GIL.
+    # thread keeps the send and goes on with `local` (stopping would cost a hop to the
+    # loop and back, and the loop's answer to the ps before the thread's next node);
+    # the loop sends both values once the run ends, and hands the ps its value before
+    # the step ends.
     graph = _graph(
         _recv("grads", src_task=PS),
         _recv("loss", src_task=PS),
@@ -578,18 +579,27 @@ async def test_a_send_to_another_task_ends_a_run_in_a_thread_and_is_handed_over_
         _node("local", "Neg", ["loss"], T=_F32),
         _send("fetch", "local"),
     )
+    graph.node[-1].attr["client_terminated"].b = True
     executor = Executor(graph)
     assert executor._straight is not None
     grads, loss, sent = (executor._nodes[i].kernel.key for i in (0, 1, 3))  # type: ignore[attr-defined]
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="step-pool") as pool:
+    with _HopCountingPool() as pool:
         ctx = _step_context(pool)
         ps_request = asyncio.ensure_future(ctx.rendezvous.recv_local(sent))  # waiting already
-        ran = _record_runs(executor, ("rows", "to_ps", "local"), ps_request)
+        ran = _record_runs(executor, ("rows", "to_ps", "local", "fetch"), ps_request)
         ctx.rendezvous.send(grads, np.full(OFFLOAD_BYTES // 4, 3.0, np.float32))
         ctx.rendezvous.send(loss, np.float32(2.0))
         await executor.run(ctx)
-    in_pool = [(name, thread.startswith("step-pool"), done) for name, thread, done in ran]
-    assert in_pool == [("rows", True, False), ("to_ps", False, False), ("local", False, True)]
+        assert ps_request.done()
+    assert pool.hops == 1
+    here = threading.current_thread().name
+    in_thread = [(name, thread != here, done) for name, thread, done in ran]
+    assert in_thread == [
+        ("rows", True, False),
+        ("local", True, False),
+        ("to_ps", False, False),
+        ("fetch", False, False),
+    ]
     value, is_dead = await ps_request
     assert not is_dead
     np.testing.assert_array_equal(value, np.full(OFFLOAD_BYTES // 4, 9.0, np.float32))
