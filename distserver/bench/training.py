@@ -559,7 +559,7 @@ def _measure_workload(
         for one in series:
             with contextlib.suppress(Exception):
                 one.ask("close")
-    return {name: _summary(data) for name, data in per.items()}
+    return {name: _summary(data, options["steps"]) for name, data in per.items()}
 
 
 @contextlib.contextmanager
@@ -607,7 +607,7 @@ def _time_block(options: dict[str, Any], series: Series, into: dict[str, Any]) -
             into["calls"][method] = into["calls"].get(method, 0) + n - calls_before.get(method, 0)
 
 
-def _summary(data: dict[str, Any]) -> dict[str, Any]:
+def _summary(data: dict[str, Any], block_steps: int) -> dict[str, Any]:
     times = data["times"]
     steps = len(times)
     calls = {method: n / steps for method, n in sorted(data["calls"].items()) if n}
@@ -616,6 +616,11 @@ def _summary(data: dict[str, Any]) -> dict[str, Any]:
         "median_ms": statistics.median(times) * 1e3,
         "p10_ms": _percentile(times, 0.1) * 1e3,
         "p90_ms": _percentile(times, 0.9) * 1e3,
+        # The median of each block's i-th timed step (each client's: a block's times are
+        # its clients' one after the other): how a runtime that sat idle warms up.
+        "median_ms_by_step_of_block": [
+            statistics.median(times[i::block_steps]) * 1e3 for i in range(min(block_steps, steps))
+        ],
         "cpu_ms_per_step": {role: s / steps * 1e3 for role, s in data["cpu_s"].items()},
         "loopback_bytes_per_step": data["loopback"]["bytes"] / steps,
         "loopback_packets_per_step": data["loopback"]["packets"] / steps,
@@ -636,7 +641,7 @@ def run_training_benchmark(
     blocks: int = 4,
     steps: int = 15,
     warmup: int = 10,
-    settle: int = 3,
+    settle: int = 12,
     trees: dict[str, str] | None = None,
     tf_python: str | None = None,
     profile: str | None = None,
@@ -656,8 +661,9 @@ def run_training_benchmark(
         blocks: timed blocks per runtime (the order rotates every block).
         steps: timed steps per block.
         warmup: untimed steps after initialisation.
-        settle: untimed steps before each block (a runtime that sat idle is slow for
-            a few steps).
+        settle: untimed steps before each block: a runtime that sat idle is slow for
+            about ten steps, TensorFlow's as well as ours (`median_ms_by_step_of_block`
+            in the results, with `settle=0`; docs/benchmarks.md).
         trees: name -> another source tree of distserver, run as more runtimes
             ("grpc[name]", ...).
         tf_python: TensorFlow's interpreter (default: `tfenv.find_installed`: $DISTSERVER_TF_PYTHON,
@@ -872,7 +878,7 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=4, help="timed blocks per runtime (4)")
     parser.add_argument("--steps", type=int, default=15, help="timed steps per block (15)")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps after initialisation (10)")
-    parser.add_argument("--settle", type=int, default=3, help="untimed steps before each block (3)")
+    parser.add_argument("--settle", type=int, default=12, help="untimed steps before each block (12)")
     parser.add_argument(
         "--tree", action="append", default=[], metavar="NAME=PATH", help="another distserver tree"
     )
