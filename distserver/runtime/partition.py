@@ -10,8 +10,8 @@ waits on the source node is sent, and the destination node waits on its `_Recv`.
 A small `Const` without inputs (an optimizer's learning rate, say) that another task
 uses is copied into that task's partition instead: its value is in the graph, so
 sending it would cost every step a transfer (and often a round trip of its own)
-for nothing. An edge inside a loop is cut so that both tasks run their part of each iteration
-(`control_loops`).
+for nothing. An edge inside a loop is cut so that both tasks run their part of each
+iteration (`control_loops`).
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ def partition(
     device_of = {node.name: node.device for node in nodes}
     copied = {node.name: node for node in nodes if _copied_const(node)}
     parts: dict[str, GraphDef] = {}
-    # (source tensor or "^node", destination device) -> name of the _Recv there.
+    # (source tensor or "^node", destination device) -> name of the _Recv there (or of
+    # the copy of a constant).
     received: dict[tuple[str, str], str] = {}
     edge_ids = iter(range(1 << 62))
     frames = LoopFrames(nodes) if any(node.op in ENTER_OPS for node in nodes) else None
