@@ -662,7 +662,7 @@ def run_training_benchmark(
         steps: timed steps per block.
         warmup: untimed steps after initialisation.
         settle: untimed steps before each block: a runtime that sat idle is slow for
-            about ten steps, TensorFlow's as well as ours (`median_ms_by_step_of_block`
+            ten to fifteen steps, TensorFlow's as well as ours (`median_ms_by_step_of_block`
             in the results, with `settle=0`; docs/benchmarks.md).
         trees: name -> another source tree of distserver, run as more runtimes
             ("grpc[name]", ...).
