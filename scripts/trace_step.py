@@ -118,6 +118,19 @@ MARKS = [
     ("distserver.transports.verbs._qp", "QueuePair", "send_nowait", "verbs message sent", None),
     ("distserver.transports.verbs._qp", "QueuePair", "_on_packet", "verbs message read", None),
     ("distserver.runtime.executor", "Executor", "run", "executor starts", "executor ends"),
+    # A run of nodes in a pool thread (one hop there and back for all of them).
+    ("distserver.runtime.executor", "_Straight", "_run_in_thread", "thread run starts", "thread run ends"),
+    # Answering a peer's RecvTensors: its values in hand (then encoded and sent).
+    ("distserver.runtime.worker", "Worker", "_batched_values", None, "batch values gathered"),
+    # Any call a grpc+verbs peer makes (RunGraph, RecvTensors), from its handler's
+    # start to its answer going out.
+    (
+        "distserver.transports.verbs._calls",
+        "QueuePairCalls",
+        "_answer",
+        "verbs call answer starts",
+        "verbs call answered",
+    ),
     # (the fused kernels' fast paths, which a stack of layers calls too)
     ("distserver.kernels.math", "FusedMatMulKernel", "layer", "FusedMatMul starts", "FusedMatMul ends"),
     (
