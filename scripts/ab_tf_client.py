@@ -30,6 +30,7 @@ from distserver.bench.train_side import WORKLOADS
 from distserver.testing import LocalCluster
 
 BENCH = Path(__file__).resolve().parent.parent / "distserver" / "bench"
+CLIENT_TIMEOUT_S = 1800
 
 # Run by TensorFlow's interpreter: argv[1] is a JSON of the options.
 CLIENT = """
@@ -89,31 +90,34 @@ def main() -> None:
     # `python -m distserver` puts its working directory first on sys.path: run the
     # tasks from an empty one, or a tree in the current directory would shadow PYTHONPATH.
     here = os.getcwd()
-    clusters = []
-    with tempfile.TemporaryDirectory(prefix="distserver-ab-") as empty:
-        os.chdir(empty)
-        try:
-            for tree in trees:
-                clusters.append(LocalCluster({"worker": 1}, env={"PYTHONPATH": str(tree)}).start())
-        finally:
-            os.chdir(here)
-        try:
-            options = {
-                "bench": str(BENCH),
-                "targets": [cluster.target("worker") for cluster in clusters],
-                **{name: getattr(args, name) for name in ("workload", "rounds", "steps", "settle", "warmup")},
-            }
-            done = subprocess.run(
-                [tf_python, "-c", CLIENT, json.dumps(options)],
-                capture_output=True,
-                text=True,
-                env=tfenv.quiet_tf_env(),
-                timeout=1800,
-                check=False,
-            )
-        finally:
-            for cluster in clusters:
-                cluster.stop()
+    clusters: list[LocalCluster] = []
+    try:
+        with tempfile.TemporaryDirectory(prefix="distserver-ab-") as empty:
+            os.chdir(empty)
+            try:
+                for tree in trees:
+                    clusters.append(LocalCluster({"worker": 1}, env={"PYTHONPATH": str(tree)}).start())
+            finally:
+                os.chdir(here)
+        options = {
+            "bench": str(BENCH),
+            "targets": [cluster.target("worker") for cluster in clusters],
+            **{name: getattr(args, name) for name in ("workload", "rounds", "steps", "settle", "warmup")},
+        }
+        done = subprocess.run(
+            [tf_python, "-c", CLIENT, json.dumps(options)],
+            capture_output=True,
+            text=True,
+            env=tfenv.quiet_tf_env(),
+            timeout=CLIENT_TIMEOUT_S,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        limit = f"TensorFlow's client took over {CLIENT_TIMEOUT_S} s"
+        raise SystemExit(f"{limit}: ask for fewer --rounds or --steps") from None
+    finally:
+        for cluster in clusters:
+            cluster.stop()
     if done.returncode != 0:
         raise SystemExit(f"TensorFlow's client failed:\n{done.stderr[-4000:]}")
     medians = json.loads(done.stdout.strip().splitlines()[-1])
