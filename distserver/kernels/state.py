@@ -27,6 +27,7 @@ import operator
 import sys
 import threading
 import weakref
+from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -1258,7 +1259,12 @@ class GroupedUpdatesKernel(OpKernel):
         # variables, and this kernel's own `compute` dereferences them in one with).
         kernels = [create_kernel(part) for part in parts]
         computes = [compute_without_dereference(kernel) for kernel in kernels]
-        self._parts = list(zip(computes, arities, strict=True))
+        starts = [sum(arities[:part]) for part in range(len(parts))]
+        # (each part's compute, and where its inputs are among the group's)
+        self._parts = [
+            (compute, slice(start, start + arity))
+            for compute, start, arity in zip(computes, starts, arities, strict=True)
+        ]
         # Parts that all make the same element-wise update (one op, the same attributes
         # but for internal ones such as `_class`) may run as one over their variables
         # side by side (`_VariableArena`).
@@ -1298,22 +1304,30 @@ class GroupedUpdatesKernel(OpKernel):
         return super().work_nbytes(inputs)
 
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
-        if self._same_update is not None and self._update_side_by_side(ctx, inputs):
-            return []
-        start = 0
-        for compute, arity in self._parts:
-            compute(ctx, inputs[start : start + arity])
-            start += arity
+        left = (
+            range(len(self._parts)) if self._same_update is None else self._update_side_by_side(ctx, inputs)
+        )
+        self._run_one_by_one(ctx, inputs, left)
         return []
 
-    def _update_side_by_side(self, ctx: KernelContext, inputs: list[Any]) -> bool:
-        """Every part's update as one, over the variables' arena (`_VariableArena`,
-        made here when the variables may go into one), and True; or False, having
-        changed no value, for the parts to run one by one (and raise what they raise)."""
+    def _run_one_by_one(self, ctx: KernelContext, inputs: list[Any], parts: Iterable[int]) -> None:
+        """Run each of `parts` with its own kernel (which raises what it raises)."""
+        for part in parts:
+            compute, span = self._parts[part]
+            compute(ctx, inputs[span])
+
+    def _update_side_by_side(self, ctx: KernelContext, inputs: list[Any]) -> Sequence[int]:
+        """The updates of the parts whose variables fit an arena (`_fits_an_arena`) as
+        one, over those variables' arena (`_VariableArena`, made here when they may go
+        into one), after the other parts' one by one; return the parts left to run
+        one by one: all of them, having changed no value, when fewer than two fit (one
+        update over an arena would not pay) or a part's inputs are not alike; the
+        fitting ones when they may not line up."""
         kernel = self._same_update
         assert kernel is not None
         signature = kernel.signature
         dtype = kernel.dtype
+        every = range(len(self._parts))
         # columns[i]: input i of every part (the parts' inputs follow one another)
         columns = [inputs[i :: len(signature)] for i in range(len(signature))]
         values: dict[str, Any] = {}
@@ -1322,11 +1336,11 @@ class GroupedUpdatesKernel(OpKernel):
             if kind == "scalar":
                 first = column[0]
                 if type(first) is not np.ndarray or first.dtype != dtype or first.ndim:
-                    return False
+                    return every
                 # (all parts read one tensor, most often: the same array; `count` is
                 # identity first)
                 if column.count(first) != len(column) and not all(_same_scalar(v, first) for v in column):
-                    return False
+                    return every
                 values[name] = first
             elif kind == "tensor":  # (the one: see `_same_update`)
                 grads = column
@@ -1334,27 +1348,38 @@ class GroupedUpdatesKernel(OpKernel):
         if (
             list(map(type, grads)).count(np.ndarray) != count
             or list(map(_dtype_of, grads)).count(dtype) != count
-            or not all(map(_fits_an_arena, grads))  # (a variable has its gradient's shape)
         ):
-            return False
+            return every
+        fitting: list[int] = []
+        rest: list[int] = []
+        for part, grad in enumerate(grads):  # (a variable has its gradient's shape)
+            (fitting if _fits_an_arena(grad) else rest).append(part)
+        if len(fitting) < 2:
+            return every
         resolved = self._resources(ctx, [columns[i] for i in kernel._var_indices])
         if resolved is None:
-            return False
+            return every
         resources, locks = resolved
+        if rest:
+            # The large variables' updates first: the first update after a step's
+            # gradients runs with cold caches, and theirs stream memory anyway.
+            self._run_one_by_one(ctx, inputs, rest)
+            grads = [grads[part] for part in fitting]
+            resources = [[column[part] for part in fitting] for column in resources]
         with _locked.in_order(locks):
             arena = self._arena
             if arena is None or not arena.holds(resources):
                 self._arena = arena = None
                 if not _may_line_up(resources, grads, dtype):
-                    return False
+                    return fitting
                 arena = self._arena = _VariableArena(resources)
             if list(map(_shape_of, grads)) != arena.shapes:
-                return False
+                return fitting
             values[self._grad_name] = np.concatenate(grads, axis=None)
             values.update(zip(kernel._var_names, arena.arrays, strict=True))
             kernel._update_in_place(values)
-        OPTIMIZER_UPDATES.count(True, count)
-        return True
+        OPTIMIZER_UPDATES.count(True, len(fitting))
+        return ()
 
     def _resources(
         self, ctx: KernelContext, handles: list[list[Any]]

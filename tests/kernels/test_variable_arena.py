@@ -17,7 +17,7 @@ import pytest
 
 from distserver.kernels import create_kernel
 from distserver.kernels.math import FUSED_NODES_ATTR
-from distserver.kernels.state import GROUPED_UPDATES_OP, OPTIMIZER_UPDATES
+from distserver.kernels.state import ARENA_MAX_VARIABLE_BYTES, GROUPED_UPDATES_OP, OPTIMIZER_UPDATES
 from distserver.protos.node_def_pb2 import NodeDef
 
 from .conftest import Context, make_node
@@ -42,8 +42,8 @@ class Model:
     """Variables of `SHAPES` (each with the op's slots) in a fresh context, and the
     gradients of every step, the same for every model made with the same seed."""
 
-    def __init__(self, op: str, dtype: type, seed: int = 3) -> None:
-        self.op, self.dtype = op, dtype
+    def __init__(self, op: str, dtype: type, seed: int = 3, shapes: list[tuple[int, ...]] = SHAPES) -> None:
+        self.op, self.dtype, self.shapes = op, dtype, shapes
         self.ctx = Context()
         rng = np.random.default_rng(seed)
         self.parts = [
@@ -51,16 +51,16 @@ class Model:
                 _variable(make_node, self.ctx, f"v{p}_{s}", np.abs(rng.normal(size=shape)).astype(dtype))
                 for s in range(SLOTS[op])
             ]
-            for p, shape in enumerate(SHAPES)
+            for p, shape in enumerate(shapes)
         ]
-        self.grads = [[rng.normal(size=shape).astype(dtype) for shape in SHAPES] for _ in range(4)]
+        self.grads = [[rng.normal(size=shape).astype(dtype) for shape in shapes] for _ in range(4)]
 
     def inputs(self, step: int, part: int) -> list:
         handles = [handle for handle, _ in self.parts[part]]
         return _optimizer_inputs(self.op, handles, self.grads[step][part], self.dtype, [])
 
     def group_inputs(self, step: int) -> list:
-        return [value for part in range(len(SHAPES)) for value in self.inputs(step, part)]
+        return [value for part in range(len(self.shapes)) for value in self.inputs(step, part)]
 
     def resources(self) -> list:
         return [resource for slots in self.parts for _, resource in slots]
@@ -69,12 +69,12 @@ class Model:
         return [resource.value.copy() for resource in self.resources()]
 
 
-def _one_by_one(op: str, dtype: type, attrs: dict, steps: int) -> list[np.ndarray]:
+def _one_by_one(op: str, dtype: type, attrs: dict, steps: int, shapes: list = SHAPES) -> list[np.ndarray]:
     """The values after `steps` steps of the parts run on their own."""
-    model = Model(op, dtype)
+    model = Model(op, dtype, shapes=shapes)
     kernel = create_kernel(make_node(op, name="apply", T=dtype, **attrs))
     for step in range(steps):
-        for part in range(len(SHAPES)):
+        for part in range(len(shapes)):
             kernel.compute(model.ctx, model.inputs(step, part))
     return model.values()
 
@@ -84,10 +84,14 @@ def _assert_same_bits(got: list[np.ndarray], expected: list[np.ndarray]) -> None
         np.testing.assert_array_equal(a.reshape(-1).view(np.uint8), b.reshape(-1).view(np.uint8))
 
 
-def _in_arena(kernel, model: Model) -> bool:
+def _in_arena(kernel, model: Model, parts: list[int] | None = None) -> bool:
+    """Whether the variables of `parts` (every part's by default) are in the kernel's arena."""
     arena = kernel._arena
+    slots = model.parts if parts is None else [model.parts[part] for part in parts]
     return arena is not None and all(
-        any(np.shares_memory(resource.value, flat) for flat in arena.arrays) for resource in model.resources()
+        any(np.shares_memory(resource.value, flat) for flat in arena.arrays)
+        for slot in slots
+        for _, resource in slot
     )
 
 
@@ -105,6 +109,32 @@ def test_like_updates_run_over_an_arena_with_the_bits_of_the_parts_one_by_one(op
     for resource in model.resources():
         assert not resource.value.flags.writeable
         assert not resource.unshared()  # (a view: every other kernel copies instead of writing)
+
+
+# Part 1's variable is beyond `ARENA_MAX_VARIABLE_BYTES` (120 KiB of float32).
+MIXED_SHAPES = [(3, 4), (240, 128), (7,), ()]
+
+
+@pytest.mark.parametrize(("op", "attrs"), DENSE_CASES, ids=[f"{op}-{attrs}" for op, attrs in DENSE_CASES])
+def test_the_small_variables_of_a_group_with_a_large_one_update_over_an_arena(op, attrs):
+    assert np.prod(MIXED_SHAPES[1]) * 4 > ARENA_MAX_VARIABLE_BYTES
+    model = Model(op, np.float32, shapes=MIXED_SHAPES)
+    kernel = create_kernel(_group_node(op, np.float32, attrs, len(MIXED_SHAPES)))
+    for step in range(3):
+        before = OPTIMIZER_UPDATES.in_place
+        kernel.compute(model.ctx, model.group_inputs(step))
+        assert OPTIMIZER_UPDATES.in_place - before == len(MIXED_SHAPES)  # the large one in place on its own
+        assert _in_arena(kernel, model, [0, 2, 3])
+        assert not any(
+            np.shares_memory(r.value, flat) for _, r in model.parts[1] for flat in kernel._arena.arrays
+        )
+    _assert_same_bits(model.values(), _one_by_one(op, np.float32, attrs, 3, MIXED_SHAPES))
+    # A group with one small variable and a large one runs its parts one by one.
+    pair = Model(op, np.float32, shapes=MIXED_SHAPES[:2])
+    kernel = create_kernel(_group_node(op, np.float32, attrs, 2))
+    kernel.compute(pair.ctx, pair.group_inputs(0))
+    assert kernel._arena is None
+    _assert_same_bits(pair.values(), _one_by_one(op, np.float32, attrs, 1, MIXED_SHAPES[:2]))
 
 
 def test_a_held_value_is_never_written_and_the_arena_comes_back_when_it_is_let_go():
