@@ -27,7 +27,7 @@ import operator
 import sys
 import threading
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -1304,25 +1304,19 @@ class GroupedUpdatesKernel(OpKernel):
         return super().work_nbytes(inputs)
 
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
-        left = (
-            range(len(self._parts)) if self._same_update is None else self._update_side_by_side(ctx, inputs)
-        )
-        self._run_one_by_one(ctx, inputs, left)
-        return []
-
-    def _run_one_by_one(self, ctx: KernelContext, inputs: list[Any], parts: Iterable[int]) -> None:
-        """Run each of `parts` with its own kernel (which raises what it raises)."""
-        for part in parts:
-            compute, span = self._parts[part]
+        parts = self._parts
+        left = range(len(parts)) if self._same_update is None else self._update_side_by_side(ctx, inputs)
+        for part in left:  # (each with its own kernel, which raises what it raises)
+            compute, span = parts[part]
             compute(ctx, inputs[span])
+        return []
 
     def _update_side_by_side(self, ctx: KernelContext, inputs: list[Any]) -> Sequence[int]:
         """The updates of the parts whose variables fit an arena (`_fits_an_arena`) as
         one, over those variables' arena (`_VariableArena`, made here when they may go
-        into one), after the other parts' one by one; return the parts left to run
-        one by one: all of them, having changed no value, when fewer than two fit (one
-        update over an arena would not pay) or a part's inputs are not alike; the
-        fitting ones when they may not line up."""
+        into one); return the parts left to run one by one: the others, or all of
+        them, having changed no value, when fewer than two fit (one update over an
+        arena would not pay), their inputs are not alike or they may not line up."""
         kernel = self._same_update
         assert kernel is not None
         signature = kernel.signature
@@ -1350,10 +1344,13 @@ class GroupedUpdatesKernel(OpKernel):
             or list(map(_dtype_of, grads)).count(dtype) != count
         ):
             return every
-        fitting: list[int] = []
-        rest: list[int] = []
-        for part, grad in enumerate(grads):  # (a variable has its gradient's shape)
-            (fitting if _fits_an_arena(grad) else rest).append(part)
+        fits = list(map(_fits_an_arena, grads))  # (a variable has its gradient's shape)
+        if all(fits):
+            fitting: Sequence[int] = every
+            rest: list[int] = []
+        else:
+            fitting = [part for part in every if fits[part]]
+            rest = [part for part in every if not fits[part]]
         if len(fitting) < 2:
             return every
         resolved = self._resources(ctx, [columns[i] for i in kernel._var_indices])
@@ -1361,9 +1358,6 @@ class GroupedUpdatesKernel(OpKernel):
             return every
         resources, locks = resolved
         if rest:
-            # The large variables' updates first: the first update after a step's
-            # gradients runs with cold caches, and theirs stream memory anyway.
-            self._run_one_by_one(ctx, inputs, rest)
             grads = [grads[part] for part in fitting]
             resources = [[column[part] for part in fitting] for column in resources]
         with _locked.in_order(locks):
@@ -1371,15 +1365,15 @@ class GroupedUpdatesKernel(OpKernel):
             if arena is None or not arena.holds(resources):
                 self._arena = arena = None
                 if not _may_line_up(resources, grads, dtype):
-                    return fitting
+                    return every
                 arena = self._arena = _VariableArena(resources)
             if list(map(_shape_of, grads)) != arena.shapes:
-                return fitting
+                return every
             values[self._grad_name] = np.concatenate(grads, axis=None)
             values.update(zip(kernel._var_names, arena.arrays, strict=True))
             kernel._update_in_place(values)
         OPTIMIZER_UPDATES.count(True, len(fitting))
-        return ()
+        return rest
 
     def _resources(
         self, ctx: KernelContext, handles: list[list[Any]]
