@@ -47,15 +47,22 @@ def threads_per_local_task(addresses: Iterable[str], cpus: int) -> int:
     (a one-task mlp step, 2 CPUs: 4.8 ms with one BLAS thread and the intra-op
     helper, 3.8 ms with two).
     """
+    local = local_tasks(addresses)
+    if local <= 1:
+        return max(1, cpus)
+    return max(1, cpus // local // 2)
+
+
+def local_tasks(addresses: Iterable[str]) -> int:
+    """How many of the tasks at `addresses` run on this host (an address whose host is
+    not recognised as this one does not count)."""
     local_names = {"localhost", "127.0.0.1", "::1", "0.0.0.0", socket.gethostname()}
     local = 0
     for address in addresses:
         host = address.rpartition(":")[0].strip("[]") if ":" in address else address
         if host in local_names or host.startswith("127."):
             local += 1
-    if local <= 1:
-        return max(1, cpus)
-    return max(1, cpus // local // 2)
+    return local
 
 
 def user_chose_threads() -> bool:

@@ -27,8 +27,8 @@ from typing import Any
 from google.protobuf.empty_pb2 import Empty
 
 from distserver import __version__, _malloc, errors
-from distserver._blas import set_blas_threads, threads_per_local_task, user_chose_threads
-from distserver._cpus import usable_cpus
+from distserver._blas import local_tasks, set_blas_threads, threads_per_local_task, user_chose_threads
+from distserver._cpus import pin_event_loop, usable_cpus
 from distserver._process import die_with_parent, exit_quietly_on_interrupt, run
 from distserver.bench import command as bench_command
 from distserver.cluster import ClusterSpec, TFConfigClusterResolver
@@ -44,6 +44,8 @@ from distserver.security import TOKEN_ENV, Security, from_environment
 from distserver.server import AsyncServer
 from distserver.testing import LocalCluster
 from distserver.transports import available_protocols, get_transport
+
+logger = logging.getLogger(__name__)
 
 
 class UsageError(Exception):
@@ -118,12 +120,12 @@ def _indices(cluster: ClusterSpec, job: str) -> str:
 
 async def _serve(args: argparse.Namespace) -> int:
     cluster, job, task, protocol = _cluster_and_task(args)
+    spec = ClusterSpec(cluster)
+    addresses = [address for name in spec.jobs for address in spec.job_tasks(name) if address]
+    cpus = usable_cpus()
     if args.blas_threads is not None:
         set_blas_threads(args.blas_threads)
     elif not user_chose_threads():
-        spec = ClusterSpec(cluster)
-        addresses = [address for name in spec.jobs for address in spec.job_tasks(name) if address]
-        cpus = usable_cpus()
         threads = threads_per_local_task(addresses, cpus)
         set_blas_threads(threads)
         if threads == 1 and cpus > 1:
@@ -139,6 +141,14 @@ async def _serve(args: argparse.Namespace) -> int:
         checkpoint_root=args.checkpoint_root,
     )
     await server.start()
+    if args.pin_loop and cpus > 1 and local_tasks(addresses) <= 1:
+        # A task alone on its host: its event loop keeps one CPU's caches warm, and the
+        # compute pool it starts shares that CPU (`_cpus.pin_event_loop`).
+        cpu = pin_event_loop(asyncio.get_running_loop())
+        if cpu is not None:
+            logger.info(
+                "event loop kept on CPU %d (a task alone on its host; --no-pin-loop leaves it free)", cpu
+            )
     metrics = None
     if args.metrics_port is not None:
         host = args.metrics_host or ("0.0.0.0" if args.all_interfaces else "127.0.0.1")
@@ -372,6 +382,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="threads numpy's BLAS may use per matrix product (default: every CPU for a task alone "
         "on its host, else half of this task's share of the host's CPUs, at least 1; unless "
         "OPENBLAS_NUM_THREADS or OMP_NUM_THREADS is set)",
+    )
+    serve.add_argument(
+        "--no-pin-loop",
+        dest="pin_loop",
+        action="store_false",
+        help="leave the event loop free to move between CPUs (by default a task alone on its host "
+        "keeps its event loop and compute threads on one CPU)",
     )
     serve.add_argument(
         "--log-level",

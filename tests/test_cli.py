@@ -366,3 +366,35 @@ def test_status_only_target_checks_the_task_not_its_cluster(python_env):
         stop(worker)
     assert result.returncode == 0, result.stderr
     assert result.stdout == f"grpc://localhost:{worker_port} is serving\n"
+
+
+def _thread_cpus(pid: int) -> dict[int, set[int]]:
+    """Each thread of process `pid` (its id) -> the CPUs it may run on."""
+    return {int(tid): os.sched_getaffinity(int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+@pytest.mark.parametrize(
+    ("jobs", "serve_args", "pinned"),
+    [({"worker": 1}, [], True), ({"worker": 1}, ["--no-pin-loop"], False), ({"worker": 2}, [], False)],
+    ids=["alone on its host", "--no-pin-loop", "sharing its host"],
+)
+def test_serve_keeps_the_event_loop_of_a_task_alone_on_its_host_on_one_cpu(jobs, serve_args, pinned):
+    from distserver.testing import LocalCluster
+
+    allowed = os.sched_getaffinity(0)
+    with LocalCluster(jobs, serve_args=serve_args) as cluster:
+        with distserver.Session(cluster.target("worker")) as session:  # a step: the compute pool starts
+            assert session.run(distserver.constant(2.0) * 3.0) == 6.0
+        pid = cluster.processes["/job:worker/replica:0/task:0"].pid
+        threads = _thread_cpus(pid)
+    loop = threads.pop(pid)  # (the main thread runs the event loop)
+    if not pinned:
+        assert loop == allowed
+        assert all(cpus == allowed for cpus in threads.values())
+        return
+    assert len(loop) == 1
+    assert loop < allowed
+    # The compute pool's threads share the loop's CPU; every other thread keeps off it.
+    assert all(cpus == loop or cpus == allowed - loop for cpus in threads.values())
+    assert any(cpus == allowed - loop for cpus in threads.values())

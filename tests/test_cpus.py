@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -53,3 +54,83 @@ def test_usable_cpus_are_those_the_affinity_allows():
         timeout=60,
     ).stdout
     assert int(out) == 1
+
+
+def test_the_calling_thread_runs_on_the_cpu_current_cpu_names():
+    assert _cpus.current_cpu() in os.sched_getaffinity(0)
+
+
+# Run in a process of its own: pinning moves every thread of the process.
+PIN_PROBE = """
+import asyncio, json, os, threading
+from distserver._cpus import pin_event_loop
+
+def affinity():
+    return sorted(os.sched_getaffinity(0))
+
+started = threading.Event()
+stop = threading.Event()
+before = {}
+
+def waiting():  # a thread that runs before the loop is pinned (as BLAS's do)
+    before["tid"] = threading.get_native_id()
+    started.set()
+    stop.wait()
+
+threading.Thread(target=waiting).start()
+started.wait()
+
+async def main():
+    cpu = pin_event_loop(asyncio.get_running_loop())
+    started_by_loop = {}
+    thread = threading.Thread(target=lambda: started_by_loop.update(cpus=affinity()))
+    thread.start()
+    thread.join()
+    in_executor = await asyncio.to_thread(affinity)
+    return {
+        "allowed": sorted(os.sched_getaffinity(before["tid"]) | os.sched_getaffinity(0)),
+        "cpu": cpu,
+        "loop": affinity(),
+        "earlier thread": sorted(os.sched_getaffinity(before["tid"])),
+        "started by the loop": started_by_loop["cpus"],
+        "default executor": in_executor,
+    }
+
+print(json.dumps(asyncio.run(main())))
+stop.set()
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_a_pinned_loop_keeps_its_cpu_and_its_threads_and_every_other_thread_keeps_off_it():
+    done = subprocess.run(
+        [sys.executable, "-c", PIN_PROBE], capture_output=True, text=True, timeout=60, check=True
+    )
+    seen = json.loads(done.stdout)
+    cpu = seen["cpu"]
+    others = sorted(set(seen["allowed"]) - {cpu})
+    assert seen["allowed"] == sorted(os.sched_getaffinity(0))
+    assert seen["loop"] == [cpu]
+    assert seen["started by the loop"] == [cpu]  # (a compute pool's threads, made lazily)
+    assert seen["earlier thread"] == others
+    assert seen["default executor"] == others
+
+
+ONE_CPU_PROBE = """
+import asyncio, os
+from distserver._cpus import pin_event_loop
+
+os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+
+async def main():
+    return pin_event_loop(asyncio.get_running_loop()), len(os.sched_getaffinity(0))
+
+print(*asyncio.run(main()))
+"""
+
+
+def test_a_loop_allowed_one_cpu_is_left_as_it_is():
+    done = subprocess.run(
+        [sys.executable, "-c", ONE_CPU_PROBE], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stdout.split() == ["None", "1"]
