@@ -27,6 +27,7 @@ from pathlib import Path
 
 from distserver.bench import tfenv
 from distserver.bench.train_side import WORKLOADS
+from distserver.bench.training import warm_compiled_loops
 from distserver.testing import LocalCluster
 
 BENCH = Path(__file__).resolve().parent.parent / "distserver" / "bench"
@@ -95,6 +96,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="distserver-ab-") as empty:
             os.chdir(empty)
             try:
+                for tree in trees:
+                    warm_compiled_loops(tree)
                 for tree in trees:
                     clusters.append(LocalCluster({"worker": 1}, env={"PYTHONPATH": str(tree)}).start())
             finally:

@@ -428,6 +428,22 @@ class Series:
 # --------------------------------------------------------------------------- measurement
 
 
+_WARM_LOOPS = "from distserver.kernels import _compiled; _compiled.prepare(); _compiled.wait(600)"
+
+
+def warm_compiled_loops(tree: Path | None) -> None:
+    """Compile the numba loops (`kernels/_compiled.py`) of `tree`'s distserver (this
+    process's when None) into its cache, before tasks of it start: a task that compiles
+    them itself ran one-task steps 12-17% slower beside one that loaded them
+    (docs/benchmarks.md, round 31). Run from an empty directory: `python -c` puts its
+    working directory first on sys.path, where a source tree would shadow `tree`."""
+    env = dict(os.environ)
+    if tree is not None:
+        env["PYTHONPATH"] = str(tree)
+    with tempfile.TemporaryDirectory(prefix="distserver-warm-") as empty:
+        subprocess.run([sys.executable, "-c", _WARM_LOOPS], env=env, cwd=empty, timeout=900, check=True)
+
+
 def _measure(options: dict[str, Any], log: Callable[[str], None]) -> dict[str, Any]:
     """Everything, in this process's (network namespace's) view; see `run_training_benchmark`."""
     tf_python: str | None = options["tf_python"]
@@ -443,6 +459,8 @@ def _measure(options: dict[str, Any], log: Callable[[str], None]) -> dict[str, A
         # `python -m distserver` puts its working directory first on sys.path.
         os.chdir(tmp)
         try:
+            for tree in [None, *map(Path, trees.values())]:
+                warm_compiled_loops(tree)
             tf_clients = max(
                 JOBS[layout]["worker"] if layout in EVERY_WORKER_TRAINS else 1
                 for layout in options["layouts"]

@@ -481,3 +481,21 @@ def test_a_servers_statistics_say_whether_its_kernels_run_compiled_loops():
     with ds.Server({"local": ["localhost:0"]}) as server:
         assert server.statistics().compiled_kernels == "ready"
         assert server.statistics().as_dict()["compiled_kernels"] == "ready"
+
+
+@pytest.mark.skipif(not _compiled.enabled(), reason="numba is not installed")
+def test_warming_a_copied_tree_fills_that_trees_cache_not_the_running_ones(tmp_path, monkeypatch):
+    # What an A/B of two trees runs before their tasks start (bench_training --tree,
+    # scripts/ab_tf_client.py): each tree's tasks then load the loops. Run from this
+    # repository's root, where `python -c` would import the repository's package.
+    import shutil
+    from pathlib import Path
+
+    from distserver.bench.training import warm_compiled_loops
+
+    source = Path(ds.__file__).resolve().parent
+    shutil.copytree(source, tmp_path / "distserver", ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.chdir(source.parent)
+    warm_compiled_loops(tmp_path)
+    cached = tmp_path / "distserver" / "kernels" / "__pycache__"
+    assert sorted(p.name for p in cached.glob("_loops.adam-*.nbi"))
