@@ -7,6 +7,8 @@ import math
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -134,3 +136,112 @@ def test_a_loop_allowed_one_cpu_is_left_as_it_is():
         [sys.executable, "-c", ONE_CPU_PROBE], capture_output=True, text=True, timeout=60, check=True
     )
     assert done.stdout.split() == ["None", "1"]
+
+
+def _cpu_ns(pid: int) -> int:
+    """The CPU time process `pid` has had, in nanoseconds (its schedstat)."""
+    with open(f"/proc/{pid}/schedstat") as f:
+        return int(f.read().split()[0])
+
+
+def _exited(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] in ("Z", "X")  # (a zombie: not reaped yet)
+    except FileNotFoundError:
+        return True
+
+
+def _until(condition, seconds: float = 20.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def _stays_idle(pid: int) -> bool:
+    """Whether process `pid` takes no CPU time over 0.1 s (blocked)."""
+    time.sleep(0.05)  # (from the flag it set to its blocking read)
+    before = _cpu_ns(pid)
+    time.sleep(0.1)
+    return _cpu_ns(pid) == before
+
+
+def test_an_idle_spinner_spins_on_its_cpu_between_steps_and_parks_while_one_runs():
+    cpu = min(os.sched_getaffinity(0))
+    spinner = _cpus.IdleSpinner(cpu, budget_us=60_000_000)  # (only `busy` stops it here)
+    pid = spinner.pid
+    try:
+        assert _until(lambda: spinner.parked)  # it starts parked
+        assert os.getpriority(os.PRIO_PROCESS, pid) == 19
+        assert os.sched_getaffinity(pid) == {cpu}
+        assert _stays_idle(pid)
+        for _ in range(2):  # (parked, it is woken through its pipe)
+            started = _cpu_ns(pid)
+            spinner.busy()  # a step began (in which no other thread worked)
+            spinner.idle()  # and ended
+            assert _until(lambda started=started: _cpu_ns(pid) > started + 20_000_000)  # 20 ms spun
+            assert not spinner.parked
+            spinner.busy()  # the next began
+            assert _until(lambda: spinner.parked)
+            assert _stays_idle(pid)
+        # A step in which another thread of the process worked: no spinning after it.
+        spinner.busy()
+        worker = threading.Thread(target=_work, args=(0.05,))
+        worker.start()
+        worker.join()
+        spinner.idle()
+        assert spinner.parked
+        assert _stays_idle(pid)
+    finally:
+        spinner.close()
+    assert _exited(pid)
+    spinner.close()  # (a second close does nothing)
+
+
+def _work(seconds: float) -> None:
+    """Use `seconds` of this thread's CPU time."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_an_idle_spinner_parks_by_itself_when_its_budget_is_spent():
+    spinner = _cpus.IdleSpinner(min(os.sched_getaffinity(0)), budget_us=50_000)
+    try:
+        assert _until(lambda: spinner.parked)
+        started = _cpu_ns(spinner.pid)
+        spinner.idle()
+        assert _until(lambda: _cpu_ns(spinner.pid) > started)
+        assert _until(lambda: spinner.parked)  # no `busy()`
+        assert _stays_idle(spinner.pid)
+    finally:
+        spinner.close()
+
+
+SPINNER_OWNER = """
+import os, signal
+from distserver._cpus import IdleSpinner
+
+spinner = IdleSpinner(min(os.sched_getaffinity(0)), budget_us=60_000_000)
+while not spinner.parked:
+    pass
+spinner.idle()
+with open(f"/proc/{spinner.pid}/schedstat") as f:
+    started = int(f.read().split()[0])
+while True:  # until it spins
+    with open(f"/proc/{spinner.pid}/schedstat") as f:
+        if int(f.read().split()[0]) > started + 10_000_000:
+            break
+print(spinner.pid, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_an_idle_spinner_ends_when_the_process_that_started_it_dies():
+    done = subprocess.run([sys.executable, "-c", SPINNER_OWNER], capture_output=True, text=True, timeout=60)
+    assert done.returncode == -9, done.stderr
+    pid = int(done.stdout)
+    assert _until(lambda: _exited(pid), seconds=10)  # spinning, with 60 s of budget left
