@@ -28,7 +28,7 @@ from google.protobuf.empty_pb2 import Empty
 
 from distserver import __version__, _malloc, errors
 from distserver._blas import local_tasks, set_blas_threads, threads_per_local_task, user_chose_threads
-from distserver._cpus import IdleSpinner, pin_event_loop, usable_cpus
+from distserver._cpus import pin_event_loop, usable_cpus
 from distserver._process import die_with_parent, exit_quietly_on_interrupt, run
 from distserver.bench import command as bench_command
 from distserver.cluster import ClusterSpec, TFConfigClusterResolver
@@ -85,19 +85,6 @@ def _cluster_and_task(args: argparse.Namespace) -> tuple[ClusterSpec, str, int, 
 
 
 _EXAMPLE = '{"ps": ["host0:2222"], "worker": ["host1:2222", "host2:2222"]}'
-# `serve --spin-us`: how long a lone task's CPU is kept awake after each step.
-DEFAULT_SPIN_US = 1000
-MAX_SPIN_US = 100_000
-
-
-def _spin_budget(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of microseconds") from None
-    if not 0 <= value <= MAX_SPIN_US:
-        raise argparse.ArgumentTypeError(f"{value} is out of range: give 0 (never) to {MAX_SPIN_US} (us)")
-    return value
 
 
 def _job_and_task(
@@ -154,7 +141,6 @@ async def _serve(args: argparse.Namespace) -> int:
         checkpoint_root=args.checkpoint_root,
     )
     await server.start()
-    spinner = None
     if args.pin_loop and cpus > 1 and local_tasks(addresses) <= 1:
         # A task alone on its host: its event loop keeps one CPU's caches warm, and the
         # compute pool it starts shares that CPU (`_cpus.pin_event_loop`).
@@ -163,7 +149,6 @@ async def _serve(args: argparse.Namespace) -> int:
             logger.info(
                 "event loop kept on CPU %d (a task alone on its host; --no-pin-loop leaves it free)", cpu
             )
-            spinner = _start_spinner(server, cpu, args.spin_us)
     metrics = None
     if args.metrics_port is not None:
         host = args.metrics_host or ("0.0.0.0" if args.all_interfaces else "127.0.0.1")
@@ -192,24 +177,7 @@ async def _serve(args: argparse.Namespace) -> int:
     finally:
         if metrics is not None:
             metrics.close()
-        if spinner is not None:
-            spinner.close()
     return 0
-
-
-def _start_spinner(server: AsyncServer, cpu: int, budget_us: int) -> IdleSpinner | None:
-    """Keep the event loop's CPU awake between the task's graphs (`_cpus.IdleSpinner`),
-    unless `budget_us` is 0 or the helper process cannot start."""
-    if budget_us <= 0 or server.worker is None:
-        return None
-    try:
-        spinner = IdleSpinner(cpu, budget_us)
-    except OSError as exc:
-        logger.warning("CPU %d is left to halt between steps: its spinner did not start (%s)", cpu, exc)
-        return None
-    server.worker.graphs.activity = spinner
-    logger.info("CPU %d kept awake for up to %d us after a step (--spin-us 0 lets it halt)", cpu, budget_us)
-    return spinner
 
 
 async def _status(args: argparse.Namespace) -> int:
@@ -421,15 +389,6 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="leave the event loop free to move between CPUs (by default a task alone on its host "
         "keeps its event loop and compute threads on one CPU)",
-    )
-    serve.add_argument(
-        "--spin-us",
-        type=_spin_budget,
-        default=DEFAULT_SPIN_US,
-        metavar="US",
-        help="for a task whose event loop is kept on one CPU: keep that CPU from halting for up to "
-        "US microseconds after each step, so that the next request wakes it at once (a helper "
-        "process of the lowest priority spins; 0: never; default: %(default)s)",
     )
     serve.add_argument(
         "--log-level",

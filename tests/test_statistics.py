@@ -175,33 +175,3 @@ def test_in_process_server_statistics_count_steps_and_failures():
     assert during.graphs.succeeded >= 3
     assert after.sessions == 0
     assert after.as_dict()["steps"]["in_flight"] == 0
-
-
-class _Transitions:
-    """An `Activity` that records what it is told."""
-
-    def __init__(self) -> None:
-        self.seen: list[str] = []
-
-    def busy(self) -> None:
-        self.seen.append("busy")
-
-    def idle(self) -> None:
-        self.seen.append("idle")
-
-
-def test_step_counters_tell_their_activity_when_steps_begin_to_run_and_when_the_last_ends():
-    from distserver import errors
-    from distserver.runtime.counters import StepCounters
-
-    counters = StepCounters()
-    counters.activity = transitions = _Transitions()
-    first, second = counters.start(), counters.start()  # two at once
-    counters.finish(first, None)
-    assert transitions.seen == ["busy"]
-    counters.finish(second, errors.CancelledError("cancelled"))  # a failed one ends a run too
-    assert transitions.seen == ["busy", "idle"]
-    counters.finish(counters.start(), None)
-    assert transitions.seen == ["busy", "idle", "busy", "idle"]
-    stats = counters.snapshot()
-    assert (stats.started, stats.succeeded, stats.failed, stats.in_flight) == (3, 2, {"CancelledError": 1}, 0)
