@@ -20,7 +20,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-from typing import Final
+from collections.abc import Callable
+from typing import Final, TypeVar
 
 from distserver import errors
 
@@ -33,6 +34,29 @@ __all__ = [
     "task_name",
     "task_of_device",
 ]
+
+_Parsed = TypeVar("_Parsed")
+# The parses below are cached by their text (device names and rendezvous keys repeat
+# every step), but only texts of up to this many characters: peers choose many of
+# these strings (a RecvTensor's key), and a cache of long ones would hold what a peer
+# sent (16,384 keys of 1 MiB: ~40 GB). Longer texts are parsed every time.
+CACHED_TEXT_CHARS: Final = 1024
+
+
+def _cached_when_short(maxsize: int) -> Callable[[Callable[[str], _Parsed]], Callable[[str], _Parsed]]:
+    """`functools.lru_cache(maxsize)` for texts of up to `CACHED_TEXT_CHARS`."""
+
+    def wrap(parse: Callable[[str], _Parsed]) -> Callable[[str], _Parsed]:
+        cached = functools.lru_cache(maxsize=maxsize)(parse)
+
+        @functools.wraps(parse)
+        def lookup(text: str) -> _Parsed:
+            return cached(text) if len(text) <= CACHED_TEXT_CHARS else parse(text)
+
+        return lookup
+
+    return wrap
+
 
 _NAME: Final = r"[A-Za-z][A-Za-z0-9_]*"
 _NAME_RE: Final = re.compile(_NAME)
@@ -246,7 +270,7 @@ def task_name(job: str, task: int, replica: int = 0) -> str:
     return DeviceSpec(job, replica, task).to_string()
 
 
-@functools.lru_cache(maxsize=4096)
+@_cached_when_short(maxsize=4096)
 def task_of_device(name: str) -> str:
     """Return the name of the task a device belongs to: its name up to the task.
 
@@ -357,7 +381,7 @@ def rendezvous_key(
     return f"{src_device};{incarnation:016x};{dst_device};{tensor_name};{frame_id}:{iter_id}"
 
 
-@functools.lru_cache(maxsize=16384)
+@_cached_when_short(maxsize=16384)
 def parse_rendezvous_key(key: str) -> RendezvousKey:
     """Split a rendezvous key into its parts.
 
@@ -403,7 +427,7 @@ def _is_full_device_name(name: str) -> bool:
         return False
 
 
-@functools.lru_cache(maxsize=4096)
+@_cached_when_short(maxsize=4096)
 def _parse_device_spec(spec: str) -> DeviceSpec:
     # Device names repeat endlessly (every node, every step); specs are immutable.
     return DeviceSpec._parse(spec)

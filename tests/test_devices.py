@@ -272,3 +272,28 @@ def test_parse_rendezvous_key_invalid(key):
     with pytest.raises(errors.InvalidArgumentError) as info:
         parse_rendezvous_key(key)
     assert str(info.value) == f"Invalid rendezvous key: {key}"
+
+
+def test_long_names_and_keys_parse_but_are_not_kept():
+    # Peers choose these strings (a RecvTensor's key): the caches keep short ones only,
+    # or 16,384 keys of 1 MiB would hold ~40 GB.
+    device = "/job:worker/replica:0/task:0/device:CPU:0"
+    short = rendezvous_key(device, 1, device, "x:0")
+    long = rendezvous_key(device, 1, device, "x" * devices.CACHED_TEXT_CHARS)
+    assert parse_rendezvous_key(short) is parse_rendezvous_key(short)
+    first, again = parse_rendezvous_key(long), parse_rendezvous_key(long)
+    assert first == again
+    assert first is not again
+    assert (first.tensor_name, first.src_task, first.text) == (
+        "x" * devices.CACHED_TEXT_CHARS,
+        task_of_device(device),
+        long,
+    )
+
+    long_job = "w" * devices.CACHED_TEXT_CHARS
+    long_device = f"/job:{long_job}/replica:0/task:0/device:CPU:0"
+    assert DeviceSpec.from_string(long_device) is not DeviceSpec.from_string(long_device)
+    assert DeviceSpec.from_string(long_device).job == long_job
+    assert task_of_device(long_device) == f"/job:{long_job}/replica:0/task:0"
+    with pytest.raises(errors.InvalidArgumentError, match="Invalid rendezvous key"):
+        parse_rendezvous_key(long + ";")
