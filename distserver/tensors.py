@@ -324,6 +324,10 @@ def _shape_text(proto: TensorShapeProto) -> str:
     return "[" + ",".join("?" if d.size == -1 else str(d.size) for d in proto.dim) + "]"
 
 
+# The most dimensions a numpy array, so a tensor value here, may have (TensorFlow's
+# limit is 254): a TensorProto with more is refused before its shape is used.
+MAX_RANK: Final = 64
+
 # Shape protos of fully known shapes, by shape: a step sends the same shapes every time.
 _SHAPE_PROTOS: dict[tuple[int, ...], TensorShapeProto] = {}
 _SHAPE_PROTOS_KEPT = 1024
@@ -346,7 +350,10 @@ _SHAPES_BY_WIRE: dict[bytes, tuple[int, ...]] = {}
 
 
 def _known_shape(shape_proto: TensorShapeProto) -> tuple[int, ...] | None:
-    """The sizes of `shape_proto`, or None when its rank or a size is unknown."""
+    """The sizes of `shape_proto`, or None when its rank or a size is unknown, or it has
+    more than `MAX_RANK` dimensions (never cached)."""
+    if len(shape_proto.dim) > MAX_RANK:
+        return None
     wire = shape_proto.SerializeToString()
     shape = _SHAPES_BY_WIRE.get(wire)
     if shape is None:
@@ -362,8 +369,13 @@ def _known_shape(shape_proto: TensorShapeProto) -> tuple[int, ...] | None:
 
 
 def _value_shape(proto: TensorProto) -> tuple[int, ...]:
-    # A tensor value needs every dimension known.
+    # A tensor value needs every dimension known, and at most `MAX_RANK` of them.
     shape_proto = proto.tensor_shape
+    if len(shape_proto.dim) > MAX_RANK:
+        raise errors.InvalidArgumentError(
+            f"TensorProto of type {datatype_name(proto.dtype)} has {len(shape_proto.dim)} dimensions; "
+            f"a tensor value here has at most {MAX_RANK} (numpy's limit)"
+        )
     if shape_proto.unknown_rank or any(dim.size < 0 for dim in shape_proto.dim):
         raise errors.InvalidArgumentError(
             f"TensorProto of type {datatype_name(proto.dtype)} has shape {_shape_text(shape_proto)}; "

@@ -44,6 +44,7 @@ from distserver.protos.named_tensor_pb2 import NamedTensorProto
 from distserver.protos.tensor_pb2 import TensorProto
 from distserver.protos.worker_pb2 import RecvTensorResponse
 from distserver.tensors import (
+    MAX_RANK,
     DecodeBudget,
     as_numpy_dtype,
     from_tensor_proto,
@@ -151,7 +152,12 @@ def _header_meaning(header: bytes) -> tuple[np.dtype[Any], tuple[int, ...]] | No
     dtype = as_numpy_dtype(proto.dtype)
     static_shape = shape_from_proto(proto.tensor_shape)
     meaning = None
-    if dtype.kind != "O" and static_shape is not None and all(d is not None for d in static_shape):
+    if (
+        dtype.kind != "O"
+        and static_shape is not None
+        and len(static_shape) <= MAX_RANK  # (more: `from_tensor_proto` refuses it)
+        and all(d is not None for d in static_shape)
+    ):
         meaning = dtype, tuple(int(d or 0) for d in static_shape)
     if len(_header_meanings) >= _HEADER_CACHE_SIZE:
         _header_meanings.clear()

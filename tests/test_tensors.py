@@ -828,3 +828,23 @@ def test_write_tensor_proto_writes_what_to_tensor_proto_makes(value):
     written = TensorProto()
     tensors.write_tensor_proto(written, value)
     assert written.SerializeToString() == to_tensor_proto(value).SerializeToString()
+
+
+@pytest.mark.parametrize("field", ["tensor_content", "float_val"])
+def test_a_tensor_of_more_dimensions_than_an_array_holds_is_refused_and_its_shape_not_kept(field):
+    def proto(rank: int) -> TensorProto:
+        value = TensorProto(dtype=t.DT_FLOAT)
+        if field == "tensor_content":
+            value.tensor_content = np.float32(2).tobytes()
+        else:
+            value.float_val.append(2.0)
+        for _ in range(rank):
+            value.tensor_shape.dim.add(size=1)
+        return value
+
+    assert tensors.from_tensor_proto(proto(tensors.MAX_RANK)).shape == (1,) * tensors.MAX_RANK
+    kept = dict(tensors._SHAPES_BY_WIRE)
+    for rank in (tensors.MAX_RANK + 1, 100_000):  # (a peer's: 400 KB of shape)
+        with pytest.raises(errors.InvalidArgumentError, match=f"has {rank} dimensions; .* at most 64"):
+            tensors.from_tensor_proto(proto(rank))
+    assert kept == tensors._SHAPES_BY_WIRE

@@ -154,6 +154,21 @@ def test_named_tensor_responses_protobuf_must_read_are_left_to_it():
             decode_tensor_message(data[:cut], RunStepResponse)
 
 
+def test_a_large_tensor_of_more_dimensions_than_an_array_holds_is_left_to_protobuf_to_refuse():
+    value = np.zeros((1,) * 63 + (8192,), np.float32)  # 32 KiB: read by hand
+    data = encode_tensor_message(RunStepResponse(), [("x:0", value)])
+    ((_, got),), _ = decode_tensor_message(data, RunStepResponse)
+    assert got.shape == value.shape
+    # One more dimension of 1 (as a peer may write it): not plain, so protobuf's
+    # decode, which refuses it by name, rather than numpy's ValueError.
+    message = RunStepResponse.FromString(data)
+    message.tensor[0].tensor.tensor_shape.dim.add(size=1)
+    data = message.SerializeToString()
+    assert decode_tensor_message(data, RunStepResponse) is None
+    with pytest.raises(errors.InvalidArgumentError, match="has 65 dimensions"):
+        from_tensor_proto(RunStepResponse.FromString(data).tensor[0].tensor)
+
+
 def assert_same(got, value):
     value = np.asarray(value)
     assert got.shape == value.shape
