@@ -60,6 +60,7 @@ __all__ = [
     "FLOAT_DATATYPES",
     "INDEX_DATATYPES",
     "INTEGER_DATATYPES",
+    "MAX_RANK",
     "SIGNED_DATATYPES",
     "UNSIGNED_DATATYPES",
     "DecodeBudget",
@@ -71,6 +72,7 @@ __all__ = [
     "decode_elements",
     "decode_tensors",
     "from_tensor_proto",
+    "holdable",
     "make_tensor_proto",
     "shape_from_proto",
     "shape_to_proto",
@@ -327,6 +329,16 @@ def _shape_text(proto: TensorShapeProto) -> str:
 # The most dimensions a numpy array, so a tensor value here, may have (TensorFlow's
 # limit is 254): a TensorProto with more is refused before its shape is used.
 MAX_RANK: Final = 64
+
+_MAX_ARRAY_BYTES: Final = int(np.iinfo(np.intp).max)
+
+
+def holdable(shape: tuple[int, ...], itemsize: int) -> bool:
+    """Whether numpy can make an array of `shape` with elements of `itemsize` bytes,
+    memory aside: its sizes other than 0 multiplied by `itemsize` must fit an intp,
+    even when a 0 makes it empty (numpy refuses [0, 2**45, 2**45])."""
+    return math.prod(max(size, 1) for size in shape) * itemsize <= _MAX_ARRAY_BYTES
+
 
 # Shape protos of fully known shapes, by shape: a step sends the same shapes every time.
 _SHAPE_PROTOS: dict[tuple[int, ...], TensorShapeProto] = {}
@@ -805,6 +817,11 @@ def from_tensor_proto(
     shape = _value_shape(proto)
     count = math.prod(shape)
     element_bytes = _OBJECT_ELEMENT_BYTES if dtype == _OBJECT else dtype.itemsize
+    if not holdable(shape, element_bytes):
+        raise errors.InvalidArgumentError(
+            f"TensorProto of type {datatype_name(datatype)} and shape {_shape_text(proto.tensor_shape)} "
+            "has more elements than an array can hold"
+        )
     padding = 0 if content else max(count - _typed_length(proto, datatype), 0)
     nbytes = count * element_bytes + (len(content) if dtype == _OBJECT else 0)
     (budget or DecodeBudget()).charge(proto, nbytes, padding * element_bytes)

@@ -48,6 +48,7 @@ from distserver.tensors import (
     DecodeBudget,
     as_numpy_dtype,
     from_tensor_proto,
+    holdable,
     shape_from_proto,
     shape_to_proto,
     tensor_nbytes,
@@ -155,10 +156,12 @@ def _header_meaning(header: bytes) -> tuple[np.dtype[Any], tuple[int, ...]] | No
     if (
         dtype.kind != "O"
         and static_shape is not None
-        and len(static_shape) <= MAX_RANK  # (more: `from_tensor_proto` refuses it)
+        and len(static_shape) <= MAX_RANK  # (else `from_tensor_proto` refuses it)
         and all(d is not None for d in static_shape)
     ):
-        meaning = dtype, tuple(int(d or 0) for d in static_shape)
+        shape = tuple(int(d or 0) for d in static_shape)
+        if holdable(shape, dtype.itemsize):  # (else `from_tensor_proto` refuses it)
+            meaning = dtype, shape
     if len(_header_meanings) >= _HEADER_CACHE_SIZE:
         _header_meanings.clear()
     _header_meanings[header] = meaning

@@ -848,3 +848,18 @@ def test_a_tensor_of_more_dimensions_than_an_array_holds_is_refused_and_its_shap
         with pytest.raises(errors.InvalidArgumentError, match=f"has {rank} dimensions; .* at most 64"):
             tensors.from_tensor_proto(proto(rank))
     assert kept == tensors._SHAPES_BY_WIRE
+
+
+def test_an_empty_tensor_whose_other_sizes_no_array_can_hold_is_refused():
+    def proto(sizes: tuple[int, ...]) -> TensorProto:
+        value = TensorProto(dtype=t.DT_FLOAT)
+        for size in sizes:
+            value.tensor_shape.dim.add(size=size)
+        return value
+
+    assert tensors.from_tensor_proto(proto((0, 1 << 20, 1 << 20))).shape == (0, 1 << 20, 1 << 20)
+    # Empty, yet numpy refuses the shape ("array is too big"): refused by name.
+    with pytest.raises(errors.InvalidArgumentError, match=r"shape \[0,35184372088832,.*more elements than"):
+        tensors.from_tensor_proto(proto((0, 1 << 45, 1 << 45)))
+    assert tensors.holdable((0, 1 << 30, 1 << 30), 4)
+    assert not tensors.holdable((0, 1 << 45, 1 << 45), 4)

@@ -169,6 +169,18 @@ def test_a_large_tensor_of_more_dimensions_than_an_array_holds_is_left_to_protob
         from_tensor_proto(RunStepResponse.FromString(data).tensor[0].tensor)
 
 
+def test_a_large_answer_with_an_empty_tensor_no_array_can_hold_is_refused_by_name():
+    message = RunStepResponse.FromString(
+        encode_tensor_message(RunStepResponse(), [("x:0", np.zeros(8192, np.float32))])  # read by hand
+    )
+    empty = message.tensor.add(name="y:0").tensor
+    empty.dtype = message.tensor[0].tensor.dtype
+    for size in (0, 1 << 45, 1 << 45):  # (numpy: "array is too big")
+        empty.tensor_shape.dim.add(size=size)
+    with pytest.raises(errors.InvalidArgumentError, match="more elements than an array can hold"):
+        decode_tensor_message(message.SerializeToString(), RunStepResponse)
+
+
 def assert_same(got, value):
     value = np.asarray(value)
     assert got.shape == value.shape

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import grpc
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import distserver as ds
@@ -154,7 +154,8 @@ def hostile_tensor(draw: st.DrawFn) -> TensorProto:
     proto = TensorProto(dtype=draw(st.integers(0, 125)))
     sizes = st.lists(st.integers(-2, 1 << 45), max_size=4)
     ranks_about_numpys_limit = st.integers(60, 70).map(lambda rank: [1] * rank)
-    for size in draw(st.one_of(sizes, ranks_about_numpys_limit)):
+    empty_but_huge = st.lists(st.sampled_from([0, 1 << 45]), min_size=2, max_size=4)
+    for size in draw(st.one_of(sizes, ranks_about_numpys_limit, empty_but_huge)):
         proto.tensor_shape.dim.add(size=size)
     proto.tensor_shape.unknown_rank = draw(st.booleans()) and draw(st.booleans())
     proto.tensor_content = draw(st.binary(max_size=64))
@@ -185,11 +186,25 @@ def test_mutated_requests(channels, data, path):
     _still_answering(channels)
 
 
+def _float_tensor(sizes: list[int]) -> TensorProto:
+    proto = TensorProto(dtype=to_tensor_proto(np.float32(0)).dtype)
+    for size in sizes:
+        proto.tensor_shape.dim.add(size=size)
+    return proto
+
+
+# Shapes numpy cannot hold, which once reached it (its ValueError answered as a bug).
+MORE_DIMENSIONS_THAN_AN_ARRAY_HOLDS = _float_tensor([1] * 65)
+EMPTY_BUT_NO_ARRAY_CAN_HOLD_IT = _float_tensor([0, 1 << 45, 1 << 45])
+
+
 @FUZZ_SETTINGS
 @given(
     tensors=st.lists(hostile_tensor(), min_size=1, max_size=3),
     where=st.sampled_from(["step", "graph", "callable"]),
 )
+@example(tensors=[MORE_DIMENSIONS_THAN_AN_ARRAY_HOLDS], where="step")
+@example(tensors=[EMPTY_BUT_NO_ARRAY_CAN_HOLD_IT], where="graph")
 def test_requests_whose_tensors_lie(channels, tensors, where):
     if where == "step":
         request = m.RunStepRequest(session_handle="nope")
