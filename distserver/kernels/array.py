@@ -994,7 +994,7 @@ class DynamicStitchKernel(OpKernel):
 
     def __init__(self, node: NodeDef) -> None:
         super().__init__(node)
-        self.count = self.attr_int("N")
+        self.count = self.attr_int("N", at_least=1)
         self.dtype = attr_type_in(self, "T", ALL_TYPES)
         if self.dtype in _compiled.DTYPES:
             _compiled.prepare()

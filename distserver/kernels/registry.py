@@ -268,10 +268,14 @@ class OpKernel:
             return default
         return as_numpy_dtype(self._attr(name).type)
 
-    def attr_int(self, name: str, default: int | None = None) -> int:
-        if default is not None and name not in self.node.attr:
-            return default
-        return int(self._attr(name).i)
+    def attr_int(self, name: str, default: int | None = None, *, at_least: int | None = None) -> int:
+        """An int attr; with `at_least`, its op's minimum (TensorFlow's error when below)."""
+        value = default if default is not None and name not in self.node.attr else int(self._attr(name).i)
+        if at_least is not None and value < at_least:
+            raise errors.InvalidArgumentError(
+                f"Value for attr '{name}' of {value} must be at least minimum {at_least}", node_name=self.name
+            )
+        return value
 
     def attr_float(self, name: str, default: float | None = None) -> float:
         if default is not None and name not in self.node.attr:

@@ -48,7 +48,7 @@ from google.protobuf.message import Message
 
 from distserver import errors
 from distserver.devices import RendezvousKey
-from distserver.kernels.registry import create_kernel
+from distserver.kernels.registry import DEAD, create_kernel
 from distserver.kernels.resources import ResourceManager
 from distserver.kernels.sendrecv import RECV_PUSHED_ATTR
 from distserver.protos import eager_service_pb2 as e
@@ -62,7 +62,13 @@ from distserver.protos.tensor_pb2 import TensorProto
 from distserver.protos.tensorflow_server_pb2 import ServerDef
 from distserver.runtime.concurrency import decode_message_tensors
 from distserver.runtime.executor import Executor, StepContext, run_kernel
-from distserver.runtime.functions import has_function_calls, index_library, inline_functions, instantiate
+from distserver.runtime.functions import (
+    has_function_calls,
+    index_library,
+    inline_functions,
+    input_count,
+    instantiate,
+)
 from distserver.runtime.names import int64_attr
 from distserver.runtime.rendezvous import StepRendezvous
 from distserver.runtime.worker import Worker
@@ -506,12 +512,25 @@ class EagerService:
         node = NodeDef(name=operation.name, op=operation.name, device=self._worker.device.name)
         for name, value in operation.attrs.items():
             node.attr[name].CopyFrom(value)
+        expected = input_count(node)
+        if expected is not None and expected != len(inputs):
+            raise errors.InvalidArgumentError(
+                f"Operation '{operation.name}' takes {expected} inputs with its attrs, got {len(inputs)}",
+                node_name=operation.name,
+            )
         if operation.name == "VarHandleOp" and node.attr["shared_name"].s.decode() == ANONYMOUS_NAME:
             node.attr["shared_name"].s = context.new_anonymous_variable().encode()
         kernel = create_kernel(node)
         step_id = random.getrandbits(63)
         rendezvous = StepRendezvous(step_id, self._worker.task_name, None)
-        return await run_kernel(kernel, self._step_context(step_id, rendezvous), inputs)
+        outputs = await run_kernel(kernel, self._step_context(step_id, rendezvous), inputs)
+        if any(value is DEAD for value in outputs):
+            raise errors.InvalidArgumentError(
+                f"{operation.name} made a dead value (the untaken branch of a Switch): TensorFlow 1's "
+                "control flow ops run in graphs, not eagerly",
+                node_name=operation.name,
+            )
+        return outputs
 
     # -- functions ------------------------------------------------------------------
 

@@ -230,22 +230,29 @@ def _substitute(value: AttrValue, values: Mapping[str, AttrValue], function: str
             _substitute(func.attr[key], values, function, node)
 
 
-def _arg_count(spec: str | int, node: NodeDef, function: str) -> int:
+def input_count(node: NodeDef) -> int | None:
+    """How many inputs `node`'s op takes with its attrs (`op_signatures`), or None for
+    an op the table does not list.
+
+    Raises:
+        errors.InvalidArgumentError: an attr that sizes an input is missing.
+    """
+    signature = op_signatures().get(node.op)
+    if signature is None:
+        return None
+    return sum(_arg_count(spec, node, f"Operation '{node.name}'") for _, spec in signature["inputs"])
+
+
+def _arg_count(spec: str | int, node: NodeDef, where: str) -> int:
+    """The count of an argument of `spec` (1, an int attr's name, or "list:" and a type
+    list attr's name); `where` begins the error (what names `node`)."""
     if spec == 1:
         return 1
     assert isinstance(spec, str)
-    if spec.startswith("list:"):
-        attr = spec[5:]
-        if attr not in node.attr:
-            raise errors.InvalidArgumentError(
-                f"Function '{function}', node '{node.name}': attr '{attr}' is missing"
-            )
-        return len(node.attr[attr].list.type)
-    if spec not in node.attr:
-        raise errors.InvalidArgumentError(
-            f"Function '{function}', node '{node.name}': attr '{spec}' is missing"
-        )
-    return node.attr[spec].i
+    attr = spec.removeprefix("list:")
+    if attr not in node.attr:
+        raise errors.InvalidArgumentError(f"{where}: attr '{attr}' is missing")
+    return len(node.attr[attr].list.type) if spec.startswith("list:") else node.attr[attr].i
 
 
 def _output_ranges(
@@ -266,7 +273,7 @@ def _output_ranges(
     ranges: dict[str, tuple[int, int]] = {}
     start = 0
     for name, spec in specs:
-        count = _arg_count(spec, node, function)
+        count = _arg_count(spec, node, f"Function '{function}', node '{node.name}'")
         ranges[name] = (start, count)
         start += count
     return ranges
