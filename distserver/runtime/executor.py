@@ -103,7 +103,13 @@ from distserver.protos.function_pb2 import FunctionDef
 from distserver.protos.graph_pb2 import GraphDef
 from distserver.protos.node_def_pb2 import NodeDef
 from distserver.runtime.concurrency import first_error
-from distserver.runtime.functions import index_library, inline_functions, instantiate
+from distserver.runtime.functions import (
+    index_library,
+    inline_functions,
+    input_count,
+    instantiate,
+    output_count,
+)
 from distserver.runtime.fusion import reached_from
 from distserver.runtime.names import parse_input
 from distserver.runtime.rendezvous import StepRendezvous
@@ -262,6 +268,7 @@ class Executor:
                     self._nodes[src].num_reads += 1
                 self._nodes[src].consumers.append(i)
                 node.num_waits += 1
+        _check_signatures(graph_def, self._nodes)
         has_refs = any(n.kernel.makes_refs for n in self._nodes)
         has_loops = any(n.kernel.op in ("Enter", "RefEnter") for n in self._nodes)
         self._loop_plan = _LoopPlan(self._nodes) if has_loops else None
@@ -1004,6 +1011,46 @@ def _shared_or_new_kernel(node_def: NodeDef, stateful_kernels: dict[str, OpKerne
     if kernel.is_stateful:
         stateful_kernels[node_def.name] = kernel
     return kernel
+
+
+def _check_signatures(graph_def: GraphDef, nodes: list[_Node]) -> None:
+    """Refuse a node whose data inputs do not fit its op's signature (`op_signatures`),
+    as TensorFlow's graph import does: as many inputs as its attrs say, each an output
+    its source makes. A master imported its graphs so; a graph another task registers
+    is checked here. Ops the table does not list (distserver's own, `_Arg`, `_Recv`),
+    and counts sized by an attr the NodeDef lacks (defaults stripped), are not checked.
+
+    Raises:
+        errors.InvalidArgumentError: naming the node, with TensorFlow's text for an
+            output its source does not make.
+    """
+    outputs: dict[int, int | None] = {}
+    for node_def, node in zip(graph_def.node, nodes, strict=True):
+        expected = _signature_count(input_count, node_def)
+        if expected is not None and expected != len(node.inputs):
+            raise errors.InvalidArgumentError(
+                f"Node '{node_def.name}' ({node_def.op}) takes {expected} inputs with its attrs, "
+                f"got {len(node.inputs)}",
+                node_name=node_def.name,
+            )
+        for src, output in node.inputs:
+            if src not in outputs:
+                outputs[src] = _signature_count(output_count, graph_def.node[src])
+            made = outputs[src]
+            if made is not None and output >= made:
+                raise errors.InvalidArgumentError(
+                    f"Node '{node_def.name}': Connecting to invalid output {output} of source node "
+                    f"{graph_def.node[src].name} which has {made} outputs",
+                    node_name=node_def.name,
+                )
+
+
+def _signature_count(count: Callable[[NodeDef], int | None], node_def: NodeDef) -> int | None:
+    """`count(node_def)`, or None when an attr it needs is missing."""
+    try:
+        return count(node_def)
+    except errors.InvalidArgumentError:
+        return None
 
 
 def _output(nodes: list[_Node], outputs: list[list[Any] | None], src: int, k: int, consumer: _Node) -> Any:

@@ -237,10 +237,19 @@ def input_count(node: NodeDef) -> int | None:
     Raises:
         errors.InvalidArgumentError: an attr that sizes an input is missing.
     """
+    return _signature_count(node, "inputs")
+
+
+def output_count(node: NodeDef) -> int | None:
+    """How many outputs `node`'s op makes with its attrs, as `input_count`."""
+    return _signature_count(node, "outputs")
+
+
+def _signature_count(node: NodeDef, side: str) -> int | None:
     signature = op_signatures().get(node.op)
     if signature is None:
         return None
-    return sum(_arg_count(spec, node, f"Operation '{node.name}'") for _, spec in signature["inputs"])
+    return sum(_arg_count(spec, node, f"Operation '{node.name}'") for _, spec in signature[side])
 
 
 def _arg_count(spec: str | int, node: NodeDef, where: str) -> int:

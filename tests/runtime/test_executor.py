@@ -1122,12 +1122,37 @@ def test_kernels_asked_before_every_layer_weigh_their_calls_as_the_executor_woul
 
 
 @pytest.mark.parametrize("inputs", [["c:1"], ["c", "c:1"]], ids=["one-input", "two-inputs"])
-async def test_a_node_reading_an_output_its_producer_lacks_gets_an_error_naming_both(inputs):
-    # The straight sequence takes one or two inputs itself; a missing output still gets
-    # `_take_inputs`' error, not an IndexError.
+def test_a_node_reading_an_output_its_producer_lacks_gets_an_error_naming_both(inputs):
+    # Refused when the graph is registered, as TensorFlow's import refuses it (before,
+    # the step's straight sequence, which takes one or two inputs itself, found it).
     c = _node("c", "Const", dtype=_F32, value=np.array(2.0, np.float32))
     op = "Neg" if len(inputs) == 1 else "AddV2"
-    executor = Executor(_graph(c, _node("n", op, inputs, T=_F32)))
-    missing = r"'n' wants output 1 of 'c' \(Const\), which has only 1 outputs"
+    missing = r"'n': Connecting to invalid output 1 of source node c which has 1 outputs"
     with pytest.raises(errors.InvalidArgumentError, match=missing):
-        await executor.run(_step_context(None))
+        Executor(_graph(c, _node("n", op, inputs, T=_F32)))
+
+
+def test_a_graph_whose_nodes_do_not_fit_their_ops_signatures_is_refused_when_registered():
+    # A master imports and checks its graphs; a graph another task registers is checked
+    # here (an ad-hoc fuzz of RegisterGraph found both as IndexError and TypeError).
+    x = _node("x", "Const", value=np.ones((2, 3), np.float32), dtype=_F32)
+    tile = _node("tile", "Tile", ["x"], T=_F32, Tmultiples=types_pb2.DT_INT32)
+    with pytest.raises(
+        errors.InvalidArgumentError, match=r"'tile' \(Tile\) takes 2 inputs with its attrs, got 1"
+    ):
+        Executor(_graph(x, tile))
+    nothing = _node("nothing", "NoOp")
+    reads = _node("reads", "Identity", ["nothing"], T=_F32)
+    with pytest.raises(
+        errors.InvalidArgumentError,
+        match="'reads': Connecting to invalid output 0 of source node nothing which has 0",
+    ):
+        Executor(_graph(nothing, reads))
+    with pytest.raises(
+        errors.InvalidArgumentError, match="Connecting to invalid output 1 of source node x which has 1"
+    ):
+        Executor(_graph(x, _node("second", "Identity", ["x:1"], T=_F32)))
+    # A count an attr the NodeDef lacks would size (defaults stripped) is not checked.
+    add = _node("add", "AddN", ["x", "x"], T=_F32)
+    assert "N" not in add.attr
+    Executor(_graph(x, add))
