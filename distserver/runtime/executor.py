@@ -1026,7 +1026,7 @@ def _check_signatures(graph_def: GraphDef, nodes: list[_Node]) -> None:
     """
     outputs: dict[int, int | None] = {}
     for node_def, node in zip(graph_def.node, nodes, strict=True):
-        expected = _signature_count(input_count, node_def)
+        expected = _count_if_sized(input_count, node_def)
         if expected is not None and expected != len(node.inputs):
             raise errors.InvalidArgumentError(
                 f"Node '{node_def.name}' ({node_def.op}) takes {expected} inputs with its attrs, "
@@ -1035,7 +1035,7 @@ def _check_signatures(graph_def: GraphDef, nodes: list[_Node]) -> None:
             )
         for src, output in node.inputs:
             if src not in outputs:
-                outputs[src] = _signature_count(output_count, graph_def.node[src])
+                outputs[src] = _count_if_sized(output_count, graph_def.node[src])
             made = outputs[src]
             if made is not None and output >= made:
                 raise errors.InvalidArgumentError(
@@ -1045,7 +1045,7 @@ def _check_signatures(graph_def: GraphDef, nodes: list[_Node]) -> None:
                 )
 
 
-def _signature_count(count: Callable[[NodeDef], int | None], node_def: NodeDef) -> int | None:
+def _count_if_sized(count: Callable[[NodeDef], int | None], node_def: NodeDef) -> int | None:
     """`count(node_def)`, or None when an attr it needs is missing."""
     try:
         return count(node_def)
