@@ -1,5 +1,6 @@
 """How many CPUs this process may use: what its affinity and its cgroup's CPU quota
-allow; and keeping a task's event loop on one CPU (`pin_event_loop`).
+allow; keeping a task's event loop on one CPU (`pin_event_loop`), and that loop
+polling for a while between steps instead of sleeping at once (`AwakeBetweenSteps`).
 
 `os.cpu_count()` counts the host's CPUs, which in a container limited to 2 of a
 host's 64 is 64. `distserver serve` sizes numpy's BLAS by `usable_cpus()`
@@ -14,6 +15,7 @@ import contextlib
 import math
 import os
 import threading
+import time
 
 
 def usable_cpus() -> int:
@@ -129,3 +131,46 @@ def pin_event_loop(loop: asyncio.AbstractEventLoop) -> int | None:
         )
     )
     return cpu
+
+
+class AwakeBetweenSteps:
+    """Keeps an event loop polling for up to `seconds` after the last running step
+    ends, so that a client's next step finds the loop awake; a step that starts, or
+    the time running out, puts it back to sleeping in its poll as usual. For
+    `StepCounters.activity` (`busy`, `idle`): `distserver serve` sets it for a task
+    alone on its host (`--spin-us`).
+
+    Why: a training client sends its next step a few hundred microseconds after the
+    answer. A loop that sleeps meanwhile lets its vCPU halt, and the request then
+    waits for the host to wake it and finds the core's caches cold (a one-task step
+    from TensorFlow's client took 10-15% longer; docs/benchmarks.md). TensorFlow's
+    and OpenBLAS's thread pools spin a while before they sleep for the same reason.
+
+    How: a callback that schedules itself again (`call_soon`) keeps the loop's poll
+    at a zero timeout, so a request is read as soon as it is in; each turn yields the
+    CPU (`os.sched_yield`) to any other thread that wants it. Costs the CPU time it
+    polls, at most `seconds` after each step."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, seconds: float) -> None:
+        self._loop = loop
+        self._seconds = seconds
+        self._polls = 0  # which polling is current: a new one, or a step, ends the one before
+        self.polling = False
+
+    def busy(self) -> None:
+        self._polls += 1
+        self.polling = False
+
+    def idle(self) -> None:
+        self._polls += 1
+        self.polling = True
+        self._loop.call_soon(self._poll, self._polls, time.monotonic() + self._seconds)
+
+    def _poll(self, polls: int, until: float) -> None:
+        if polls != self._polls:
+            return
+        if time.monotonic() >= until:
+            self.polling = False
+            return
+        os.sched_yield()
+        self._loop.call_soon(self._poll, polls, until)

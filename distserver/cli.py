@@ -28,7 +28,7 @@ from google.protobuf.empty_pb2 import Empty
 
 from distserver import __version__, _malloc, errors
 from distserver._blas import local_tasks, set_blas_threads, threads_per_local_task, user_chose_threads
-from distserver._cpus import pin_event_loop, usable_cpus
+from distserver._cpus import AwakeBetweenSteps, pin_event_loop, usable_cpus
 from distserver._process import die_with_parent, exit_quietly_on_interrupt, run
 from distserver.bench import command as bench_command
 from distserver.cluster import ClusterSpec, TFConfigClusterResolver
@@ -50,6 +50,23 @@ logger = logging.getLogger(__name__)
 
 class UsageError(Exception):
     """A command-line mistake: reported as one line naming the option, exit status 2."""
+
+
+# How long a task alone on its host keeps its event loop polling after a step (`--spin-us`).
+DEFAULT_SPIN_US = 1000
+MAX_SPIN_US = 1_000_000
+
+
+def _spin_us(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= MAX_SPIN_US:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a whole number of microseconds from 0 to {MAX_SPIN_US}"
+        )
+    return value
 
 
 def _cluster_and_task(args: argparse.Namespace) -> tuple[ClusterSpec, str, int, str | None]:
@@ -141,7 +158,8 @@ async def _serve(args: argparse.Namespace) -> int:
         checkpoint_root=args.checkpoint_root,
     )
     await server.start()
-    if args.pin_loop and cpus > 1 and local_tasks(addresses) <= 1:
+    alone = cpus > 1 and local_tasks(addresses) <= 1
+    if args.pin_loop and alone:
         # A task alone on its host: its event loop keeps one CPU's caches warm, and the
         # compute pool it starts shares that CPU (`_cpus.pin_event_loop`).
         cpu = pin_event_loop(asyncio.get_running_loop())
@@ -149,6 +167,14 @@ async def _serve(args: argparse.Namespace) -> int:
             logger.info(
                 "event loop kept on CPU %d (a task alone on its host; --no-pin-loop leaves it free)", cpu
             )
+    if args.spin_us and alone and server.master is not None:
+        # Its client's next step finds the loop awake (`_cpus.AwakeBetweenSteps`).
+        server.master.steps.activity = AwakeBetweenSteps(asyncio.get_running_loop(), args.spin_us / 1e6)
+        logger.info(
+            "event loop polls for up to %d us after each step (a task alone on its host; --spin-us 0 "
+            "sleeps at once)",
+            args.spin_us,
+        )
     metrics = None
     if args.metrics_port is not None:
         host = args.metrics_host or ("0.0.0.0" if args.all_interfaces else "127.0.0.1")
@@ -389,6 +415,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="leave the event loop free to move between CPUs (by default a task alone on its host "
         "keeps its event loop and compute threads on one CPU)",
+    )
+    serve.add_argument(
+        "--spin-us",
+        type=_spin_us,
+        default=DEFAULT_SPIN_US,
+        metavar="US",
+        help="microseconds a task alone on its host keeps its event loop polling after a step, so "
+        "that the client's next step finds it awake (default: %(default)s; 0: sleep at once; "
+        f"at most {MAX_SPIN_US})",
     )
     serve.add_argument(
         "--log-level",

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -120,6 +121,14 @@ def test_serve_with_a_missing_checkpoint_root_says_so(python_env, tmp_path):
     )
     assert result.returncode == 2
     assert f"checkpoint_root '{missing}' is not an existing directory" in result.stderr
+
+
+@pytest.mark.parametrize("value", ["-1", "1000001", "half"])
+def test_serve_with_a_bad_spin_budget_says_what_is_wrong(python_env, value):
+    result = run_cli(["serve", "--cluster", '{"worker": ["localhost:0"]}', "--spin-us", value], python_env)
+    assert result.returncode == 2
+    expected = f"argument --spin-us: {value!r} is not a whole number of microseconds from 0 to 1000000"
+    assert expected in result.stderr
 
 
 def test_local_cluster_command(python_env):
@@ -398,3 +407,43 @@ def test_serve_keeps_the_event_loop_of_a_task_alone_on_its_host_on_one_cpu(jobs,
     # The compute pool's threads share the loop's CPU; every other thread keeps off it.
     assert all(cpus == loop or cpus == allowed - loop for cpus in threads.values())
     assert any(cpus == allowed - loop for cpus in threads.values())
+
+
+def _cpu_seconds(pid: int) -> float:
+    """The CPU time process `pid` has used (user and system)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+@pytest.mark.parametrize(
+    ("jobs", "serve_args", "polls"),
+    [
+        ({"worker": 1}, ["--spin-us", "500000"], True),
+        ({"worker": 1}, ["--spin-us", "0"], False),
+        ({"worker": 2}, ["--spin-us", "500000"], False),
+    ],
+    ids=["alone on its host", "--spin-us 0", "sharing its host"],
+)
+def test_serve_keeps_the_event_loop_of_a_task_alone_on_its_host_polling_after_a_step(jobs, serve_args, polls):
+    from distserver.testing import LocalCluster
+
+    with LocalCluster(jobs, serve_args=serve_args) as cluster:
+        pid = cluster.processes["/job:worker/replica:0/task:0"].pid
+        with distserver.Session(cluster.target("worker")) as session:
+            step = distserver.constant(2.0) * 3.0
+            assert session.run(step) == 6.0  # (the first step starts the compute pool)
+            time.sleep(0.7)  # (its polling, if any, is over)
+            before = _cpu_seconds(pid)
+            assert session.run(step) == 6.0
+            time.sleep(0.3)  # within the half second it may poll
+            used = _cpu_seconds(pid) - before
+            time.sleep(0.4)  # over: it sleeps again
+            before = _cpu_seconds(pid)
+            time.sleep(0.3)
+            after = _cpu_seconds(pid) - before
+    # Polling, the loop's thread takes a CPU (or its share of one) for the whole wait;
+    # else the task uses a few milliseconds for the step.
+    assert (used > 0.1) == polls, used
+    assert after < 0.1, after

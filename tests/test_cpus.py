@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -134,3 +136,35 @@ def test_a_loop_allowed_one_cpu_is_left_as_it_is():
         [sys.executable, "-c", ONE_CPU_PROBE], capture_output=True, text=True, timeout=60, check=True
     )
     assert done.stdout.split() == ["None", "1"]
+
+
+def test_a_loop_kept_awake_polls_after_the_last_step_until_a_step_starts_or_its_time_is_up():
+    async def cpu_while_waiting(seconds: float) -> float:
+        """The loop thread's CPU time while it waits `seconds` for nothing."""
+        before = time.thread_time()
+        await asyncio.sleep(seconds)
+        return time.thread_time() - before
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        awake = _cpus.AwakeBetweenSteps(loop, 60.0)  # (far longer than the test)
+        assert not awake.polling
+        assert await cpu_while_waiting(0.3) < 0.05  # a loop with nothing to do sleeps
+        awake.idle()  # the last step ended: the loop polls instead of sleeping
+        assert awake.polling
+        assert await cpu_while_waiting(0.3) > 0.03
+        assert awake.polling
+        awake.busy()  # a step started: the loop sleeps again while it waits
+        assert not awake.polling
+        assert await cpu_while_waiting(0.3) < 0.05
+        awake.idle()
+        awake.idle()  # (a second polling replaces the first, it does not add to it)
+        awake.busy()
+        assert await cpu_while_waiting(0.3) < 0.05
+        short = _cpus.AwakeBetweenSteps(loop, 0.05)
+        short.idle()
+        await asyncio.sleep(0.3)
+        assert not short.polling  # its time ran out
+        assert await cpu_while_waiting(0.3) < 0.05
+
+    asyncio.run(main())

@@ -175,3 +175,30 @@ def test_in_process_server_statistics_count_steps_and_failures():
     assert during.graphs.succeeded >= 3
     assert after.sessions == 0
     assert after.as_dict()["steps"]["in_flight"] == 0
+
+
+def test_step_counters_tell_their_activity_when_steps_start_running_and_when_the_last_one_ends():
+    from distserver.runtime.counters import StepCounters
+
+    class Seen:
+        def __init__(self) -> None:
+            self.told: list[str] = []
+
+        def busy(self) -> None:
+            self.told.append("busy")
+
+        def idle(self) -> None:
+            self.told.append("idle")
+
+    counters = StepCounters()
+    counters.finish(counters.start(), None)  # (no activity set: nothing to tell)
+    seen = counters.activity = Seen()
+    first = counters.start()
+    second = counters.start()  # (two steps at once: still busy)
+    counters.finish(first, None)
+    assert seen.told == ["busy"]
+    counters.finish(second, ds.errors.CancelledError("gone"))  # (a failed step ends too)
+    assert seen.told == ["busy", "idle"]
+    counters.finish(counters.start(), None)
+    assert seen.told == ["busy", "idle", "busy", "idle"]
+    assert counters.snapshot().started == 4

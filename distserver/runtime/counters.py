@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 # Upper bounds (seconds) of the latency histogram's buckets; one more bucket above.
 LATENCY_BUCKETS: tuple[float, ...] = (
@@ -38,8 +39,21 @@ class StepStatistics:
         return self.succeeded + sum(self.failed.values())
 
 
+class Activity(Protocol):
+    """Told when the steps a `StepCounters` counts start running (`busy`: none ran
+    before) and when the last one running ends (`idle`)."""
+
+    def busy(self) -> None: ...
+
+    def idle(self) -> None: ...
+
+
 class StepCounters:
-    """Counts steps as they start and finish. Use: `began = c.start()`, then `c.finish(began, error)`."""
+    """Counts steps as they start and finish. Use: `began = c.start()`, then `c.finish(began, error)`.
+
+    `activity`, when set, is told when the count of running steps leaves and reaches 0
+    (`distserver serve` keeps a lone task's event loop polling between its steps:
+    `_cpus.AwakeBetweenSteps`)."""
 
     def __init__(self) -> None:
         self._started = 0
@@ -47,13 +61,21 @@ class StepCounters:
         self._failed: dict[str, int] = {}
         self._counts = [0] * (len(LATENCY_BUCKETS) + 1)
         self._sum = 0.0
+        self._running = 0
+        self.activity: Activity | None = None
 
     def start(self) -> float:
         self._started += 1
+        self._running += 1
+        if self._running == 1 and self.activity is not None:
+            self.activity.busy()
         return time.perf_counter()
 
     def finish(self, began: float, error: BaseException | None) -> None:
         """One step that `start()` returned `began` for has ended, with `error` or well."""
+        self._running -= 1
+        if not self._running and self.activity is not None:
+            self.activity.idle()
         seconds = time.perf_counter() - began
         self._counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
         self._sum += seconds
