@@ -87,6 +87,9 @@ MAX_MESSAGE_BYTES = (1 << 31) - 1
 # The window each stream starts with, and the connection's.
 STREAM_WINDOW = 4 << 20
 CONNECTION_WINDOW = 64 << 20
+# A served call's DATA frame at least this large, with less than that read after it,
+# becomes its body without a copy (`_Connection._read_frames`).
+KEPT_DATA_BYTES = 64 << 10
 # A relayed stream's client may be this many bytes of whole messages ahead of the relay.
 RELAY_QUEUE_BYTES = 4 << 20
 HANDSHAKE_SECONDS = 10.0
@@ -179,7 +182,9 @@ class _Stream:
         self.path = path
         self.headers = headers
         self.send_window = send_window
-        self.body = bytearray()  # bytes of messages not yet complete (relayed) or all of them (served)
+        # Bytes of messages not yet complete (relayed) or all of them (served): a view of
+        # the connection's buffer when they came in one large frame, the last one read.
+        self.body: bytearray | memoryview = bytearray()
         self.relayed = False
         self.messages: asyncio.Queue[bytes | None] | None = None  # relayed: whole messages for the call
         self.queued_bytes = 0  # relayed: bytes in `messages`
@@ -304,6 +309,19 @@ class _Connection(asyncio.Protocol):
                     )
                 if len(buffer) - pos < 9 + size:
                     break
+                end = pos + 9 + size
+                if kind == DATA and size >= KEPT_DATA_BYTES and len(buffer) - end < KEPT_DATA_BYTES:
+                    # A large frame with little read after it (a unary call's request,
+                    # most often, its bytes the last to come: on the call's path): its
+                    # stream may keep this buffer as its body instead of a copy, and the
+                    # connection reads on in a new one, from what followed the frame.
+                    self._buffer = buffer[end:]
+                    self._on_frame(
+                        kind, flags, stream_id & 0x7FFFFFFF, memoryview(buffer)[pos + 9 : end], True
+                    )
+                    if not self._closed:
+                        self._read_frames()  # (nothing it holds is large enough to be kept)
+                    return
                 with view[pos + 9 : pos + 9 + size] as payload:
                     pos += 9 + size
                     self._on_frame(kind, flags, stream_id & 0x7FFFFFFF, payload)
@@ -311,7 +329,10 @@ class _Connection(asyncio.Protocol):
                     return
         del buffer[:pos]
 
-    def _on_frame(self, kind: int, flags: int, stream_id: int, payload: memoryview) -> None:
+    def _on_frame(
+        self, kind: int, flags: int, stream_id: int, payload: memoryview, keep: bool = False
+    ) -> None:
+        """One frame; `keep`: a DATA `payload` the stream may keep as its body (`_on_data`)."""
         if not self._settings_seen and kind != SETTINGS:
             raise _ConnectionError(PROTOCOL_ERROR, "the client's first frame is not SETTINGS")
         if self._pending_headers is not None and (
@@ -319,7 +340,7 @@ class _Connection(asyncio.Protocol):
         ):
             raise _ConnectionError(PROTOCOL_ERROR, "a header block was interrupted")
         if kind == DATA:
-            self._on_data(flags, stream_id, payload)
+            self._on_data(flags, stream_id, payload, keep)
         elif kind == HEADERS:
             self._on_headers(flags, stream_id, payload)
         elif kind == CONTINUATION:
@@ -480,7 +501,9 @@ class _Connection(asyncio.Protocol):
         if flags & END_STREAM:
             self._end_of_request(stream)
 
-    def _on_data(self, flags: int, stream_id: int, payload: memoryview) -> None:
+    def _on_data(self, flags: int, stream_id: int, payload: memoryview, keep: bool = False) -> None:
+        """A DATA frame; `keep`: `payload` is a view no one else writes to, which may
+        become the stream's body, when it has none yet, instead of a copy."""
         if not stream_id:
             raise _ConnectionError(PROTOCOL_ERROR, "DATA on stream 0")
         size = len(payload)  # all of it counts against the windows, padding included
@@ -505,7 +528,12 @@ class _Connection(asyncio.Protocol):
             self._refuse_large(stream)
             return
         else:
-            stream.body += data
+            if keep and not stream.body:
+                stream.body = data
+            else:
+                if not isinstance(stream.body, bytearray):  # (a frame after one it kept)
+                    stream.body = bytearray(stream.body)
+                stream.body += data
             if _claims_too_much(stream.body):  # answered from the prefix, not after the body
                 self._give_back(None, size)
                 self._refuse_large(stream)
@@ -518,8 +546,9 @@ class _Connection(asyncio.Protocol):
         # Withheld until granted; a refusal below gives them back with the stream (`_release`).
         stream.withheld += size
         self._withheld += size
-        stream.body += data
         body = stream.body
+        assert isinstance(body, bytearray)  # (`_on_data` keeps no view for a relayed stream)
+        body += data
         assert stream.messages is not None
         while len(body) >= _MESSAGE_HEAD.size:
             if _claims_too_much(body):
@@ -940,12 +969,12 @@ def _metadata(headers: list[tuple[bytes, bytes]]) -> tuple[tuple[str, str | byte
     )
 
 
-def _claims_too_much(body: bytearray) -> bool:
+def _claims_too_much(body: bytearray | memoryview) -> bool:
     """Whether the message starting `body` says it is larger than `MAX_MESSAGE_BYTES`."""
     return len(body) >= _MESSAGE_HEAD.size and _MESSAGE_HEAD.unpack_from(body)[1] > MAX_MESSAGE_BYTES
 
 
-def _one_message(body: bytearray) -> memoryview | tuple[int, str]:
+def _one_message(body: bytearray | memoryview) -> memoryview | tuple[int, str]:
     """A unary call's request, or (status code, message) saying why there is none."""
     if len(body) < _MESSAGE_HEAD.size:
         return errors.INTERNAL, "a unary call needs one request message, got none"

@@ -27,7 +27,13 @@ import pytest
 
 import distserver as ds
 from distserver.protos.device_attributes_pb2 import DeviceAttributes
-from distserver.protos.eager_service_pb2 import EnqueueRequest, EnqueueResponse, QueueItem, QueueResponse
+from distserver.protos.eager_service_pb2 import (
+    EnqueueRequest,
+    EnqueueResponse,
+    Operation,
+    QueueItem,
+    QueueResponse,
+)
 from distserver.protos.master_pb2 import ListDevicesRequest, ListDevicesResponse
 from distserver.protos.services import EAGER_SERVICE, MASTER_SERVICE, WORKER_SERVICE
 from distserver.protos.worker_pb2 import GetStatusRequest, GetStatusResponse
@@ -402,6 +408,54 @@ async def test_a_raw_client_gets_a_served_answer(listener, worker):
     assert dict(answer.headers or [])[b":status"] == b"200"
     assert answer.grpc_status == OK
     assert bytes(answer.data) == grpc_message(worker.status.SerializeToString())
+
+
+ENQUEUE = f"/{EAGER_SERVICE}/Enqueue"  # a unary method: served by the front
+
+
+def large_enqueue(items: int) -> bytes:
+    """An Enqueue request of `items` queue items, ~1 KiB each (answered with one response each)."""
+    queue = [QueueItem(operation=Operation(name="x" * 1000, id=i)) for i in range(items)]
+    return grpc_message(EnqueueRequest(queue=queue).SerializeToString())
+
+
+def answered_items(stream: Stream) -> int:
+    assert stream.grpc_status == OK, stream.trailers
+    return len(EnqueueResponse.FromString(bytes(stream.data[5:])).queue_response)
+
+
+async def test_a_large_request_is_answered_however_its_frames_arrive(listener, worker, monkeypatch):
+    # A request in one large DATA frame, with little read after it, becomes its call's
+    # body without a copy; a frame that follows it on its stream is added to a copy.
+    kept: list[int] = []  # the streams whose DATA the front kept as their body
+    original = http2._Connection._on_data
+
+    def spy(self, flags, stream_id, payload, keep=False):
+        if keep:
+            kept.append(stream_id)
+        return original(self, flags, stream_id, payload, keep)
+
+    monkeypatch.setattr(http2._Connection, "_on_data", spy)
+    request = large_enqueue(100)  # ~100 KiB
+    split = 70_000
+    async with raw_client(listener.port) as client:
+        client.start_call(1, ENQUEUE, request)  # alone
+        await client.until(lambda: client.stream(1).trailers is not None, "the first answer")
+        client.start_call(3, ENQUEUE, request[:split], end=False)  # kept, then a second frame
+        await asyncio.sleep(0.05)  # (the server, on this loop, reads the first frame by itself)
+        client.send(frame(DATA, END_STREAM, 3, request[split:]))
+        await client.until(lambda: client.stream(3).trailers is not None, "the second answer")
+        client.send(  # both at once: the first is kept with the second's frames after it
+            frame(HEADERS, END_HEADERS, 5, request_headers(ENQUEUE))
+            + frame(DATA, END_STREAM, 5, request)
+            + frame(HEADERS, END_HEADERS, 7, request_headers(ENQUEUE))
+            + frame(DATA, END_STREAM, 7, large_enqueue(3))
+        )
+        await client.until(
+            lambda: all(client.stream(i).trailers is not None for i in (5, 7)), "the last answers"
+        )
+    assert [answered_items(client.stream(i)) for i in (1, 3, 5, 7)] == [100, 100, 100, 3]
+    assert kept == [1, 3, 5]
 
 
 # ----------------------------------------------------------------------------- hostile clients
