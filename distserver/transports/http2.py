@@ -183,7 +183,8 @@ class _Stream:
         self.headers = headers
         self.send_window = send_window
         # Bytes of messages not yet complete (relayed) or all of them (served): a view of
-        # the connection's buffer when they came in one large frame, the last one read.
+        # a buffer the connection read them into when they came in one large DATA frame
+        # with little read after it (`_Connection._read_frames`).
         self.body: bytearray | memoryview = bytearray()
         self.relayed = False
         self.messages: asyncio.Queue[bytes | None] | None = None  # relayed: whole messages for the call
