@@ -1,6 +1,7 @@
 """How many CPUs this process may use: what its affinity and its cgroup's CPU quota
 allow; keeping a task's event loop on one CPU (`pin_event_loop`), and that loop
-polling for a while between steps instead of sleeping at once (`AwakeBetweenSteps`).
+polling for a while instead of sleeping at once: between steps (`AwakeBetweenSteps`)
+and after its sends to peer tasks (`AwakeAfterSends`).
 
 `os.cpu_count()` counts the host's CPUs, which in a container limited to 2 of a
 host's 64 is 64. `distserver serve` sizes numpy's BLAS by `usable_cpus()`
@@ -10,12 +11,16 @@ host's 64 is 64. `distserver serve` sizes numpy's BLAS by `usable_cpus()`
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import math
 import os
+import statistics
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 
 def usable_cpus() -> int:
@@ -133,6 +138,39 @@ def pin_event_loop(loop: asyncio.AbstractEventLoop) -> int | None:
     return cpu
 
 
+class _LoopPolling:
+    """An event loop kept polling until a moment: a callback that schedules itself
+    again (`call_soon`) keeps the loop's poll at a zero timeout, so what arrives is
+    read as soon as it is in; each turn yields the CPU (`os.sched_yield`) to any other
+    thread that wants it. Costs the CPU time it polls."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._until = 0.0
+        self._scheduled = False
+
+    @property
+    def polling(self) -> bool:
+        return time.monotonic() < self._until
+
+    def until(self, deadline: float) -> None:
+        """Poll until `deadline` (`time.monotonic()`), instead of any earlier or later end."""
+        self._until = deadline
+        if not self._scheduled:
+            self._scheduled = True
+            self.loop.call_soon(self._poll)
+
+    def stop(self) -> None:
+        self._until = 0.0
+
+    def _poll(self) -> None:
+        if time.monotonic() >= self._until:
+            self._scheduled = False
+            return
+        os.sched_yield()
+        self.loop.call_soon(self._poll)
+
+
 class AwakeBetweenSteps:
     """Keeps an event loop polling for up to `seconds` after the last running step
     ends, so that a client's next step finds the loop awake; a step that starts, or
@@ -145,32 +183,120 @@ class AwakeBetweenSteps:
     waits for the host to wake it and finds the core's caches cold (a one-task step
     from TensorFlow's client took 10-15% longer; docs/benchmarks.md). TensorFlow's
     and OpenBLAS's thread pools spin a while before they sleep for the same reason.
-
-    How: a callback that schedules itself again (`call_soon`) keeps the loop's poll
-    at a zero timeout, so a request is read as soon as it is in; each turn yields the
-    CPU (`os.sched_yield`) to any other thread that wants it. Costs the CPU time it
-    polls, at most `seconds` after each step."""
+    Costs the CPU time it polls (`_LoopPolling`), at most `seconds` after each step."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, seconds: float) -> None:
-        self._loop = loop
+        self._polling = _LoopPolling(loop)
         self._seconds = seconds
-        self._polls = 0  # which polling is current: a new one, or a step, ends the one before
-        self.polling = False
+
+    @property
+    def polling(self) -> bool:
+        return self._polling.polling
 
     def busy(self) -> None:
-        self._polls += 1
-        self.polling = False
+        self._polling.stop()
 
     def idle(self) -> None:
-        self._polls += 1
-        self.polling = True
-        self._loop.call_soon(self._poll, self._polls, time.monotonic() + self._seconds)
+        self._polling.until(time.monotonic() + self._seconds)
 
-    def _poll(self, polls: int, until: float) -> None:
-        if polls != self._polls:
+
+class AwakeAfterSends:
+    """Keeps an event loop polling for up to `seconds` after it sends a message to a
+    peer (another task; distserver's own client, whose calls ride the same direct
+    connections), while its peers usually answer within that time, so that the answer
+    finds the loop awake. Handing work to its own compute pool (`ComputePool`) or the
+    time running out puts it back to sleeping in its poll as usual. The transports
+    between distserver tasks (grpc+verbs' queue pairs, the direct TCP connections)
+    tell it what they send and hear through `sent_to_peer` and `heard_from_peer`;
+    `distserver serve` turns it on (`poll_after_sends`, `--spin-us`).
+
+    Why: a step across tasks is a chain of messages between them (a parameter
+    server's values, the worker's gradients, the answers), and a loop that sleeps
+    while it waits lets its vCPU halt: each link then also waits for the host to wake
+    that vCPU (~40 us on this 2-vCPU VM, `scripts/wake_costs.py`). Same-host cluster
+    `embedding` steps over grpc+verbs: 0.82x -> 0.73x TensorFlow's (docs/benchmarks.md).
+
+    When not: a wait that usually lasts longer than `seconds` is a peer computing (a
+    worker's matrix products while its parameter server waits for the gradients);
+    polling through it would take CPU from that peer for nothing. So the loop polls
+    only while the median of its last `WAITS` waits (from a send to the next message
+    heard from a peer) is at most `seconds`. Its own kernels' threads want the CPU
+    too: work handed to the pool ends the polling."""
+
+    WAITS = 16
+    # Fewer waits seen than this: poll (nothing says the answers are slow yet).
+    MIN_WAITS = 4
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, seconds: float) -> None:
+        self._polling = _LoopPolling(loop)
+        self._seconds = seconds
+        self._waiting_since: float | None = None  # the first send not yet answered
+        self._waits: collections.deque[float] = collections.deque(maxlen=self.WAITS)
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self._polling.loop
+
+    @property
+    def polling(self) -> bool:
+        return self._polling.polling
+
+    def sent(self) -> None:
+        now = time.monotonic()
+        if self._waiting_since is None:
+            self._waiting_since = now
+        if len(self._waits) >= self.MIN_WAITS and statistics.median(self._waits) > self._seconds:
             return
-        if time.monotonic() >= until:
-            self.polling = False
-            return
-        os.sched_yield()
-        self._loop.call_soon(self._poll, polls, until)
+        self._polling.until(now + self._seconds)
+
+    def heard(self) -> None:
+        if self._waiting_since is not None:
+            self._waits.append(time.monotonic() - self._waiting_since)
+            self._waiting_since = None
+
+    def computing(self) -> None:
+        self._polling.stop()
+
+
+# The serving loop's `AwakeAfterSends` (`distserver serve` runs one loop a process).
+_after_sends: AwakeAfterSends | None = None
+
+
+def poll_after_sends(loop: asyncio.AbstractEventLoop, seconds: float) -> AwakeAfterSends:
+    """Keep `loop` polling after its sends to peer tasks (`AwakeAfterSends`)."""
+    global _after_sends
+    _after_sends = AwakeAfterSends(loop, seconds)
+    return _after_sends
+
+
+def sent_to_peer(loop: asyncio.AbstractEventLoop) -> None:
+    """A transport sent a message to a peer task from `loop`."""
+    awake = _after_sends
+    if awake is not None and awake.loop is loop:
+        awake.sent()
+
+
+def heard_from_peer(loop: asyncio.AbstractEventLoop) -> None:
+    """A transport read a message from a peer task on `loop`."""
+    awake = _after_sends
+    if awake is not None and awake.loop is loop:
+        awake.heard()
+
+
+class ComputePool(concurrent.futures.ThreadPoolExecutor):
+    """A task's compute pool (kernels run off the event loop): work handed to it from
+    the loop that `poll_after_sends` keeps awake ends that polling, as the pool's
+    thread now wants the CPU."""
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
+        awake = _after_sends
+        if awake is not None and awake.polling and _running_loop() is awake.loop:
+            awake.computing()
+        return super().submit(fn, *args, **kwargs)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:  # (not on a loop's thread)
+        return None

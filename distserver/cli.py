@@ -28,7 +28,7 @@ from google.protobuf.empty_pb2 import Empty
 
 from distserver import __version__, _malloc, errors
 from distserver._blas import local_tasks, set_blas_threads, threads_per_local_task, user_chose_threads
-from distserver._cpus import AwakeBetweenSteps, pin_event_loop, usable_cpus
+from distserver._cpus import AwakeBetweenSteps, pin_event_loop, poll_after_sends, usable_cpus
 from distserver._process import die_with_parent, exit_quietly_on_interrupt, run
 from distserver.bench import command as bench_command
 from distserver.cluster import ClusterSpec, TFConfigClusterResolver
@@ -52,7 +52,8 @@ class UsageError(Exception):
     """A command-line mistake: reported as one line naming the option, exit status 2."""
 
 
-# How long a task alone on its host keeps its event loop polling after a step (`--spin-us`).
+# How long a task's event loop polls before it sleeps, after a send to a peer task
+# and, for a task alone on its host, after a step (`--spin-us`).
 DEFAULT_SPIN_US = 1000
 MAX_SPIN_US = 1_000_000
 
@@ -158,7 +159,11 @@ async def _serve(args: argparse.Namespace) -> int:
         checkpoint_root=args.checkpoint_root,
     )
     await server.start()
-    alone = cpus > 1 and local_tasks(addresses) <= 1
+    here = local_tasks(addresses)
+    alone = cpus > 1 and here <= 1
+    # Polling takes a CPU that nothing else wants: with more tasks on this host than
+    # CPUs there may be none (two workers and a ps on two CPUs: 3-6% slower steps).
+    cpu_each = cpus > 1 and here <= cpus
     if args.pin_loop and alone:
         # A task alone on its host: its event loop keeps one CPU's caches warm, and the
         # compute pool it starts shares that CPU (`_cpus.pin_event_loop`).
@@ -167,13 +172,19 @@ async def _serve(args: argparse.Namespace) -> int:
             logger.info(
                 "event loop kept on CPU %d (a task alone on its host; --no-pin-loop leaves it free)", cpu
             )
-    if args.spin_us and alone and server.master is not None:
-        # Its client's next step finds the loop awake (`_cpus.AwakeBetweenSteps`).
-        server.master.steps.activity = AwakeBetweenSteps(asyncio.get_running_loop(), args.spin_us / 1e6)
+    if args.spin_us and cpu_each:
+        # Answers from peer tasks find the loop awake (`_cpus.AwakeAfterSends`) ...
+        poll_after_sends(asyncio.get_running_loop(), args.spin_us / 1e6)
+        polls = "after its sends to peer tasks"
+        if alone and server.master is not None:
+            # ... and so does its client's next step (`_cpus.AwakeBetweenSteps`).
+            server.master.steps.activity = AwakeBetweenSteps(asyncio.get_running_loop(), args.spin_us / 1e6)
+            polls = "after each step and " + polls
         logger.info(
-            "event loop polls for up to %d us after each step (a task alone on its host; --spin-us 0 "
+            "event loop polls for up to %d us %s (a CPU for each task on this host; --spin-us 0 "
             "sleeps at once)",
             args.spin_us,
+            polls,
         )
     metrics = None
     if args.metrics_port is not None:
@@ -421,9 +432,10 @@ def build_parser() -> argparse.ArgumentParser:
         type=_spin_us,
         default=DEFAULT_SPIN_US,
         metavar="US",
-        help="microseconds a task alone on its host keeps its event loop polling after a step, so "
-        "that the client's next step finds it awake (default: %(default)s; 0: sleep at once; "
-        f"at most {MAX_SPIN_US})",
+        help="microseconds the event loop polls before it sleeps, on a host with a CPU for each of "
+        "its tasks (two or more): after a send to a peer task, while peers usually answer within "
+        "that time, and, for a task alone on its host, after a step, so that the answer or the "
+        f"client's next step finds it awake (default: %(default)s; 0: sleep at once; at most {MAX_SPIN_US})",
     )
     serve.add_argument(
         "--log-level",

@@ -33,6 +33,7 @@ from typing import Any
 from google.protobuf import empty_pb2, wrappers_pb2
 
 from distserver import errors
+from distserver._cpus import ComputePool
 from distserver.cluster import ClusterSpec, local_address, make_server_def, validate_cluster
 from distserver.devices import full_device_name, task_name
 from distserver.kernels import _compiled
@@ -303,7 +304,7 @@ class AsyncServer:
     def _build_runtime(self) -> None:
         config = self._server_def.default_session_config
         threads = config.inter_op_parallelism_threads or min(4, os.cpu_count() or 1)
-        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="distserver-compute")
+        self._pool = ComputePool(threads, thread_name_prefix="distserver-compute")
         incarnation = random.getrandbits(64) or 1
         device = DeviceAttributes(
             name=full_device_name(self._server_def.job_name, self._server_def.task_index),

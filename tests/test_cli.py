@@ -423,9 +423,16 @@ def _cpu_seconds(pid: int) -> float:
     [
         ({"worker": 1}, ["--spin-us", "500000"], True),
         ({"worker": 1}, ["--spin-us", "0"], False),
-        ({"worker": 2}, ["--spin-us", "500000"], False),
+        pytest.param(
+            {"worker": usable_cpus() + 1},
+            ["--spin-us", "500000"],
+            False,
+            marks=pytest.mark.skipif(usable_cpus() > 4, reason="as many task processes as CPUs"),
+        ),
     ],
-    ids=["alone on its host", "--spin-us 0", "sharing its host"],
+    # (A task with a CPU of its own also polls after it answers distserver's client:
+    # `test_serve_keeps_the_event_loop_polling_after_its_answer_to_a_peer_task`.)
+    ids=["alone on its host", "--spin-us 0", "more tasks than CPUs"],
 )
 def test_serve_keeps_the_event_loop_of_a_task_alone_on_its_host_polling_after_a_step(jobs, serve_args, polls):
     from distserver.testing import LocalCluster
@@ -446,5 +453,51 @@ def test_serve_keeps_the_event_loop_of_a_task_alone_on_its_host_polling_after_a_
             after = _cpu_seconds(pid) - before
     # Polling, the loop's thread takes a CPU (or its share of one) for the whole wait;
     # else the task uses a few milliseconds for the step.
+    assert (used > 0.1) == polls, used
+    assert after < 0.1, after
+
+
+@pytest.mark.skipif(usable_cpus() < 2, reason="needs two CPUs (a task on one never polls)")
+@pytest.mark.parametrize(
+    ("protocol", "jobs", "serve_args", "polls"),
+    [
+        ("grpc", {"ps": 1, "worker": 1}, ["--spin-us", "500000"], True),
+        ("grpc+verbs", {"ps": 1, "worker": 1}, ["--spin-us", "500000"], True),
+        ("grpc", {"ps": 1, "worker": 1}, ["--spin-us", "0"], False),
+        pytest.param(
+            "grpc",
+            {"ps": 1, "worker": usable_cpus()},
+            ["--spin-us", "500000"],
+            False,
+            marks=pytest.mark.skipif(usable_cpus() > 4, reason="as many task processes as CPUs"),
+        ),
+    ],
+    ids=["grpc", "grpc+verbs", "--spin-us 0", "more tasks than CPUs"],
+)
+def test_serve_keeps_the_event_loop_polling_after_its_answer_to_a_peer_task(
+    protocol, jobs, serve_args, polls
+):
+    from distserver.testing import LocalCluster
+
+    env = {"DISTSERVER_VERBS_STRICT": "1"} if protocol == "grpc+verbs" else None
+    with LocalCluster(jobs, protocol=protocol, serve_args=serve_args, env=env) as cluster:
+        ps = cluster.processes["/job:ps/replica:0/task:0"].pid
+        with distserver.Session(cluster.target("worker")) as session:
+            with distserver.device("/job:ps/task:0"):
+                two = distserver.constant(2.0) + 0.0
+            with distserver.device("/job:worker/task:0"):
+                step = two * 3.0  # the worker asks the ps for `two`: the ps answers it
+            assert session.run(step) == 6.0
+            time.sleep(0.7)  # (its polling, if any, is over)
+            assert session.run(step) == 6.0  # (the direct connection between them is up)
+            time.sleep(0.7)
+            before = _cpu_seconds(ps)
+            assert session.run(step) == 6.0
+            time.sleep(0.3)  # within the half second it may poll
+            used = _cpu_seconds(ps) - before
+            time.sleep(0.4)  # over: it sleeps again
+            before = _cpu_seconds(ps)
+            time.sleep(0.3)
+            after = _cpu_seconds(ps) - before
     assert (used > 0.1) == polls, used
     assert after < 0.1, after

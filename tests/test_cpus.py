@@ -168,3 +168,82 @@ def test_a_loop_kept_awake_polls_after_the_last_step_until_a_step_starts_or_its_
         assert await cpu_while_waiting(0.3) < 0.05
 
     asyncio.run(main())
+
+
+async def _cpu_while_waiting(seconds: float) -> float:
+    """The loop thread's CPU time while it waits `seconds` for nothing."""
+    before = time.thread_time()
+    await asyncio.sleep(seconds)
+    return time.thread_time() - before
+
+
+def test_a_loop_kept_awake_after_its_sends_polls_until_it_hands_work_to_its_pool_or_its_time_is_up(
+    monkeypatch,
+):
+    monkeypatch.setattr(_cpus, "_after_sends", None)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        pool = _cpus.ComputePool(1)
+        await loop.run_in_executor(pool, time.sleep, 0)  # (its thread started)
+        awake = _cpus.poll_after_sends(loop, 60.0)  # (far longer than the test)
+        assert not awake.polling
+        assert await _cpu_while_waiting(0.3) < 0.05  # nothing sent: the loop sleeps
+        _cpus.sent_to_peer(loop)
+        assert awake.polling
+        assert await _cpu_while_waiting(0.3) > 0.03
+        _cpus.heard_from_peer(loop)  # an answer: more may come, it polls on
+        assert awake.polling
+        await loop.run_in_executor(pool, time.sleep, 0.05)  # its own work: polling ends
+        assert not awake.polling
+        assert await _cpu_while_waiting(0.3) < 0.05
+        pool.shutdown()
+        short = _cpus.poll_after_sends(loop, 0.05)
+        _cpus.sent_to_peer(loop)
+        assert short.polling
+        await asyncio.sleep(0.3)
+        assert not short.polling  # its time ran out
+        assert await _cpu_while_waiting(0.3) < 0.05
+
+    asyncio.run(main())
+
+
+def test_sends_from_a_loop_not_kept_awake_leave_it_sleeping(monkeypatch):
+    monkeypatch.setattr(_cpus, "_after_sends", None)
+
+    async def main() -> None:
+        _cpus.sent_to_peer(asyncio.get_running_loop())  # (no polling set up: nothing happens)
+        assert await _cpu_while_waiting(0.3) < 0.05
+        awake = _cpus.poll_after_sends(asyncio.new_event_loop(), 60.0)  # another loop's
+        _cpus.sent_to_peer(asyncio.get_running_loop())
+        assert not awake.polling
+        assert await _cpu_while_waiting(0.3) < 0.05
+        awake.loop.close()
+
+    asyncio.run(main())
+
+
+def test_a_loop_does_not_poll_after_its_sends_while_its_peers_usually_answer_after_its_polling_would_end(
+    monkeypatch,
+):
+    monkeypatch.setattr(_cpus, "_after_sends", None)
+    waits = _cpus.AwakeAfterSends.WAITS
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        awake = _cpus.poll_after_sends(loop, 0.02)
+        for _ in range(waits):  # a peer that computes 40 ms before it answers
+            _cpus.sent_to_peer(loop)
+            await asyncio.sleep(0.04)
+            _cpus.heard_from_peer(loop)
+        _cpus.sent_to_peer(loop)
+        assert not awake.polling
+        assert await _cpu_while_waiting(0.1) < 0.02
+        _cpus.heard_from_peer(loop)
+        for _ in range(waits // 2 + 1):  # then answers at once: once most waits are short, it polls
+            _cpus.sent_to_peer(loop)
+            _cpus.heard_from_peer(loop)
+        _cpus.sent_to_peer(loop)
+        assert awake.polling
+
+    asyncio.run(main())

@@ -66,6 +66,7 @@ import grpc
 import grpc.aio
 
 from distserver import call_deadline, errors
+from distserver._cpus import heard_from_peer, sent_to_peer
 from distserver.security import TOKEN_METADATA_KEY, Security
 from distserver.transports.base import wait_for_answer
 
@@ -198,7 +199,8 @@ class _Connection(asyncio.BufferedProtocol):
         # While a large frame goes out a slice at a time, other frames wait here (in order).
         self._large_lock = asyncio.Lock()
         self._held: list[bytes] | None = None
-        self.closed = asyncio.get_running_loop().create_future()  # result: the reason (str)
+        self._loop = asyncio.get_running_loop()
+        self.closed = self._loop.create_future()  # result: the reason (str)
 
     # -- asyncio callbacks
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -213,6 +215,7 @@ class _Connection(asyncio.BufferedProtocol):
         return self._reader.get_buffer(sizehint)
 
     def buffer_updated(self, nbytes: int) -> None:
+        heard_from_peer(self._loop)
         self._heard()
         try:
             self._reader.buffer_updated(nbytes)
@@ -265,6 +268,7 @@ class _Connection(asyncio.BufferedProtocol):
             self._held.append(frame)  # after the large frame being written
         else:
             self._transport.write(frame)
+        sent_to_peer(self._loop)
 
     async def send_large(self, kind: int, call_id: int, parts: list[bytes | memoryview]) -> None:
         """Send a frame whose parts may be large, a slice at a time (see `_WRITE_SLICE`)."""
@@ -290,6 +294,7 @@ class _Connection(asyncio.BufferedProtocol):
                 held, self._held = self._held, None
                 if held and not transport.is_closing():
                     transport.write(b"".join(held))
+            sent_to_peer(self._loop)
 
     def abort(self, reason: str) -> None:
         if not self.closed.done():

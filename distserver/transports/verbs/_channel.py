@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from distserver import errors
+from distserver._cpus import heard_from_peer, sent_to_peer
 from distserver.transports.verbs._wire import MAX_PACKET_BYTES
 
 MAX_FDS_PER_PACKET = 4
@@ -125,6 +126,7 @@ class PacketChannel:
         self._outgoing.append(item)
         if not self._writer_armed:
             self._flush()
+        sent_to_peer(self._loop)
         return item.done
 
     async def send(self, payload: bytes, fds: Sequence[int] = ()) -> None:
@@ -166,6 +168,7 @@ class PacketChannel:
                 item.done.exception()  # nobody may be waiting; mark it retrieved
 
     def _on_readable(self) -> None:
+        heard_from_peer(self._loop)
         for _ in range(_PACKETS_PER_WAKEUP):
             if self._stopped:
                 return
