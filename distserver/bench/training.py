@@ -24,6 +24,8 @@ clients, one per worker, the session's target and the compute on its worker, the
 variables on the ps, their blocks started together; the step times are both clients'.
 The workers then share the machine's cores. distserver's own client has no series
 in it (its sessions isolate their state, so its two clients would not share variables).
+``pair``, measured only when asked for: the cluster's graph on a ps and one worker, a
+task per core on a two-core machine.
 
 For every (layout, workload, series): the median step time and the spread (10th and
 90th percentiles) over all timed steps; per step, the CPU seconds of each task
@@ -73,7 +75,9 @@ from distserver.testing import LocalCluster
 HERE = Path(__file__).resolve().parent  # train_side.py and tf_side.py, run as scripts
 
 WORKLOADS = ("mlp", "embedding", "small")
-LAYOUTS = ("cluster", "one", "two-workers")
+LAYOUTS = ("cluster", "one", "two-workers", "pair")
+# What a run measures unless told: "pair" only when asked for.
+DEFAULT_LAYOUTS = ("cluster", "one", "two-workers")
 PROTOCOLS = ("grpc", "grpc+verbs")
 TF = "tf"
 DS_CLIENT = "ds-client"
@@ -84,10 +88,17 @@ RESULT = "@@result "
 READY = "@@ready "
 COMMAND_TIMEOUT_S = 300.0
 START_TIMEOUT_S = 120.0
-JOBS = {"cluster": {"ps": 1, "worker": 2}, "one": {"worker": 1}, "two-workers": {"ps": 1, "worker": 2}}
+JOBS = {
+    "cluster": {"ps": 1, "worker": 2},
+    "one": {"worker": 1},
+    "two-workers": {"ps": 1, "worker": 2},
+    "pair": {"ps": 1, "worker": 1},
+}
 # The layouts whose every worker trains, each with a client of its own; and the layout
 # those clients build (`train_side.build`), each for its worker.
 EVERY_WORKER_TRAINS = {"two-workers": "cluster"}
+# The graph each layout's clients build (`train_side.build`): "cluster" or "one".
+GRAPHS = {**EVERY_WORKER_TRAINS, "pair": "cluster"}
 
 # Installed in our task processes (sitecustomize): counts the calls each task makes to
 # other tasks, by method, and writes them to $DIR/<pid>.json on SIGUSR1.
@@ -547,7 +558,7 @@ def _measure_workload(
         (prepared, *_) = one.ask(
             "prepare",
             workload=workload,
-            layout=EVERY_WORKER_TRAINS.get(layout, layout),
+            layout=GRAPHS.get(layout, layout),
             warmup=options["warmup"],
         )
         per[one.name] = {
@@ -654,7 +665,7 @@ def _summary(data: dict[str, Any], block_steps: int) -> dict[str, Any]:
 def run_training_benchmark(
     *,
     workloads: Sequence[str] = WORKLOADS,
-    layouts: Sequence[str] = LAYOUTS,
+    layouts: Sequence[str] = DEFAULT_LAYOUTS,
     runtimes: Sequence[str] = RUNTIMES,
     blocks: int = 4,
     steps: int = 15,
@@ -671,7 +682,8 @@ def run_training_benchmark(
     Args:
         workloads: any of "mlp", "embedding", "small".
         layouts: "cluster" (ps + 2 workers), "one" (one task), "two-workers" (ps + 2
-            workers, both training at once with a TF client each).
+            workers, both training at once with a TF client each), "pair" (ps + 1
+            worker; not by default).
         runtimes: the series: any of "grpc", "grpc+verbs" (the TF client on distserver),
             "tf" (the TF client on TensorFlow), "grpc/ds-client" and
             "grpc+verbs/ds-client" (distserver's own client on the same distserver
@@ -886,7 +898,7 @@ def main() -> None:
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
-    parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument("--layouts", default=",".join(DEFAULT_LAYOUTS), help=f"any of {', '.join(LAYOUTS)}")
     parser.add_argument(
         "--runtimes",
         default=",".join(RUNTIMES),
