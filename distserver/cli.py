@@ -52,8 +52,8 @@ class UsageError(Exception):
     """A command-line mistake: reported as one line naming the option, exit status 2."""
 
 
-# How long a task's event loop polls before it sleeps, after a send to a peer task
-# and, for a task alone on its host, after a step (`--spin-us`).
+# How long a task's event loop polls before it sleeps: after a step (a task alone on
+# its host), else after a send to a peer (`--spin-us`).
 DEFAULT_SPIN_US = 1000
 MAX_SPIN_US = 1_000_000
 
@@ -172,19 +172,21 @@ async def _serve(args: argparse.Namespace) -> int:
             logger.info(
                 "event loop kept on CPU %d (a task alone on its host; --no-pin-loop leaves it free)", cpu
             )
-    if args.spin_us and cpu_each:
-        # Answers from peer tasks find the loop awake (`_cpus.AwakeAfterSends`) ...
-        poll_after_sends(asyncio.get_running_loop(), args.spin_us / 1e6)
-        polls = "after its sends to peer tasks"
-        if alone and server.master is not None:
-            # ... and so does its client's next step (`_cpus.AwakeBetweenSteps`).
-            server.master.steps.activity = AwakeBetweenSteps(asyncio.get_running_loop(), args.spin_us / 1e6)
-            polls = "after each step and " + polls
+    if args.spin_us and alone and server.master is not None:
+        # Its client's next step finds the loop awake (`_cpus.AwakeBetweenSteps`).
+        server.master.steps.activity = AwakeBetweenSteps(asyncio.get_running_loop(), args.spin_us / 1e6)
         logger.info(
-            "event loop polls for up to %d us %s (a CPU for each task on this host; --spin-us 0 "
+            "event loop polls for up to %d us after each step (a task alone on its host; --spin-us 0 "
             "sleeps at once)",
             args.spin_us,
-            polls,
+        )
+    elif args.spin_us and cpu_each:
+        # Answers from its peers find the loop awake (`_cpus.AwakeAfterSends`).
+        poll_after_sends(asyncio.get_running_loop(), args.spin_us / 1e6)
+        logger.info(
+            "event loop polls for up to %d us after its sends to peers (a CPU for each task on this "
+            "host; --spin-us 0 sleeps at once)",
+            args.spin_us,
         )
     metrics = None
     if args.metrics_port is not None:
@@ -432,10 +434,10 @@ def build_parser() -> argparse.ArgumentParser:
         type=_spin_us,
         default=DEFAULT_SPIN_US,
         metavar="US",
-        help="microseconds the event loop polls before it sleeps, on a host with a CPU for each of "
-        "its tasks (two or more): after a send to a peer task, while peers usually answer within "
-        "that time, and, for a task alone on its host, after a step, so that the answer or the "
-        f"client's next step finds it awake (default: %(default)s; 0: sleep at once; at most {MAX_SPIN_US})",
+        help="microseconds the event loop polls before it sleeps, on a host of two or more CPUs: "
+        "after a step, for a task alone on its host, so that the client's next step finds it awake; "
+        "else after a send to a peer, while peers usually answer within that time, when the host "
+        f"has a CPU for each of its tasks (default: %(default)s; 0: sleep at once; at most {MAX_SPIN_US})",
     )
     serve.add_argument(
         "--log-level",
