@@ -1,7 +1,7 @@
 """How many CPUs this process may use: what its affinity and its cgroup's CPU quota
 allow; keeping a task's event loop on one CPU (`pin_event_loop`), and that loop
 polling for a while instead of sleeping at once: between steps (`AwakeBetweenSteps`)
-and after its sends to peer tasks (`AwakeAfterSends`).
+and after its sends to peers (`AwakeAfterSends`).
 
 `os.cpu_count()` counts the host's CPUs, which in a container limited to 2 of a
 host's 64 is 64. `distserver serve` sizes numpy's BLAS by `usable_cpus()`
@@ -206,15 +206,17 @@ class AwakeAfterSends:
     connections), while its peers usually answer within that time, so that the answer
     finds the loop awake. Handing work to its own compute pool (`ComputePool`) or the
     time running out puts it back to sleeping in its poll as usual. The transports
-    between distserver tasks (grpc+verbs' queue pairs, the direct TCP connections)
-    tell it what they send and hear through `sent_to_peer` and `heard_from_peer`;
+    between distserver processes (grpc+verbs' queue pairs, the direct TCP
+    connections) tell it what they send and hear through `sent_to_peer` and
+    `heard_from_peer`;
     `distserver serve` turns it on (`poll_after_sends`, `--spin-us`).
 
     Why: a step across tasks is a chain of messages between them (a parameter
     server's values, the worker's gradients, the answers), and a loop that sleeps
     while it waits lets its vCPU halt: each link then also waits for the host to wake
-    that vCPU (~40 us on this 2-vCPU VM, `scripts/wake_costs.py`). Same-host cluster
-    `embedding` steps over grpc+verbs: 0.82x -> 0.73x TensorFlow's (docs/benchmarks.md).
+    that vCPU (~40 us on this 2-vCPU VM, `scripts/wake_costs.py`). A ps and a worker
+    on two vCPUs, `embedding` steps: 0.86-0.89x -> 0.72-0.76x TensorFlow's
+    (docs/benchmarks.md, round 34).
 
     When not: a wait that usually lasts longer than `seconds` is a peer computing (a
     worker's matrix products while its parameter server waits for the gradients);
@@ -263,21 +265,21 @@ _after_sends: AwakeAfterSends | None = None
 
 
 def poll_after_sends(loop: asyncio.AbstractEventLoop, seconds: float) -> AwakeAfterSends:
-    """Keep `loop` polling after its sends to peer tasks (`AwakeAfterSends`)."""
+    """Keep `loop` polling after its sends to peers (`AwakeAfterSends`)."""
     global _after_sends
     _after_sends = AwakeAfterSends(loop, seconds)
     return _after_sends
 
 
 def sent_to_peer(loop: asyncio.AbstractEventLoop) -> None:
-    """A transport sent a message to a peer task from `loop`."""
+    """A transport sent a message to a peer from `loop`."""
     awake = _after_sends
     if awake is not None and awake.loop is loop:
         awake.sent()
 
 
 def heard_from_peer(loop: asyncio.AbstractEventLoop) -> None:
-    """A transport read a message from a peer task on `loop`."""
+    """A transport read a message from a peer on `loop`."""
     awake = _after_sends
     if awake is not None and awake.loop is loop:
         awake.heard()

@@ -162,7 +162,7 @@ async def _serve(args: argparse.Namespace) -> int:
     here = local_tasks(addresses)
     alone = cpus > 1 and here <= 1
     # Polling takes a CPU that nothing else wants: with more tasks on this host than
-    # CPUs there may be none (two workers and a ps on two CPUs: 3-6% slower steps).
+    # CPUs there may be none (two workers and a ps on two CPUs: 2-5% slower steps).
     cpu_each = cpus > 1 and here <= cpus
     if args.pin_loop and alone:
         # A task alone on its host: its event loop keeps one CPU's caches warm, and the

@@ -443,18 +443,24 @@ def test_serve_keeps_the_event_loop_of_a_task_alone_on_its_host_polling_after_a_
             step = distserver.constant(2.0) * 3.0
             assert session.run(step) == 6.0  # (the first step starts the compute pool)
             time.sleep(0.7)  # (its polling, if any, is over)
-            before = _cpu_seconds(pid)
-            assert session.run(step) == 6.0
-            time.sleep(0.3)  # within the half second it may poll
-            used = _cpu_seconds(pid) - before
-            time.sleep(0.4)  # over: it sleeps again
-            before = _cpu_seconds(pid)
-            time.sleep(0.3)
-            after = _cpu_seconds(pid) - before
+            used, after = _cpu_after_a_step(session, step, pid)
     # Polling, the loop's thread takes a CPU (or its share of one) for the whole wait;
     # else the task uses a few milliseconds for the step.
     assert (used > 0.1) == polls, used
     assert after < 0.1, after
+
+
+def _cpu_after_a_step(session: distserver.Session, step: distserver.Tensor, pid: int) -> tuple[float, float]:
+    """The CPU seconds process `pid` uses in the 0.3 s after a step (within a half
+    second of polling), and in 0.3 s starting 0.7 s after it (when that is over)."""
+    before = _cpu_seconds(pid)
+    assert session.run(step) == 6.0
+    time.sleep(0.3)
+    used = _cpu_seconds(pid) - before
+    time.sleep(0.4)
+    before = _cpu_seconds(pid)
+    time.sleep(0.3)
+    return used, _cpu_seconds(pid) - before
 
 
 @pytest.mark.skipif(usable_cpus() < 2, reason="needs two CPUs (a task on one never polls)")
@@ -491,13 +497,6 @@ def test_serve_keeps_the_event_loop_polling_after_its_answer_to_a_peer_task(
             time.sleep(0.7)  # (its polling, if any, is over)
             assert session.run(step) == 6.0  # (the direct connection between them is up)
             time.sleep(0.7)
-            before = _cpu_seconds(ps)
-            assert session.run(step) == 6.0
-            time.sleep(0.3)  # within the half second it may poll
-            used = _cpu_seconds(ps) - before
-            time.sleep(0.4)  # over: it sleeps again
-            before = _cpu_seconds(ps)
-            time.sleep(0.3)
-            after = _cpu_seconds(ps) - before
+            used, after = _cpu_after_a_step(session, step, ps)
     assert (used > 0.1) == polls, used
     assert after < 0.1, after
