@@ -234,6 +234,7 @@ class AwakeAfterSends:
         self._seconds = seconds
         self._waiting_since: float | None = None  # the first send not yet answered
         self._waits: collections.deque[float] = collections.deque(maxlen=self.WAITS)
+        self._slow = False  # the median of `_waits` is over `seconds` (decided as each ends)
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -247,14 +248,14 @@ class AwakeAfterSends:
         now = time.monotonic()
         if self._waiting_since is None:
             self._waiting_since = now
-        if len(self._waits) >= self.MIN_WAITS and statistics.median(self._waits) > self._seconds:
-            return
-        self._polling.until(now + self._seconds)
+        if not self._slow:
+            self._polling.until(now + self._seconds)
 
     def heard(self) -> None:
         if self._waiting_since is not None:
             self._waits.append(time.monotonic() - self._waiting_since)
             self._waiting_since = None
+            self._slow = len(self._waits) >= self.MIN_WAITS and statistics.median(self._waits) > self._seconds
 
     def computing(self) -> None:
         self._polling.stop()
