@@ -5,9 +5,10 @@ Some kernels are a dozen element-wise numpy passes over the same arrays: Adam's
 update of a 784x512 variable takes twelve (~0.67 ms here) where one compiled loop
 over the elements takes ~0.23 ms; a sparse update or a segment sum walks rows that
 numpy can only gather, update and scatter back; a sum over a middle axis (an
-embedding's pooled rows) is one numpy pass per entry, and a stitch one indexed
-assignment per input. `_loops` has those loops, each
-giving the bits of the numpy code it stands in for.
+embedding's pooled rows) is one numpy pass per entry, a stitch one indexed
+assignment per input, and the distinct ids of a sparse update or an embedding's
+split by shard several passes and masks. `_loops` has those loops, each giving the
+bits of the numpy code it stands in for.
 
 Compiling takes ~1 s of CPU (~0.35 s once numba's cache in `__pycache__` has them),
 so it never happens in a kernel's call: the first kernel built that can use a loop

@@ -182,3 +182,63 @@ def activation_gradient_with_sums(
                 g = b[i, j] * a[i, j] * (one - a[i, j])
             gradient[i, j] = g
             sums[j] = sums[j] + g
+
+
+def _index_signatures(result: Any, *arguments: Any) -> list[Any]:
+    """A loop's signatures for int32 and int64 read-only vectors as its first argument."""
+    return [result(types.Array(t, 1, "C", readonly=True), *arguments) for t in (types.int32, types.int64)]
+
+
+_INT64S = types.Array(types.int64, 1, "C")
+
+
+@numba.njit(_index_signatures(types.int64, types.int64, types.int64, _INT64S, _INT64S), **_OPTIONS)
+def first_occurrences(
+    values: np.ndarray, low: int, span: int, firsts: np.ndarray, inverse: np.ndarray
+) -> int:  # pragma: no cover
+    """For integers `values` in [low, low + span): the positions where each distinct value
+    first appears, in order of appearance, into `firsts`; for every element, the rank of
+    its value among those, into `inverse`; returns the number of distinct values. One
+    pass through a table of `span` entries (`sparse.first_positions`' range rule keeps
+    it small)."""
+    rank_of = np.full(span, -1, np.int64)
+    distinct = 0
+    for i in range(values.size):
+        offset = values[i] - low
+        rank = rank_of[offset]
+        if rank < 0:
+            rank = distinct
+            rank_of[offset] = rank
+            firsts[rank] = i
+            distinct += 1
+        inverse[i] = rank
+    return distinct
+
+
+@numba.njit(
+    types.int64(types.Array(types.int32, 1, "C", readonly=True), types.int64, _INT64S, _INT64S), **_OPTIONS
+)
+def partition_order(
+    partitions: np.ndarray, count: int, order: np.ndarray, sizes: np.ndarray
+) -> int:  # pragma: no cover
+    """For partition numbers in [0, count): the positions of partition 0's elements in
+    order, then partition 1's, ..., into `order`, and each partition's size into `sizes`;
+    returns -1, or the position of the first number out of range (then nothing else is
+    meaningful)."""
+    for p in range(count):
+        sizes[p] = 0
+    for i in range(partitions.size):
+        p = partitions[i]
+        if p < 0 or p >= count:
+            return i
+        sizes[p] += 1
+    slot = np.empty(count, np.int64)  # where each partition's next position goes
+    start = 0
+    for p in range(count):
+        slot[p] = start
+        start += sizes[p]
+    for i in range(partitions.size):
+        p = partitions[i]
+        order[slot[p]] = i
+        slot[p] += 1
+    return -1

@@ -30,6 +30,8 @@ LOOPS = (
     "activation_gradient_with_sums",
     "sum_middle_axis",
     "set_rows_at",
+    "first_occurrences",
+    "partition_order",
 )
 
 
@@ -274,6 +276,86 @@ def test_a_stitch_loop_gives_numpys_bits(monkeypatch, counted, dtype, op, traili
     (got,) = kernel.compute(Context(), [*ids, strided, *values[1:]])
     assert counted["set_rows_at"] == 2
     _assert_same_bits([got], [expected])
+
+
+def _first_occurrence_answer(values):
+    """Unique's outputs written out: distinct values in order of first appearance, each
+    element's index among them, and the counts."""
+    distinct, index = [], []
+    for v in values.tolist():
+        if v not in distinct:
+            distinct.append(v)
+        index.append(distinct.index(v))
+    return distinct, index, [index.count(i) for i in range(len(distinct))]
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("op", ["Unique", "UniqueWithCounts"])
+@pytest.mark.parametrize(
+    "values",
+    [[7, 3, 7, 7, 1, 3, 9], [-5, 2, -5, 0, 2], [4], list(range(40))[::-1]],
+    ids=["repeated", "negative", "one", "distinct"],
+)
+def test_a_unique_loop_gives_numpys_results(monkeypatch, counted, dtype, op, values):
+    x = _received(np.array(values, dtype))
+    kernel = create_kernel(make_node(op, ["x"], T=dtype, out_idx=np.int64))
+    compiled, numpy = _both_ways(monkeypatch, lambda: kernel.compute(Context(), [x]))
+    assert counted["first_occurrences"] == 1
+    _assert_same_bits(compiled, numpy)
+    distinct, index, counts = _first_occurrence_answer(x)
+    assert compiled[0].tolist() == distinct
+    assert compiled[1].tolist() == index
+    assert op == "Unique" or compiled[2].tolist() == counts
+
+
+def test_unique_values_in_a_wide_range_take_numpys_sort():
+    # A table indexed by value would have 2**40 entries: the sort answers.
+    assert _compiled.wait(300)
+    x = np.array([2**40, 5, 2**40, -(2**40), 5], np.int64)
+    y, index = create_kernel(make_node("Unique", ["x"], T=np.int64)).compute(Context(), [x])
+    assert y.tolist() == [2**40, 5, -(2**40)]
+    assert index.tolist() == [0, 1, 0, 2, 1]
+
+
+@pytest.mark.parametrize(
+    ("data", "partitions"),
+    [
+        (np.arange(12, dtype=np.float32).reshape(6, 2), [[1, 0, 1], [2, 0, 1]]),  # partition 3 empty
+        (np.array([b"a", b"b", b"c", b"d"], object), [3, 3, 0, 3]),
+        (np.arange(5, dtype=np.int64), [0, 0, 0, 0, 0]),
+        (np.zeros((0, 3), np.float32), np.zeros(0, np.int32)),
+    ],
+    ids=["matrix-rows", "strings", "one-partition", "empty"],
+)
+def test_a_partition_loop_gives_numpys_results(monkeypatch, counted, data, partitions):
+    partitions = _received(np.array(partitions, np.int32))
+    data = _received(data.reshape(*partitions.shape, *data.shape[1:]) if partitions.ndim == 2 else data)
+    node = make_node("DynamicPartition", ["data", "partitions"], T=data.dtype, num_partitions=4)
+    kernel = create_kernel(node)
+    compiled, numpy = _both_ways(monkeypatch, lambda: kernel.compute(Context(), [data, partitions]))
+    assert counted["partition_order"] == 1
+    flat_partitions = partitions.reshape(-1)
+    rows = data.reshape(flat_partitions.size, *data.shape[partitions.ndim :])
+    for i, (got, other) in enumerate(zip(compiled, numpy, strict=True)):
+        assert got.dtype == data.dtype
+        assert got.shape == other.shape
+        assert got.tolist() == other.tolist() == rows[flat_partitions == i].tolist()
+
+
+def test_a_partition_number_out_of_range_is_named_the_same_both_ways(monkeypatch, counted):
+    node = make_node("DynamicPartition", ["data", "partitions"], T=np.float32, num_partitions=2)
+    kernel = create_kernel(node)
+    data, partitions = np.ones((2, 3), np.float32), np.array([[0, 1, 1], [2, 0, -1]], np.int32)
+
+    def message():
+        with pytest.raises(errors.InvalidArgumentError) as caught:
+            kernel.compute(Context(), [data, partitions])
+        return str(caught.value)
+
+    compiled, numpy = _both_ways(monkeypatch, message)
+    assert counted["partition_order"] == 1
+    assert compiled == numpy
+    assert "partitions[1,0] = 2 is not in [0, 2)" in compiled
 
 
 def _dense_gradients(op, a, b, h, w=None):
