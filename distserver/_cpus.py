@@ -1,7 +1,8 @@
 """How many CPUs this process may use: what its affinity and its cgroup's CPU quota
 allow; keeping a task's event loop on one CPU (`pin_event_loop`), and that loop
 polling for a while instead of sleeping at once: between steps (`AwakeBetweenSteps`)
-and after its sends to peers (`AwakeAfterSends`).
+and after its sends to peers (`AwakeAfterSends`), while the tasks working on this
+host leave it a CPU (`HostTasks`).
 
 `os.cpu_count()` counts the host's CPUs, which in a container limited to 2 of a
 host's 64 is 64. `distserver serve` sizes numpy's BLAS by `usable_cpus()`
@@ -14,13 +15,19 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import fcntl
 import math
+import mmap
 import os
+import stat
 import statistics
+import tempfile
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 
 def usable_cpus() -> int:
@@ -228,13 +235,22 @@ class AwakeAfterSends:
     WAITS = 16
     # Fewer waits seen than this: poll (nothing says the answers are slow yet).
     MIN_WAITS = 4
+    # How often `allowed` is asked again (seconds).
+    ALLOWED_EVERY = 0.01
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, seconds: float) -> None:
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, seconds: float, allowed: Callable[[], bool] | None = None
+    ) -> None:
         self._polling = _LoopPolling(loop)
         self._seconds = seconds
         self._waiting_since: float | None = None  # the first send not yet answered
         self._waits: collections.deque[float] = collections.deque(maxlen=self.WAITS)
         self._slow = False  # the median of `_waits` is over `seconds` (decided as each ends)
+        # Whether the host has a CPU to poll with (`HostTasks.leave_a_cpu`), asked at
+        # most every `ALLOWED_EVERY`; None: always.
+        self._allowed = allowed
+        self._allowed_until = 0.0  # when `_allowed` is asked again
+        self._may_poll = True
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -248,7 +264,10 @@ class AwakeAfterSends:
         now = time.monotonic()
         if self._waiting_since is None:
             self._waiting_since = now
-        if not self._slow:
+        if self._allowed is not None and now >= self._allowed_until:
+            self._allowed_until = now + self.ALLOWED_EVERY
+            self._may_poll = self._allowed()
+        if not self._slow and self._may_poll:
             self._polling.until(now + self._seconds)
 
     def heard(self) -> None:
@@ -265,10 +284,12 @@ class AwakeAfterSends:
 _after_sends: AwakeAfterSends | None = None
 
 
-def poll_after_sends(loop: asyncio.AbstractEventLoop, seconds: float) -> AwakeAfterSends:
-    """Keep `loop` polling after its sends to peers (`AwakeAfterSends`)."""
+def poll_after_sends(
+    loop: asyncio.AbstractEventLoop, seconds: float, allowed: Callable[[], bool] | None = None
+) -> AwakeAfterSends:
+    """Keep `loop` polling after its sends to peers (`AwakeAfterSends`), while `allowed()`."""
     global _after_sends
-    _after_sends = AwakeAfterSends(loop, seconds)
+    _after_sends = AwakeAfterSends(loop, seconds, allowed)
     return _after_sends
 
 
@@ -302,4 +323,123 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
     try:
         return asyncio.get_running_loop()
     except RuntimeError:  # (not on a loop's thread)
+        return None
+
+
+class HostTasks:
+    """The `distserver serve` tasks of this user on this host that are working: that
+    run a graph, or ended one within `RECENT` seconds. A small file they share
+    (`path`) has a slot for each: its process id, when it last started a graph while
+    graphs run (else 0) and when the last one ended (`CLOCK_MONOTONIC`, the same in
+    every process of a host). For `StepCounters.activity` of a task's worker.
+
+    Why: polling after sends pays when the tasks working on a host leave it a CPU (a
+    ps and a worker on two CPUs), and costs when they do not (a ps and two workers
+    training at once on two CPUs: 2-8% slower steps). A cluster often names more
+    tasks on a host than work at once (an idle second worker, a chief that waits):
+    counted by the cluster spec, a ps and a worker beside an idle worker never polled.
+
+    The file is the user's own (mode 0600, refused otherwise); a slot is claimed
+    under an exclusive lock, from those free or held by a process that is gone; a
+    task that ends frees its slot (`close`). Values are read and written without a
+    lock: a stale count misleads one decision of `leave_a_cpu` for `ALLOWED_EVERY`.
+    A task that cannot claim a slot within `LOCK_SECONDS` does without the record,
+    and a graph that has run for `LONGEST` seconds no longer counts (its task may
+    have died running it)."""
+
+    SLOTS = 64
+    # A task that ended a graph within this many seconds counts as working: the time
+    # between a training client's steps, with room to spare.
+    RECENT = 0.02
+    LONGEST = 10.0
+    # How long a task waits for another that claims a slot before doing without.
+    LOCK_SECONDS = 1.0
+    _BYTES = SLOTS * 3 * 8  # (pid, last start while running, last end) per slot, int64
+
+    def __init__(self, path: str, cpus: int) -> None:
+        self.path = path
+        self._cpus = cpus
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            info = os.fstat(fd)
+            mode = info.st_mode
+            if info.st_uid != os.getuid() or stat.S_IMODE(mode) & 0o077 or not stat.S_ISREG(mode):
+                raise PermissionError(f"{path} is not a file of this user's alone (mode 0600)")
+            _lock_within(fd, self.LOCK_SECONDS)
+            try:
+                if info.st_size < self._BYTES:
+                    os.ftruncate(fd, self._BYTES)
+                self._map = mmap.mmap(fd, self._BYTES)
+                slots = np.frombuffer(self._map, np.int64).reshape(self.SLOTS, 3)
+                self._slot = self._claim(slots)
+                self._pids, self._running, self._ended = slots[:, 0], slots[:, 1], slots[:, 2]
+            finally:
+                # (by hand: the map holds a duplicate of `fd`, and with it the lock)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _claim(slots: np.ndarray) -> int:
+        for i, pid in enumerate(slots[:, 0].tolist()):
+            if pid == 0 or not _alive(pid):
+                slots[i] = (os.getpid(), 0, 0)
+                return i
+        raise OSError(f"all {HostTasks.SLOTS} slots are held by running processes")
+
+    def busy(self) -> None:
+        self._running[self._slot] = time.monotonic_ns()
+
+    def idle(self) -> None:
+        self._running[self._slot] = 0
+        self._ended[self._slot] = time.monotonic_ns()
+
+    def working(self) -> int:
+        """How many tasks run a graph, or ended one within `RECENT` seconds."""
+        now = time.monotonic_ns()
+        running = self._running > now - int(self.LONGEST * 1e9)
+        return int(np.count_nonzero(running | (self._ended > now - int(self.RECENT * 1e9))))
+
+    def leave_a_cpu(self) -> bool:
+        """Whether the tasks working on this host number at most its CPUs."""
+        return self.working() <= self._cpus
+
+    def close(self) -> None:
+        if self._pids[self._slot] == os.getpid():
+            self._running[self._slot] = self._ended[self._slot] = 0
+            self._pids[self._slot] = 0
+
+
+def _lock_within(fd: int, seconds: float) -> None:
+    """An exclusive `flock` of `fd`, or TimeoutError after `seconds` of another's."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise TimeoutError("another process holds the lock") from None
+            time.sleep(0.005)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # (another user's process took the number)
+        return True
+    return True
+
+
+def host_tasks(cpus: int, directory: str | None = None) -> HostTasks | None:
+    """This user's `HostTasks` record in `directory` (default: /dev/shm, else the
+    temporary directory), or None when it cannot be used (then nothing is known of
+    what the host's other tasks do)."""
+    if directory is None:
+        directory = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    try:
+        return HostTasks(os.path.join(directory, f"distserver-{os.getuid()}-host-tasks"), cpus)
+    except (OSError, ValueError):
         return None

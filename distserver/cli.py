@@ -28,7 +28,7 @@ from google.protobuf.empty_pb2 import Empty
 
 from distserver import __version__, _malloc, errors
 from distserver._blas import local_tasks, set_blas_threads, threads_per_local_task, user_chose_threads
-from distserver._cpus import AwakeBetweenSteps, pin_event_loop, poll_after_sends, usable_cpus
+from distserver._cpus import AwakeBetweenSteps, host_tasks, pin_event_loop, poll_after_sends, usable_cpus
 from distserver._process import die_with_parent, exit_quietly_on_interrupt, run
 from distserver.bench import command as bench_command
 from distserver.cluster import ClusterSpec, TFConfigClusterResolver
@@ -161,9 +161,16 @@ async def _serve(args: argparse.Namespace) -> int:
     await server.start()
     here = local_tasks(addresses)
     alone = cpus > 1 and here <= 1
-    # Polling takes a CPU that nothing else wants: with more tasks on this host than
-    # CPUs there may be none (two workers and a ps on two CPUs: 2-5% slower steps).
+    # Polling takes a CPU that nothing else wants: with more tasks working on this
+    # host than CPUs there may be none (two workers and a ps training on two CPUs:
+    # 2-8% slower steps). With more tasks here than CPUs, the tasks count those of
+    # them that ran a graph lately (`_cpus.HostTasks`); without that record, none poll.
     cpu_each = cpus > 1 and here <= cpus
+    working_here = None
+    if args.spin_us and cpus > 1 and not cpu_each and server.worker is not None:
+        working_here = host_tasks(cpus)
+        if working_here is not None:
+            server.worker.graphs.activity = working_here
     if args.pin_loop and alone:
         # A task alone on its host: its event loop keeps one CPU's caches warm, and the
         # compute pool it starts shares that CPU (`_cpus.pin_event_loop`).
@@ -187,6 +194,16 @@ async def _serve(args: argparse.Namespace) -> int:
             "event loop polls for up to %d us after its sends to peers (a CPU for each task on this "
             "host; --spin-us 0 sleeps at once)",
             args.spin_us,
+        )
+    elif working_here is not None:
+        poll_after_sends(asyncio.get_running_loop(), args.spin_us / 1e6, working_here.leave_a_cpu)
+        logger.info(
+            "event loop polls for up to %d us after its sends to peers while the tasks that ran a "
+            "graph on this host in the last second number at most its %d CPUs (recorded in %s; "
+            "--spin-us 0 sleeps at once)",
+            args.spin_us,
+            cpus,
+            working_here.path,
         )
     metrics = None
     if args.metrics_port is not None:
@@ -216,6 +233,8 @@ async def _serve(args: argparse.Namespace) -> int:
     finally:
         if metrics is not None:
             metrics.close()
+        if working_here is not None:
+            working_here.close()
     return 0
 
 
@@ -437,7 +456,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="microseconds the event loop polls before it sleeps, on a host of two or more CPUs: "
         "after a step, for a task alone on its host, so that the client's next step finds it awake; "
         "else after a send to a peer, while peers usually answer within that time, when the host "
-        f"has a CPU for each of its tasks (default: %(default)s; 0: sleep at once; at most {MAX_SPIN_US})",
+        "has a CPU for each of its tasks, or for each of those running steps "
+        f"(default: %(default)s; 0: sleep at once; at most {MAX_SPIN_US})",
     )
     serve.add_argument(
         "--log-level",

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -417,27 +419,54 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+_MORE_TASKS_THAN_CPUS = pytest.mark.skipif(usable_cpus() > 4, reason="as many task processes as CPUs")
+
+
+@contextlib.contextmanager
+def _other_tasks_working(count: int) -> Iterator[None]:
+    """`count` other tasks of this host running a graph, as `distserver serve` records them."""
+    from distserver import _cpus
+
+    others = [_cpus.host_tasks(usable_cpus()) for _ in range(count)]
+    try:
+        for other in others:
+            assert other is not None
+            other.busy()
+        yield
+    finally:
+        for other in others:
+            if other is not None:
+                other.close()
+
+
 @pytest.mark.skipif(usable_cpus() < 2, reason="needs two CPUs (a task on one never polls)")
 @pytest.mark.parametrize(
-    ("jobs", "serve_args", "polls"),
+    ("jobs", "serve_args", "others_working", "polls"),
     [
-        ({"worker": 1}, ["--spin-us", "500000"], True),
-        ({"worker": 1}, ["--spin-us", "0"], False),
+        ({"worker": 1}, ["--spin-us", "500000"], 0, True),
+        ({"worker": 1}, ["--spin-us", "0"], 0, False),
         pytest.param(
             {"worker": usable_cpus() + 1},
             ["--spin-us", "500000"],
+            usable_cpus(),
             False,
-            marks=pytest.mark.skipif(usable_cpus() > 4, reason="as many task processes as CPUs"),
+            marks=_MORE_TASKS_THAN_CPUS,
         ),
     ],
-    # (A task with a CPU of its own also polls after it answers distserver's client:
+    # (A task that shares its host polls after it answers distserver's client while
+    # the tasks working on the host leave it a CPU:
     # `test_serve_keeps_the_event_loop_polling_after_its_answer_to_a_peer_task`.)
-    ids=["alone on its host", "--spin-us 0", "more tasks than CPUs"],
+    ids=["alone on its host", "--spin-us 0", "more tasks than CPUs, more working"],
 )
-def test_serve_keeps_the_event_loop_of_a_task_alone_on_its_host_polling_after_a_step(jobs, serve_args, polls):
+def test_serve_keeps_the_event_loop_of_a_task_alone_on_its_host_polling_after_a_step(
+    jobs, serve_args, others_working, polls
+):
     from distserver.testing import LocalCluster
 
-    with LocalCluster(jobs, serve_args=serve_args) as cluster:
+    with (
+        _other_tasks_working(others_working),
+        LocalCluster(jobs, serve_args=serve_args) as cluster,
+    ):
         pid = cluster.processes["/job:worker/replica:0/task:0"].pid
         with distserver.Session(cluster.target("worker")) as session:
             step = distserver.constant(2.0) * 3.0
@@ -465,28 +494,46 @@ def _cpu_after_a_step(session: distserver.Session, step: distserver.Tensor, pid:
 
 @pytest.mark.skipif(usable_cpus() < 2, reason="needs two CPUs (a task on one never polls)")
 @pytest.mark.parametrize(
-    ("protocol", "jobs", "serve_args", "polls"),
+    ("protocol", "jobs", "serve_args", "others_working", "polls"),
     [
-        ("grpc", {"ps": 1, "worker": 1}, ["--spin-us", "500000"], True),
-        ("grpc+verbs", {"ps": 1, "worker": 1}, ["--spin-us", "500000"], True),
-        ("grpc", {"ps": 1, "worker": 1}, ["--spin-us", "0"], False),
+        ("grpc", {"ps": 1, "worker": 1}, ["--spin-us", "500000"], 0, True),
+        ("grpc+verbs", {"ps": 1, "worker": 1}, ["--spin-us", "500000"], 0, True),
+        ("grpc", {"ps": 1, "worker": 1}, ["--spin-us", "0"], 0, False),
         pytest.param(
             "grpc",
             {"ps": 1, "worker": usable_cpus()},
             ["--spin-us", "500000"],
+            0,
+            True,
+            marks=_MORE_TASKS_THAN_CPUS,
+        ),
+        pytest.param(
+            "grpc",
+            {"ps": 1, "worker": usable_cpus()},
+            ["--spin-us", "500000"],
+            usable_cpus() - 1,
             False,
-            marks=pytest.mark.skipif(usable_cpus() > 4, reason="as many task processes as CPUs"),
+            marks=_MORE_TASKS_THAN_CPUS,
         ),
     ],
-    ids=["grpc", "grpc+verbs", "--spin-us 0", "more tasks than CPUs"],
+    ids=[
+        "grpc",
+        "grpc+verbs",
+        "--spin-us 0",
+        "more tasks than CPUs, as many working",
+        "more tasks than CPUs, more working",
+    ],
 )
 def test_serve_keeps_the_event_loop_polling_after_its_answer_to_a_peer_task(
-    protocol, jobs, serve_args, polls
+    protocol, jobs, serve_args, others_working, polls
 ):
     from distserver.testing import LocalCluster
 
     env = {"DISTSERVER_VERBS_STRICT": "1"} if protocol == "grpc+verbs" else None
-    with LocalCluster(jobs, protocol=protocol, serve_args=serve_args, env=env) as cluster:
+    with (
+        _other_tasks_working(others_working),
+        LocalCluster(jobs, protocol=protocol, serve_args=serve_args, env=env) as cluster,
+    ):
         ps = cluster.processes["/job:ps/replica:0/task:0"].pid
         with distserver.Session(cluster.target("worker")) as session:
             with distserver.device("/job:ps/task:0"):

@@ -247,3 +247,110 @@ def test_a_loop_does_not_poll_after_its_sends_while_its_peers_usually_answer_aft
         assert awake.polling
 
     asyncio.run(main())
+
+
+def test_a_loop_polls_after_its_sends_only_while_it_is_allowed(monkeypatch):
+    monkeypatch.setattr(_cpus, "_after_sends", None)
+    monkeypatch.setattr(_cpus.AwakeAfterSends, "ALLOWED_EVERY", 0.05)
+    allowed = [False]
+    asked: list[float] = []
+
+    def allow() -> bool:
+        asked.append(time.monotonic())
+        return allowed[0]
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        awake = _cpus.poll_after_sends(loop, 60.0, allow)
+        _cpus.sent_to_peer(loop)
+        assert not awake.polling
+        assert await _cpu_while_waiting(0.2) < 0.05
+        allowed[0] = True
+        _cpus.sent_to_peer(loop)  # (asked again: the last answer is older than ALLOWED_EVERY)
+        assert awake.polling
+        assert await _cpu_while_waiting(0.2) > 0.03
+        for _ in range(100):  # a burst of sends asks once
+            _cpus.sent_to_peer(loop)
+        assert len(asked) == 3
+
+    asyncio.run(main())
+
+
+def test_host_tasks_count_the_tasks_that_run_a_graph_or_just_ended_one(tmp_path, monkeypatch):
+    monkeypatch.setattr(_cpus.HostTasks, "RECENT", 0.05)
+    first = _cpus.host_tasks(1, str(tmp_path))
+    second = _cpus.host_tasks(1, str(tmp_path))
+    assert first is not None
+    assert second is not None
+    assert first.path == second.path
+    assert (os.stat(first.path).st_mode & 0o777) == 0o600
+    assert first.working() == 0
+    assert first.leave_a_cpu()
+    first.busy()  # (a graph starts)
+    assert second.working() == 1
+    second.busy()
+    assert first.working() == 2
+    assert not first.leave_a_cpu()  # two working, one CPU
+    first.busy()  # (a second graph at once)
+    first.idle()  # (the last one running ended: it still counts a while)
+    assert second.working() == 2
+    time.sleep(0.1)
+    assert second.working() == 1
+    assert first.leave_a_cpu()
+    # A graph that runs longer than LONGEST no longer counts (its task may have died).
+    monkeypatch.setattr(_cpus.HostTasks, "LONGEST", 0.05)
+    assert second.working() == 0
+    first.close()
+    third = _cpus.host_tasks(1, str(tmp_path))  # (takes the slot `first` freed)
+    assert third is not None
+    assert third._slot == first._slot
+    second.close()
+    third.close()
+
+
+def test_a_host_tasks_slot_of_a_process_that_is_gone_is_taken_again(tmp_path):
+    child = (
+        "import sys; from distserver import _cpus; "
+        "tasks = _cpus.host_tasks(2, sys.argv[1]); tasks.busy(); print(tasks._slot)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", child, str(tmp_path)], capture_output=True, text=True, check=True
+    )
+    slot = int(done.stdout)
+    tasks = _cpus.host_tasks(2, str(tmp_path))
+    assert tasks is not None
+    assert tasks.working() == 0  # its graph counts no more: its slot is ours
+    assert tasks._slot == slot
+    tasks.close()
+
+
+def test_a_host_tasks_file_that_is_not_the_users_alone_or_full_or_locked_is_done_without(
+    tmp_path, monkeypatch
+):
+    import fcntl
+
+    tasks = _cpus.host_tasks(2, str(tmp_path))
+    assert tasks is not None
+    path = tasks.path
+    tasks.close()
+    os.chmod(path, 0o644)  # others may read it
+    assert _cpus.host_tasks(2, str(tmp_path)) is None
+    os.chmod(path, 0o600)
+    os.rename(path, path + ".real")
+    os.symlink(path + ".real", path)  # a link in its place
+    assert _cpus.host_tasks(2, str(tmp_path)) is None
+    os.remove(path)
+    os.rename(path + ".real", path)
+    with open(path, "r+b") as file:  # every slot held by a running process
+        file.write(
+            b"".join(os.getpid().to_bytes(8, "little") + bytes(16) for _ in range(_cpus.HostTasks.SLOTS))
+        )
+    assert _cpus.host_tasks(2, str(tmp_path)) is None
+    os.truncate(path, 0)
+    monkeypatch.setattr(_cpus.HostTasks, "LOCK_SECONDS", 0.1)
+    with open(path, "rb") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another process claiming a slot, for ever
+        started = time.monotonic()
+        assert _cpus.host_tasks(2, str(tmp_path)) is None
+        assert time.monotonic() - started < 1.0
+    assert _cpus.host_tasks(2, str(tmp_path)) is not None

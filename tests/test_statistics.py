@@ -177,7 +177,7 @@ def test_in_process_server_statistics_count_steps_and_failures():
     assert after.as_dict()["steps"]["in_flight"] == 0
 
 
-def test_step_counters_tell_their_activity_when_steps_start_running_and_when_the_last_one_ends():
+def test_step_counters_tell_their_activity_when_each_step_starts_and_when_the_last_one_ends():
     from distserver.runtime.counters import StepCounters
 
     class Seen:
@@ -194,11 +194,11 @@ def test_step_counters_tell_their_activity_when_steps_start_running_and_when_the
     counters.finish(counters.start(), None)  # (no activity set: nothing to tell)
     seen = counters.activity = Seen()
     first = counters.start()
-    second = counters.start()  # (two steps at once: still busy)
+    second = counters.start()  # (two steps at once: each told, not idle between)
     counters.finish(first, None)
-    assert seen.told == ["busy"]
+    assert seen.told == ["busy", "busy"]
     counters.finish(second, ds.errors.CancelledError("gone"))  # (a failed step ends too)
-    assert seen.told == ["busy", "idle"]
+    assert seen.told == ["busy", "busy", "idle"]
     counters.finish(counters.start(), None)
-    assert seen.told == ["busy", "idle", "busy", "idle"]
+    assert seen.told == ["busy", "busy", "idle", "busy", "idle"]
     assert counters.snapshot().started == 4

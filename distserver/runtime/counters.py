@@ -40,8 +40,8 @@ class StepStatistics:
 
 
 class Activity(Protocol):
-    """Told when the steps a `StepCounters` counts start running (`busy`: none ran
-    before) and when the last one running ends (`idle`)."""
+    """Told when a step a `StepCounters` counts starts running (`busy`) and when the
+    last one running ends (`idle`)."""
 
     def busy(self) -> None: ...
 
@@ -51,9 +51,10 @@ class Activity(Protocol):
 class StepCounters:
     """Counts steps as they start and finish. Use: `began = c.start()`, then `c.finish(began, error)`.
 
-    `activity`, when set, is told when the count of running steps leaves and reaches 0
-    (`distserver serve` keeps a lone task's event loop polling between its steps:
-    `_cpus.AwakeBetweenSteps`)."""
+    `activity`, when set, is told when a step starts and when the count of running
+    steps reaches 0 (`distserver serve` keeps a lone task's event loop polling between
+    its steps, `_cpus.AwakeBetweenSteps`, and records when a task's worker last ran a
+    graph, `_cpus.HostTasks`)."""
 
     def __init__(self) -> None:
         self._started = 0
@@ -67,7 +68,7 @@ class StepCounters:
     def start(self) -> float:
         self._started += 1
         self._running += 1
-        if self._running == 1 and self.activity is not None:
+        if self.activity is not None:
             self.activity.busy()
         return time.perf_counter()
 
