@@ -198,9 +198,9 @@ async def _serve(args: argparse.Namespace) -> int:
     elif working_here is not None:
         poll_after_sends(asyncio.get_running_loop(), args.spin_us / 1e6, working_here.leave_a_cpu)
         logger.info(
-            "event loop polls for up to %d us after its sends to peers while the tasks that ran a "
-            "graph on this host in the last second number at most its %d CPUs (recorded in %s; "
-            "--spin-us 0 sleeps at once)",
+            "event loop polls for up to %d us after its sends to peers while the tasks running "
+            "graphs on this host number at most its %d CPUs (recorded in %s; --spin-us 0 sleeps "
+            "at once)",
             args.spin_us,
             cpus,
             working_here.path,
