@@ -121,6 +121,61 @@ def test_float_division_by_zero_gives_ieee_results(run_op):
     assert np.isnan(out[2])
 
 
+def _special_dividends(dtype):
+    """Values whose quotients by a power of two cover every case of rounding: normal,
+    subnormal and overflowing quotients, signed zeros, infinities and NaN."""
+    dtype = np.dtype(dtype)
+    info = np.finfo(dtype)
+    special = [0.0, -0.0, 1.0, -3.0, np.inf, -np.inf, np.nan, info.max, -info.max, info.tiny]
+    special.append(info.smallest_subnormal)
+    odd_subnormals = info.smallest_subnormal * np.array([3, 5, 7, 255, 1023], dtype)  # (halves round to even)
+    scales = dtype.type(2.0) ** RNG.integers(-40, 40, 4096).astype(dtype)
+    random = RNG.standard_normal(4096).astype(dtype) * scales
+    return np.concatenate([np.array(special, dtype), odd_subnormals, -odd_subnormals, random])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_division_by_a_power_of_two_gives_the_bits_of_division(run_op, dtype):
+    """RealDiv by a scalar power of two multiplies by its reciprocal (`exact_reciprocal`):
+    the same bits as numpy's division, for every kind of dividend and power."""
+    from distserver.kernels.math import exact_reciprocal
+
+    dtype = np.dtype(dtype)
+    info = np.finfo(dtype)
+    x = _special_dividends(dtype)
+    lowest = info.minexp - info.nmant  # (the smallest subnormal's exponent)
+    # (from the smallest divisor whose reciprocal the dtype holds to the largest power)
+    powers = [1 - info.maxexp, -3, 0, 1, 3, 11, info.maxexp - 1]
+    for exponent in powers:
+        for sign in (1.0, -1.0):
+            divisor = np.array(sign * 2.0**exponent, dtype)
+            assert exact_reciprocal(float(divisor), dtype) is not None, divisor
+            (out,) = run_op("RealDiv", x, divisor, T=dtype)
+            with np.errstate(all="ignore"):
+                expected = np.true_divide(x, divisor)
+            assert out.dtype == dtype
+            np.testing.assert_array_equal(out.view(f"u{dtype.itemsize}"), expected.view(f"u{dtype.itemsize}"))
+    # What stays a division: not a power of two, zero, an infinity, NaN, a power whose
+    # reciprocal the dtype cannot hold (it overflows).
+    for divisor in (3.0, 0.75, 0.0, -0.0, np.inf, np.nan, 2.0**lowest, 2.0**-info.maxexp):
+        assert exact_reciprocal(float(dtype.type(divisor)), dtype) is None, divisor
+    # Others still divide as numpy does (a vector divisor, a divisor of 3).
+    for divisor in (np.array(3.0, dtype), np.full(x.shape, 8.0, dtype)):
+        (out,) = run_op("RealDiv", x, divisor, T=dtype)
+        with np.errstate(all="ignore"):
+            expected = np.true_divide(x, divisor)
+        np.testing.assert_array_equal(out.view(f"u{dtype.itemsize}"), expected.view(f"u{dtype.itemsize}"))
+
+
+@pytest.mark.parametrize("count", [8, 6])
+def test_mean_over_a_power_of_two_gives_the_bits_of_division(run_op, count):
+    x = _special_dividends(np.float32)[: 64 * count].reshape(64, count)
+    (out,) = run_op("Mean", x, np.array(1, np.int32), T=np.float32, Tidx=np.int32)
+    with np.errstate(all="ignore"):
+        expected = np.true_divide(np.add.reduce(x, axis=1, dtype=np.float32), count)
+    np.testing.assert_array_equal(out.view(np.uint32), expected.view(np.uint32))
+
+
 def test_integer_pow_negative_exponent_is_an_error(run_op):
     with pytest.raises(
         errors.InvalidArgumentError, match="Integers to negative integer powers are not allowed"
@@ -291,6 +346,28 @@ def test_matmul(run_op, transpose_a, transpose_b, dtype):
     expected = (a.T if transpose_a else a) @ (b.T if transpose_b else b)
     assert out.dtype == np.dtype(dtype)
     np.testing.assert_allclose(out, expected, rtol=1e-5)
+
+
+@pytest.mark.parametrize("transpose_a", [False, True])
+@pytest.mark.parametrize("transpose_b", [False, True])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_matmul_of_one_inner_column_gives_the_bits_of_blas(run_op, transpose_a, transpose_b, dtype):
+    """A product over an inner dimension of one is an outer product (`_outer_product`):
+    the bits numpy's matmul gives, signed zeros, infinities and NaNs among the factors."""
+    column = _special_dividends(dtype)[:300].reshape(300, 1)
+    row = np.concatenate([_special_dividends(dtype)[:11], _values((29,), dtype)]).reshape(1, 40)
+    a = column.T.copy() if transpose_a else column
+    b = row.T.copy() if transpose_b else row
+    (out,) = run_op("MatMul", a, b, T=dtype, transpose_a=transpose_a, transpose_b=transpose_b)
+    with np.errstate(all="ignore"):
+        expected = np.matmul(column, row)
+    assert out.dtype == np.dtype(dtype)
+    assert out.shape == (300, 40)
+    bits = f"u{np.dtype(dtype).itemsize}"
+    np.testing.assert_array_equal(out.view(bits), expected.view(bits))
+    # (an empty side)
+    (out,) = run_op("MatMul", np.ones((0, 1), dtype), np.ones((1, 3), dtype), T=dtype)
+    assert out.shape == (0, 3)
 
 
 def test_matmul_empty_inner_dimension_gives_zeros(run_op):
