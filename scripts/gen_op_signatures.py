@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from distserver.kernels.math import DENSE_STACK_OP, FUSED_MATMUL_GRAD_OP, FUSED_MATMUL_OP  # noqa: E402
+from distserver.kernels.regions import FUSED_REGION_OP  # noqa: E402
 from distserver.kernels.registry import registered_ops  # noqa: E402
 from distserver.kernels.state import GROUPED_READS_OP, GROUPED_UPDATES_OP  # noqa: E402
 from distserver.runtime.functions import INLINED_OPS  # noqa: E402
@@ -42,6 +43,7 @@ OWN_OPS = {
         "outputs": [["bias", 1], ["weights", 1], ["layer_input", "N"]],
     },
     DENSE_STACK_OP: {"inputs": [["inputs", "N"]], "outputs": [["outputs", "M"]]},
+    FUSED_REGION_OP: {"inputs": [["inputs", "N"]], "outputs": [["outputs", "M"]]},
 }
 
 # Runs in TensorFlow's interpreter: op names on stdin, JSON on stdout.

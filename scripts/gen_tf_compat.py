@@ -38,6 +38,7 @@ GROUPS = {
     "datasets": "tf.data datasets and iterators",
     "optionals": "Optionals (control flow v2 gradients)",
     "sendrecv": "Runtime (inserted by the master)",
+    "regions": "Fused regions (made by the executor)",
 }
 
 

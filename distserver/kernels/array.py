@@ -133,6 +133,8 @@ class NoOpKernel(OpKernel):
 class ReshapeKernel(_TypedKernel):
     """Reshape with TF's rules: one -1 may be inferred, even next to zero-sized dims."""
 
+    fusable = True
+
     runs_on_loop = True  # a view or the shape: no thread hop
 
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
@@ -176,6 +178,8 @@ class ReshapeKernel(_TypedKernel):
 
 class _OutTypeKernel(OpKernel):
     """Shape / Size / Rank: an int32 or int64 result chosen by `out_type`."""
+
+    fusable = True
 
     runs_on_loop = True  # a view or the shape: no thread hop
 
@@ -223,6 +227,8 @@ class FillKernel(_TypedKernel):
 
 @register_kernel("ZerosLike", "OnesLike")
 class FillLikeKernel(_TypedKernel):
+    fusable = True
+
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
         (x,) = inputs
         check_input_dtype(self, 0, x, self.dtype)
@@ -297,6 +303,7 @@ class ListDiffKernel(_TypedKernel):
 @register_kernel("ExpandDims")
 class ExpandDimsKernel(_TypedKernel):
     runs_on_loop = True  # a view or the shape: no thread hop
+    fusable = True
 
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
         x, dim_value = inputs
@@ -311,6 +318,7 @@ class ExpandDimsKernel(_TypedKernel):
 @register_kernel("Squeeze")
 class SqueezeKernel(_TypedKernel):
     runs_on_loop = True  # a view or the shape: no thread hop
+    fusable = True
 
     def __init__(self, node: NodeDef) -> None:
         super().__init__(node)
@@ -746,6 +754,8 @@ class StridedSliceGradKernel(StridedSliceKernel):
 class SelectKernel(_TypedKernel):
     """TF1 `where(c, t, e)`: c is a scalar, has t's shape, or is a vector over t's rows."""
 
+    fusable = True
+
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
         cond, then, other = inputs
         check_input_dtype(self, 0, cond, BOOL)
@@ -783,6 +793,8 @@ class SelectKernel(_TypedKernel):
 @register_kernel("SelectV2")
 class SelectV2Kernel(_TypedKernel):
     """`where(c, t, e)` with numpy broadcasting of all three."""
+
+    fusable = True
 
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
         cond, then, other = inputs

@@ -244,6 +244,8 @@ _UNARY_OPS: dict[str, _OpSpec] = {
 class UnaryOpKernel(_ElementwiseKernel):
     """y = f(x) element-wise."""
 
+    fusable = True
+
     _OPS = _UNARY_OPS
 
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
@@ -286,6 +288,8 @@ _BINARY_OPS: dict[str, _OpSpec] = {
 class BinaryOpKernel(_ElementwiseKernel):
     """z = f(x, y) element-wise, with numpy broadcasting and TF's shape error."""
 
+    fusable = True
+
     _OPS = _BINARY_OPS
 
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
@@ -307,6 +311,8 @@ _EQUALITY_OPS: dict[str, _OpSpec] = {
 @register_kernel(*_EQUALITY_OPS)
 class EqualityKernel(_ElementwiseKernel):
     """Equal / NotEqual on any dtype; `incompatible_shape_error=False` gives a scalar."""
+
+    fusable = True
 
     _OPS = _EQUALITY_OPS
 
@@ -347,6 +353,8 @@ class CastKernel(OpKernel):
     be cast (TF: Unimplemented). `Truncate=True` truncates instead of rounding when
     the destination is bfloat16; for other destinations it changes nothing.
     """
+
+    fusable = True
 
     def __init__(self, node: NodeDef) -> None:
         super().__init__(node)
@@ -1073,6 +1081,8 @@ class DenseStackKernel(OpKernel):
 @register_kernel("AddN")
 class AddNKernel(OpKernel):
     """Sum of N inputs of identical shape (no broadcasting, as in TF)."""
+
+    fusable = True
 
     def __init__(self, node: NodeDef) -> None:
         super().__init__(node)

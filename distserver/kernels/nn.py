@@ -128,6 +128,8 @@ _OUTPUT_GRADIENTS: dict[str, tuple[frozenset[np.dtype[Any]], _Binary]] = {
 class ActivationGradKernel(OpKernel):
     """The gradient of an element-wise op: two inputs of the same shape and dtype `T`."""
 
+    fusable = True
+
     def __init__(self, node: NodeDef) -> None:
         super().__init__(node)
         allowed, self.fn = _GRADIENTS.get(self.op) or _OUTPUT_GRADIENTS[self.op]

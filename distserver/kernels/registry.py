@@ -194,6 +194,12 @@ class OpKernel:
     # Kernels that output a `VariableRef` (VariableV2): only graphs holding one need the
     # dereferencing check on every kernel's inputs (`compute_without_dereference`).
     makes_refs: ClassVar[bool] = False
+    # Pure kernels of one output whose work is at most a pass over their inputs'
+    # elements (element-wise arithmetic, comparisons, casts, selects, views and shapes):
+    # the executor may run a connected group of such nodes as one
+    # (`kernels.regions.FusedRegionKernel`). Set on a class, never inherited by a
+    # subclass that differs.
+    fusable: ClassVar[bool] = False
     # Kernels that output their one data input unchanged (Identity) or nothing (NoOp):
     # the executor may leave such a node out of its steps, its consumers taking the
     # value from its input and waiting for its control inputs themselves.
@@ -443,6 +449,7 @@ def _load_builtin_kernels() -> None:
         import distserver.kernels.queue
         import distserver.kernels.random
         import distserver.kernels.ref_variables
+        import distserver.kernels.regions
         import distserver.kernels.sendrecv
         import distserver.kernels.sparse
         import distserver.kernels.stacks

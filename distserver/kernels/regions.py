@@ -1,0 +1,117 @@
+"""A connected group of light nodes run as one (`FUSED_REGION_OP`).
+
+An embedding lookup splits its ids by shard with ten element-wise nodes, and a
+logistic loss and its gradient take twenty more; each costs the executor ~1-2 us
+around a numpy call of about as much (taking its inputs, weighing it for the pool,
+storing its output). The executor (`runtime.executor._fuse_regions`) makes each
+such group of `OpKernel.fusable` nodes one node of this op, which runs its parts'
+kernels one after the other: the same kernels on the same values, so the same bits
+and the same errors, naming the part that failed.
+
+The node carries its parts' NodeDefs (`FUSED_NODES_ATTR`, in an order where each
+part comes after the parts it reads) and how they are wired: attr `wiring`, for each
+part's data inputs in turn, k >= 0 for the node's input k, or -1 - q for the output
+of part q (an earlier one); attr `outputs`, the parts whose values are the node's
+`M` outputs, in order; `N`, its inputs. A graph may name this op itself (a task registers what its peers
+send): every part must be a fusable op and every reference in range, or the node
+is refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from distserver import errors
+from distserver.kernels.math import fused_parts
+from distserver.kernels.registry import (
+    KernelContext,
+    OpKernel,
+    compute_without_dereference,
+    create_kernel,
+    register_kernel,
+)
+from distserver.protos.node_def_pb2 import NodeDef
+
+FUSED_REGION_OP = "_DistserverFusedRegion"
+
+
+@register_kernel(FUSED_REGION_OP)
+class FusedRegionKernel(OpKernel):
+    """Runs its parts (see the module docstring) on its inputs; outputs the values of
+    the parts attr `outputs` names. Each intermediate value is let go after its last
+    reader, as the executor would."""
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        parts = fused_parts(self)
+        kernels = [create_kernel(part) for part in parts]
+        not_fusable = [part.op for part, kernel in zip(parts, kernels, strict=True) if not kernel.fusable]
+        if not parts or not_fusable:
+            raise self._refused(f"groups ops that may not run in one node: {not_fusable or 'none'}")
+        wiring = list(self._attr("wiring").list.i)
+        outputs = list(self._attr("outputs").list.i)
+        arities = [sum(1 for text in part.input if not text.startswith("^")) for part in parts]
+        if sum(arities) != len(wiring):
+            raise self._refused(f"wires {len(wiring)} inputs, but its parts take {sum(arities)}")
+        if not all(0 <= q < len(parts) for q in outputs) or len(outputs) != self.attr_int("M"):
+            raise self._refused(f"outputs parts {outputs} of {len(parts)}, M = {self.attr_int('M')}")
+        count = self.attr_int("N")  # its inputs
+        # Values by place: the node's inputs, then each part's output in turn.
+        steps: list[tuple[Any, tuple[int, ...]]] = []
+        last_read: dict[int, int] = {}  # value place -> the last part reading it
+        start = 0
+        for p, (kernel, arity) in enumerate(zip(kernels, arities, strict=True)):
+            sources = []
+            for code in wiring[start : start + arity]:
+                if not (-1 - p < code < count):  # (a part reads its inputs or an earlier part)
+                    raise self._refused(f"part {p} ({parts[p].name}) reads {code}, not an earlier value")
+                place = code if code >= 0 else count + (-1 - code)
+                sources.append(place)
+                last_read[place] = p
+            start += arity
+            steps.append((compute_without_dereference(kernel), tuple(sources)))
+        kept = {count + q for q in outputs}
+        drops: list[list[int]] = [[] for _ in parts]
+        for place, p in last_read.items():
+            if place not in kept:
+                drops[p].append(place)
+        self._steps = [
+            (compute, sources, tuple(drop)) for (compute, sources), drop in zip(steps, drops, strict=True)
+        ]
+        self._outputs = [count + q for q in outputs]
+        self.parts = kernels
+        # The bytes of the largest value its last call made: parts may make values larger
+        # than the node's inputs (a broadcast), which the executor weighs for its pool.
+        self._largest = 0
+
+    def _refused(self, what: str) -> errors.InvalidArgumentError:
+        return errors.InvalidArgumentError(
+            f"Node '{self.name}' ({FUSED_REGION_OP}) {what}", node_name=self.name
+        )
+
+    def output_nbytes(self, inputs: list[Any]) -> int:
+        return self._largest  # (its last call's: a step's values are alike the next's)
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        values = list(inputs)
+        largest = 0
+        for compute, sources, drops in self._steps:
+            # (one or two inputs taken without a comprehension: most parts have them)
+            if len(sources) == 1:
+                args = [values[sources[0]]]
+            elif len(sources) == 2:
+                args = [values[sources[0]], values[sources[1]]]
+            else:
+                args = [values[place] for place in sources]
+            (value,) = compute(ctx, args)
+            values.append(value)
+            nbytes = getattr(value, "nbytes", 0)
+            if nbytes > largest:
+                largest = nbytes
+            for place in drops:
+                values[place] = None
+        self._largest = largest
+        return [values[place] for place in self._outputs]
+
+
+__all__ = ["FUSED_REGION_OP", "FusedRegionKernel"]

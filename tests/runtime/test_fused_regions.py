@@ -1,0 +1,310 @@
+"""Connected groups of light nodes run as one node (`executor._fuse_regions`,
+`kernels.regions.FusedRegionKernel`): the same bits as the nodes one by one, errors
+naming the part, values let go after their last reader, the pool for large values,
+and no group that would wait for itself, in the graph or across partitions."""
+
+from __future__ import annotations
+
+import tracemalloc
+from typing import Any
+
+import numpy as np
+import pytest
+
+import distserver as ds
+from distserver import errors
+from distserver.kernels import create_kernel
+from distserver.kernels.math import FUSED_NODES_ATTR
+from distserver.kernels.regions import FUSED_REGION_OP
+from distserver.protos.graph_pb2 import GraphDef
+from distserver.protos.node_def_pb2 import NodeDef
+from distserver.protos.types_pb2 import DT_FLOAT, DT_INT64
+from distserver.runtime import executor as executor_module
+from distserver.runtime.executor import Executor
+
+F32 = np.float32
+HERE = "/job:localhost/replica:0/task:0"
+PS = "/job:ps/replica:0/task:0"
+
+
+def _executors(monkeypatch: pytest.MonkeyPatch) -> list[Executor]:
+    made: list[Executor] = []
+    build = Executor.__init__
+
+    def recording(self: Executor, *args: Any, **kwargs: Any) -> None:
+        build(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(Executor, "__init__", recording)
+    return made
+
+
+def _regions(executor: Executor) -> list[list[str]]:
+    """Each fused region's parts, by name, in order."""
+    return [
+        [NodeDef.FromString(data).name for data in node.kernel.node.attr[FUSED_NODES_ATTR].list.s]
+        for node in executor._nodes
+        if not node.left_out and node.kernel.op == FUSED_REGION_OP
+    ]
+
+
+def _embedding_model() -> tuple[ds.Graph, Any, Any, Any, Any, Any]:
+    """An embedding lookup over two shards and a logistic loss, trained with Adagrad: its
+    ids split by shard and its loss are groups of element-wise nodes. (graph, init,
+    train, loss, ids, labels)"""
+    rng = np.random.default_rng(3)
+    with ds.Graph().as_default() as graph:
+        ids = ds.placeholder(ds.int64, [16, 3], name="ids")
+        labels = ds.placeholder(ds.float32, [16], name="labels")
+        shards = [ds.Variable(rng.standard_normal((51, 4)).astype(F32), name=f"table_{i}") for i in range(2)]
+        rows = ds.embedding_lookup(shards, ids)
+        logit = ds.squeeze(ds.matmul(ds.reduce_mean(rows, axis=1), ds.Variable(np.ones((4, 1), F32))), 1)
+        loss = ds.reduce_mean(ds.sigmoid_cross_entropy_with_logits(labels=labels, logits=logit), name="loss")
+        train = ds.train.AdagradOptimizer(0.5).minimize(loss)
+        init = ds.global_variables_initializer()
+    return graph, init, train, loss, ids, labels
+
+
+def _train(server: ds.Server, model: tuple[Any, ...], feeds: list[tuple[Any, Any]]) -> Any:
+    graph, init, train, loss, ids, labels = model
+    config = ds.ConfigProto(isolate_session_state=True)  # (each session its own variables)
+    with ds.Session(server.target, graph=graph, config=config) as session:
+        session.run(init)
+        losses = [session.run([train, loss], {ids: i, labels: y})[1] for i, y in feeds]
+        with graph.as_default():
+            return losses, session.run(ds.global_variables())
+
+
+def test_groups_of_element_wise_nodes_run_as_one_node_with_the_same_bits(server, monkeypatch):
+    rng = np.random.default_rng(4)
+    feeds = [(rng.integers(0, 102, (16, 3)), rng.integers(0, 2, 16).astype(F32)) for _ in range(4)]
+    model = _embedding_model()
+    made = _executors(monkeypatch)
+    fused = _train(server, model, feeds)
+    step = max(made, key=lambda e: len(_regions(e)))
+    regions = _regions(step)
+    by_last = {parts[-1]: parts for parts in regions}
+    # The ids' split by shard ("div": a floor division, a remainder, a comparison, a
+    # select, ...) and the loss with most of its gradient.
+    split = next(parts for parts in regions if any("FloorMod" in name for name in parts))
+    assert len(split) >= 8
+    assert all(name.startswith("embedding_lookup/") for name in split)
+    assert any("logistic_loss" in name for parts in by_last.values() for name in parts)
+    assert all(len(parts) >= executor_module.REGION_MIN_NODES for parts in regions)
+    # The same steps with every node on its own: the same bits.
+    monkeypatch.setattr(executor_module, "_fuse_regions", lambda nodes, control_sources: None)
+    alone = _train(server, model, feeds)
+    np.testing.assert_array_equal(fused[0], alone[0])
+    for value, expected in zip(fused[1], alone[1], strict=True):
+        np.testing.assert_array_equal(value, expected)
+    assert len(set(map(float, fused[0]))) == 4  # (it trained)
+
+
+def test_a_part_that_fails_is_named_by_its_part(server, monkeypatch):
+    made = _executors(monkeypatch)
+    with ds.Graph().as_default() as graph:
+        x = ds.placeholder(ds.int64, [4], name="x")
+        y = ds.placeholder(ds.int64, [], name="y")
+        quotient = ds.floordiv(x + 1, y, name="quotient")
+        out = ds.maximum(quotient - 1, ds.negative(x), name="out")
+    with ds.Session(server.target, graph=graph) as session:
+        value = session.run(out, {x: np.arange(4), y: np.int64(2)})
+        np.testing.assert_array_equal(value, [0, 0, 0, 1])
+        with pytest.raises(errors.InvalidArgumentError, match="Integer division by zero") as raised:
+            session.run(out, {x: np.arange(4), y: np.int64(0)})
+    assert raised.value.node_name == "quotient"
+    assert any("quotient" in parts and "out" in parts for e in made for parts in _regions(e))
+
+
+def _node(name: str, op: str, *inputs: str, dtype: int = DT_FLOAT) -> NodeDef:
+    node = NodeDef(name=name, op=op, input=list(inputs))
+    node.attr["T"].type = dtype
+    return node
+
+
+def _const(name: str, value: np.ndarray) -> NodeDef:
+    from distserver.tensors import to_tensor_proto
+
+    node = NodeDef(name=name, op="Const")
+    node.attr["dtype"].type = DT_FLOAT
+    node.attr["value"].tensor.CopyFrom(to_tensor_proto(value))
+    return node
+
+
+def _placeholder(name: str) -> NodeDef:
+    node = NodeDef(name=name, op="Placeholder")
+    node.attr["dtype"].type = DT_FLOAT
+    return node
+
+
+def test_a_group_never_waits_for_a_value_made_from_its_own():
+    # a -> b -> c is a group, but d reads c through a product that is not fusable, and d
+    # reads a: with the group, d would wait for it while it waited for d.
+    graph_def = GraphDef()
+    graph_def.node.extend(
+        [
+            _placeholder("x"),
+            _node("a", "Neg", "x"),
+            _node("b", "Exp", "a"),
+            _node("c", "Square", "b"),
+            _node("product", "MatMul", "c", "c"),
+            _node("d", "AddV2", "a", "product"),
+            _node("e", "Neg", "d"),
+            _node("f", "Abs", "e"),
+        ]
+    )
+    executor = Executor(graph_def)
+    assert _regions(executor) == [["a", "b", "c"], ["d", "e", "f"]]
+
+
+def _transfer(name: str, op: str, source: str | None, task: str) -> NodeDef:
+    """A `_Send` of `source` to `task`, or a `_Recv` from it."""
+    node = NodeDef(name=name, op=op, input=[source] if source else [])
+    node.attr["T" if op == "_Send" else "tensor_type"].type = DT_FLOAT
+    local, remote = f"{HERE}/device:CPU:0".encode(), f"{task}/device:CPU:0".encode()
+    node.attr["send_device"].s = local if op == "_Send" else remote
+    node.attr["recv_device"].s = remote if op == "_Send" else local
+    node.attr["send_device_incarnation"].i = 1
+    node.attr["tensor_name"].s = name.encode()
+    return node
+
+
+def test_a_group_that_waits_for_another_partition_does_not_feed_one():
+    # a, b, c feed the ps; d, e, f need its answer. As one group, they would hold a, b
+    # and c back until the answer came, which may need them.
+    graph_def = GraphDef()
+    graph_def.node.extend(
+        [
+            _placeholder("x"),
+            _node("a", "Neg", "x"),
+            _node("b", "Exp", "a"),
+            _node("c", "Square", "b"),
+            _transfer("to_ps", "_Send", "c", PS),
+            _transfer("from_ps", "_Recv", None, PS),
+            _node("d", "Mul", "from_ps", "c"),
+            _node("e", "Neg", "d"),
+            _node("f", "Abs", "e"),
+            _transfer("fetch", "_Send", "f", HERE),
+        ]
+    )
+    graph_def.node[-1].attr["client_terminated"].b = True  # (a fetch: nothing waits for it)
+    assert _regions(Executor(graph_def)) == [["a", "b", "c"], ["d", "e", "f"]]
+    # What both waits for a receive and feeds a send stays apart.
+    graph_def.node[-1].attr["client_terminated"].b = False
+    assert _regions(Executor(graph_def)) == [["a", "b", "c"]]
+
+
+def test_values_from_constants_alone_are_left_to_constant_folding():
+    graph_def = GraphDef()
+    graph_def.node.extend(
+        [
+            _const("k", np.arange(4, dtype=F32)),
+            _node("k2", "Mul", "k", "k"),
+            _node("k3", "Neg", "k2"),
+            _placeholder("x"),
+            _node("a", "AddV2", "x", "k3"),
+            _node("b", "Exp", "a"),
+            _node("c", "Square", "b"),
+        ]
+    )
+    executor = Executor(graph_def)
+    assert _regions(executor) == [["a", "b", "c"]]
+    assert {executor._nodes[i].kernel.name for i in executor._folded} == {"k2", "k3"}
+
+
+def _region_node(parts: list[NodeDef], wiring: list[int], outputs: list[int], inputs: int) -> NodeDef:
+    node = NodeDef(name="region", op=FUSED_REGION_OP)
+    node.attr["N"].i = inputs
+    node.attr["M"].i = len(outputs)
+    node.attr["wiring"].list.i.extend(wiring)
+    node.attr["outputs"].list.i.extend(outputs)
+    node.attr[FUSED_NODES_ATTR].list.s.extend(part.SerializeToString() for part in parts)
+    return node
+
+
+def test_a_region_node_a_graph_names_itself_is_checked():
+    neg, square = _node("neg", "Neg", "x"), _node("square", "Square", "neg")
+    kernel = create_kernel(_region_node([neg, square], [0, -1], [1], 1))
+    np.testing.assert_array_equal(kernel.compute(None, [np.array([2.0], F32)])[0], [4.0])
+    bad = {
+        "a part that is not light": _region_node([_node("product", "MatMul", "x", "x")], [0, 0], [0], 1),
+        "a part reading a later one": _region_node([neg, square], [-2, -1], [1], 1),
+        "a part reading itself": _region_node([neg, square], [0, -2], [1], 1),
+        "an input out of range": _region_node([neg, square], [3, -1], [1], 1),
+        "an output out of range": _region_node([neg, square], [0, -1], [2], 1),
+        "fewer wires than inputs": _region_node([neg, square], [0], [1], 1),
+        "no parts": _region_node([], [], [], 0),
+    }
+    for what, node in bad.items():
+        node.attr["M"].i = len(node.attr["outputs"].list.i)
+        with pytest.raises(errors.InvalidArgumentError, match="region") as raised:
+            create_kernel(node)
+        assert raised.value.node_name == "region", what
+    wrong_count = _region_node([neg, square], [0, -1], [1], 1)
+    wrong_count.attr["M"].i = 2
+    with pytest.raises(errors.InvalidArgumentError, match="M = 2"):
+        create_kernel(wrong_count)
+
+
+def test_values_are_let_go_after_their_last_reader():
+    # Four parts of 8 MB values: one by one, at most two of them (an input and an output)
+    # and the node's own input live at once.
+    parts = [_node("a", "Neg", "x"), _node("b", "Exp", "a"), _node("c", "Square", "b")]
+    parts.append(_node("d", "Abs", "c"))
+    kernel = create_kernel(_region_node(parts, [0, -1, -2, -3], [3], 1))
+    x = np.ones(2 << 20, F32)
+    tracemalloc.start()
+    try:
+        (out,) = kernel.compute(None, [x])
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert out.nbytes == x.nbytes
+    assert peak < 2.5 * x.nbytes  # (all four kept would be 4 x)
+
+
+def test_a_region_whose_values_grow_goes_to_the_pool():
+    # A broadcast inside the region: its inputs are small, its values are not.
+    column, row = np.ones((1024, 1), F32), np.ones((1, 1024), F32)
+    parts = [_node("outer", "Mul", "column", "row"), _node("b", "Exp", "outer"), _node("c", "Neg", "b")]
+    kernel = create_kernel(_region_node(parts, [0, 1, -1, -2], [2], 2))
+    kernel.compute(None, [column, row])
+    assert executor_module._large(kernel, [column, row])
+    small = create_kernel(_region_node(parts, [0, 1, -1, -2], [2], 2))
+    small.compute(None, [column[:8], row[:, :8]])
+    assert not executor_module._large(small, [column[:8], row[:, :8]])
+
+
+def test_a_graph_that_makes_dead_values_has_no_regions():
+    graph_def = GraphDef()
+    switch = NodeDef(name="switch", op="Switch", input=["x", "flag"])
+    switch.attr["T"].type = DT_FLOAT
+    flag = NodeDef(name="flag", op="Placeholder")
+    flag.attr["dtype"].type = 10  # DT_BOOL
+    graph_def.node.extend(
+        [
+            _placeholder("x"),
+            flag,
+            switch,
+            _node("a", "Neg", "switch:1"),
+            _node("b", "Exp", "a"),
+            _node("c", "Square", "b"),
+        ]
+    )
+    assert _regions(Executor(graph_def)) == []
+
+
+def test_integer_parts_keep_their_dtype():
+    parts = [
+        _node(name, op, *inputs, dtype=DT_INT64)
+        for name, op, *inputs in [
+            ("a", "FloorDiv", "x", "y"),
+            ("b", "FloorMod", "a", "y"),
+            ("c", "Sub", "b", "a"),
+        ]
+    ]
+    kernel = create_kernel(_region_node(parts, [0, 1, -1, 1, -2, -1], [2], 2))
+    x, y = np.array([-7, 7, 100], np.int64), np.array(3, np.int64)
+    (out,) = kernel.compute(None, [x, y])
+    assert out.dtype == np.int64
+    np.testing.assert_array_equal(out, np.floor_divide(x, y) % y - np.floor_divide(x, y))
