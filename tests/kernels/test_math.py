@@ -96,6 +96,27 @@ def test_integer_division_semantics(run_op):
     np.testing.assert_array_equal(run_op("FloorMod", x, y, T=np.int32)[0], [1, 1, -1, -1, 0])
 
 
+@pytest.mark.parametrize("dtype", [np.int8, np.int32, np.int64, np.uint8, np.uint32, np.uint64])
+def test_integer_floor_mod_is_numpys_remainder_at_the_extremes(run_op, dtype):
+    info = np.iinfo(dtype)
+    edges = [info.min, info.min + 1, info.max, info.max - 1, 0, 1, 2, 3, 7]
+    if info.min < 0:
+        edges += [-1, -2, -3, -7]
+    random = RNG.integers(info.min, info.max, 500, dtype=dtype, endpoint=True)
+    x = np.concatenate([np.array(edges, dtype), random])
+    divisors = [d for d in edges if d != 0] + [int(RNG.integers(1, info.max, dtype=dtype))]
+    for divisor in divisors:
+        (out,) = run_op("FloorMod", x, np.array(divisor, dtype), T=dtype)
+        with np.errstate(all="ignore"):
+            expected = np.remainder(x, np.array(divisor, dtype))
+        assert out.dtype == np.dtype(dtype)
+        np.testing.assert_array_equal(out, expected, err_msg=f"divisor {divisor}")
+    y = np.array(divisors, dtype)
+    (out,) = run_op("FloorMod", np.resize(x, y.shape), y, T=dtype)
+    with np.errstate(all="ignore"):
+        np.testing.assert_array_equal(out, np.remainder(np.resize(x, y.shape), y))
+
+
 def test_float_floor_div_and_mod(run_op):
     x = np.array([-7.5, 7.5, 1.0], np.float64)
     y = np.array([2.0, -2.0, 0.1], np.float64)
