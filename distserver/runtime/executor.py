@@ -1603,32 +1603,45 @@ def _fuse_regions(nodes: list[_Node], control_sources: list[list[int]]) -> None:
 
     Nodes join groups in a topological order: a node joins the group of one of its
     producers unless another of its producers, outside that group, comes after a
-    member of it (the group would then wait for itself). A group that waits for a
-    value from another partition (a `_Recv` upstream of a member) holds back all its
-    values until then, so it may not also feed a `_Send` (a member upstream of one):
-    the other side could need that value to make the one awaited. Left alone: nodes
-    `_fold_constants` may compute once (from constants alone), and every node of a
-    graph with nodes that make values dead (a Switch), as for `_stack_dense_layers`.
+    member of it (the group would then wait for itself). A group holds back every
+    value it makes until all of its inputs are there: a `_Send` to another partition
+    downstream of a member then waits for every `_Recv` from another partition
+    upstream of any member. A node joins only where that adds no wait: each such send
+    already waited for those receives (the other side might need the value sent to
+    make one awaited). Left alone: nodes `_fold_constants` may compute once (from
+    constants alone), and every node of a graph with nodes that make values dead (a
+    Switch), as for `_stack_dense_layers`.
     """
     if any(n.kernel.may_output_dead and not isinstance(n.kernel, RecvKernel) for n in nodes):
         return
-    after_receive = reached_from(
-        [n.index for n in nodes if isinstance(n.kernel, RecvKernel) and not n.kernel.client_terminated],
-        {n.index: n.consumers for n in nodes},
-    )
     producers = [[src for src, _ in n.inputs] + control_sources[n.index] for n in nodes]
-    before_send = reached_from(
-        [n.index for n in nodes if isinstance(n.kernel, SendKernel) and not n.kernel.client_terminated],
-        dict(enumerate(producers)),
-    )
+    positions = _topological_positions(nodes)
+    order = sorted(range(len(nodes)), key=positions.__getitem__)
+    # Per node: the receives from other partitions upstream of it (a bit each), and
+    # those that every send to another partition downstream of it waits for (-1: every
+    # receive, when it feeds none).
+    receives = [n.index for n in nodes if isinstance(n.kernel, RecvKernel) and not n.kernel.client_terminated]
+    waits = [0] * len(nodes)
+    for k, i in enumerate(receives):
+        waits[i] = 1 << k
+    for i in order:
+        for src in producers[i]:
+            waits[i] |= waits[src]
+    allowed = [-1] * len(nodes)
+    for i in reversed(order):
+        kernel = nodes[i].kernel
+        if isinstance(kernel, SendKernel) and not kernel.client_terminated:
+            allowed[i] = waits[i]
+        for c in nodes[i].consumers:
+            allowed[i] &= allowed[c]
     constant = _computed_from_constants(nodes)
     region_of: list[int | None] = [None] * len(nodes)
     # For each node, the regions with a member upstream of it (bit r for region r).
     upstream = [0] * len(nodes)
     regions: list[list[_Node]] = []
-    waits, feeds = [False], [False]  # per region: a member after a receive, before a send
-    positions = _topological_positions(nodes)
-    for i in sorted(range(len(nodes)), key=positions.__getitem__):
+    region_waits: list[int] = []  # per region: its members' `waits`, or-ed
+    region_allows: list[int] = []  # and their `allowed`, and-ed
+    for i in order:
         node = nodes[i]
         for src in producers[i]:
             region = region_of[src]
@@ -1636,14 +1649,13 @@ def _fuse_regions(nodes: list[_Node], control_sources: list[list[int]]) -> None:
         kernel = node.kernel
         if node.left_out or not kernel.fusable or i in constant or _reads_beyond_output_0(nodes, node):
             continue
-        waiting, feeding = i in after_receive, i in before_send
         joined = None
         for src, _ in node.inputs:
             r = region_of[src]
             if (
                 r is not None
                 and regions[r][0].kernel.node.device == kernel.node.device
-                and not ((waits[r] or waiting) and (feeds[r] or feeding))
+                and not (region_waits[r] | waits[i]) & ~(region_allows[r] & allowed[i])
                 and all(region_of[s] == r or not upstream[s] >> r & 1 for s in producers[i])
             ):
                 joined = r
@@ -1651,12 +1663,12 @@ def _fuse_regions(nodes: list[_Node], control_sources: list[list[int]]) -> None:
         if joined is None:
             joined = len(regions)
             regions.append([])
-            waits.append(False)
-            feeds.append(False)
+            region_waits.append(0)
+            region_allows.append(-1)
         region_of[i] = joined
         regions[joined].append(node)
-        waits[joined] = waits[joined] or waiting
-        feeds[joined] = feeds[joined] or feeding
+        region_waits[joined] |= waits[i]
+        region_allows[joined] &= allowed[i]
     for members in regions:
         if len(members) >= REGION_MIN_NODES:
             _merge_region(nodes, control_sources, members)

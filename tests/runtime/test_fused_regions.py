@@ -169,9 +169,9 @@ def _transfer(name: str, op: str, source: str | None, task: str) -> NodeDef:
     return node
 
 
-def test_a_group_that_waits_for_another_partition_does_not_feed_one():
-    # a, b, c feed the ps; d, e, f need its answer. As one group, they would hold a, b
-    # and c back until the answer came, which may need them.
+def test_a_group_holds_no_send_back_for_a_receive_it_did_not_wait_for():
+    # a, b, c (and h) feed the ps; d, e, f need its answer, which may need a value that
+    # a, b, c or h send. In one group, the sends would wait for the answer.
     graph_def = GraphDef()
     graph_def.node.extend(
         [
@@ -184,14 +184,16 @@ def test_a_group_that_waits_for_another_partition_does_not_feed_one():
             _node("d", "Mul", "from_ps", "c"),
             _node("e", "Neg", "d"),
             _node("f", "Abs", "e"),
-            _transfer("fetch", "_Send", "f", HERE),
+            _node("h", "Exp", "c"),
+            _transfer("h_to_ps", "_Send", "h", PS),
+            _transfer("fetch", "_Send", "f", PS),
         ]
     )
-    graph_def.node[-1].attr["client_terminated"].b = True  # (a fetch: nothing waits for it)
-    assert _regions(Executor(graph_def)) == [["a", "b", "c"], ["d", "e", "f"]]
-    # What both waits for a receive and feeds a send stays apart.
-    graph_def.node[-1].attr["client_terminated"].b = False
-    assert _regions(Executor(graph_def)) == [["a", "b", "c"]]
+    assert sorted(_regions(Executor(graph_def))) == [["a", "b", "c", "h"], ["d", "e", "f"]]
+    # A group may feed a send that already waited for every receive it waits for: d, e,
+    # f and g (sent, after the answer) are one group.
+    graph_def.node.extend([_node("g", "Neg", "d"), _transfer("g_to_ps", "_Send", "g", PS)])
+    assert sorted(_regions(Executor(graph_def))) == [["a", "b", "c", "h"], ["d", "e", "g", "f"]]
 
 
 def test_values_from_constants_alone_are_left_to_constant_folding():
