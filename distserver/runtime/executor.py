@@ -1609,11 +1609,18 @@ def _fuse_regions(nodes: list[_Node], control_sources: list[list[int]]) -> None:
     upstream of any member. A node joins only where that adds no wait: each such send
     already waited for those receives (the other side might need the value sent to
     make one awaited). Left alone: nodes `_fold_constants` may compute once (from
-    constants alone), and every node of a graph with nodes that make values dead (a
-    Switch), as for `_stack_dense_layers`.
+    constants alone), and every node of a graph that may see dead values: one with a
+    node that makes them (a Switch), or a `_Recv` from another partition that may
+    bring one (a dead input would make the whole group dead, not only the parts it
+    reaches). The client's feeds are never dead, nor are the receives the master's
+    planner marked (`RecvKernel.may_wait_first`: a step without a Switch anywhere).
     """
-    if any(n.kernel.may_output_dead and not isinstance(n.kernel, RecvKernel) for n in nodes):
-        return
+    for node in nodes:
+        kernel = node.kernel
+        if kernel.may_output_dead and not (
+            isinstance(kernel, RecvKernel) and (kernel.client_terminated or kernel.may_wait_first)
+        ):
+            return
     producers = [[src for src, _ in n.inputs] + control_sources[n.index] for n in nodes]
     positions = _topological_positions(nodes)
     order = sorted(range(len(nodes)), key=positions.__getitem__)
