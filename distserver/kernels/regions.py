@@ -1,9 +1,9 @@
 """A connected group of light nodes run as one (`FUSED_REGION_OP`).
 
-An embedding lookup splits its ids by shard with ten element-wise nodes, and a
-logistic loss and its gradient take twenty more; each costs the executor ~1-2 us
-around a numpy call of about as much (taking its inputs, weighing it for the pool,
-storing its output). The executor (`runtime.executor._fuse_regions`) makes each
+An embedding lookup splits its ids by shard with eleven light nodes, and a logistic
+loss and most of its gradient take twenty-three more; each costs the executor ~0.5
+us around its kernel (taking its inputs, weighing it for the pool, storing its
+output). The executor (`runtime.executor._fuse_regions`) makes each
 such group of `OpKernel.fusable` nodes one node of this op, which runs its parts'
 kernels one after the other: the same kernels on the same values, so the same bits
 and the same errors, naming the part that failed.
@@ -12,9 +12,9 @@ The node carries its parts' NodeDefs (`FUSED_NODES_ATTR`, in an order where each
 part comes after the parts it reads) and how they are wired: attr `wiring`, for each
 part's data inputs in turn, k >= 0 for the node's input k, or -1 - q for the output
 of part q (an earlier one); attr `outputs`, the parts whose values are the node's
-`M` outputs, in order; `N`, its inputs. A graph may name this op itself (a task registers what its peers
-send): every part must be a fusable op and every reference in range, or the node
-is refused.
+`M` outputs, in order; `N`, its inputs. A graph may name this op itself (a task
+registers what its peers send): every part must be a fusable op (not a region) and
+every reference in range, or the node is refused.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from distserver.kernels.registry import (
     OpKernel,
     compute_without_dereference,
     create_kernel,
+    fusable_op,
     register_kernel,
 )
 from distserver.protos.node_def_pb2 import NodeDef
@@ -44,10 +45,11 @@ class FusedRegionKernel(OpKernel):
     def __init__(self, node: NodeDef) -> None:
         super().__init__(node)
         parts = fused_parts(self)
-        kernels = [create_kernel(part) for part in parts]
-        not_fusable = [part.op for part, kernel in zip(parts, kernels, strict=True) if not kernel.fusable]
+        # (checked before any part's kernel is built: a part may not be a region itself)
+        not_fusable = [part.op for part in parts if not fusable_op(part.op)]
         if not parts or not_fusable:
             raise self._refused(f"groups ops that may not run in one node: {not_fusable or 'none'}")
+        kernels = [create_kernel(part) for part in parts]
         wiring = list(self._attr("wiring").list.i)
         outputs = list(self._attr("outputs").list.i)
         arities = [sum(1 for text in part.input if not text.startswith("^")) for part in parts]

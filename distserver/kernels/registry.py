@@ -394,6 +394,13 @@ def has_kernel(op_name: str) -> bool:
     return op_name in _KERNELS
 
 
+def fusable_op(op_name: str) -> bool:
+    """Whether `op_name`'s kernel is `OpKernel.fusable` (asked before building one)."""
+    _load_builtin_kernels()
+    cls = _KERNELS.get(op_name)
+    return cls is not None and cls.fusable
+
+
 def registered_ops() -> list[str]:
     """Sorted names of every op with a kernel."""
     _load_builtin_kernels()

@@ -240,6 +240,7 @@ def test_a_region_node_a_graph_names_itself_is_checked():
         "an output out of range": _region_node([neg, square], [0, -1], [2], 1),
         "fewer wires than inputs": _region_node([neg, square], [0], [1], 1),
         "no parts": _region_node([], [], [], 0),
+        "a region in a region": _region_node([_region_node([neg, square], [0, -1], [1], 1)], [0], [0], 1),
     }
     for what, node in bad.items():
         node.attr["M"].i = len(node.attr["outputs"].list.i)
