@@ -20,6 +20,7 @@ from distserver.protos.types_pb2 import DT_FLOAT
 from distserver.runtime import executor as executor_module
 from distserver.runtime.executor import Executor
 from distserver.runtime.fusion import fuse_dense_layers
+from tests.runtime.conftest import assert_same_training
 
 F32 = np.float32
 PS = "/job:ps/replica:0/task:0"
@@ -43,18 +44,6 @@ def _mlp(layers: int, width: int, rng: np.random.Generator) -> tuple[ds.Graph, A
     return graph, init, train, loss, x
 
 
-def _executors(monkeypatch: pytest.MonkeyPatch) -> list[Executor]:
-    made: list[Executor] = []
-    build = Executor.__init__
-
-    def recording(self: Executor, *args: Any, **kwargs: Any) -> None:
-        build(self, *args, **kwargs)
-        made.append(self)
-
-    monkeypatch.setattr(Executor, "__init__", recording)
-    return made
-
-
 def _live(executor: Executor, op: str) -> list[Any]:
     return [node for node in executor._nodes if not node.left_out and node.kernel.op == op]
 
@@ -75,13 +64,14 @@ def _train(server: ds.Server, graph: ds.Graph, feeds: list[Any], *step: Any) -> 
             return losses, session.run(ds.global_variables())
 
 
-def test_a_deep_mlp_runs_its_layers_and_their_gradients_as_two_stacks_with_the_same_bits(server, monkeypatch):
+def test_a_deep_mlp_runs_its_layers_and_their_gradients_as_two_stacks_with_the_same_bits(
+    server, monkeypatch, executors
+):
     rng = np.random.default_rng(5)
     graph, init, train, loss, x = _mlp(6, 16, rng)
     feeds = [rng.standard_normal((8, 16)).astype(F32) for _ in range(4)]
-    made = _executors(monkeypatch)
     stacked = _train(server, graph, feeds, init, train, loss, x)
-    step = max(made, key=lambda e: len(_live(e, DENSE_STACK_OP)))
+    step = max(executors, key=lambda e: len(_live(e, DENSE_STACK_OP)))
     forward, backward = sorted(_live(step, DENSE_STACK_OP), key=lambda n: n.kernel.forward, reverse=True)
     assert [m.op for m in _members(forward)] == [FUSED_MATMUL_OP] * 6
     assert [m.name for m in _members(forward)] == [f"layer{i}" for i in range(6)]
@@ -93,15 +83,10 @@ def test_a_deep_mlp_runs_its_layers_and_their_gradients_as_two_stacks_with_the_s
     assert backward.kernel.node.attr["M"].i == 12  # each layer's bias and weights gradients
     # The same steps with every layer and gradient a node of its own: the same bits.
     monkeypatch.setattr(executor_module, "_stack_dense_layers", lambda nodes, control_sources: None)
-    alone = _train(server, graph, feeds, init, train, loss, x)
-    np.testing.assert_array_equal(stacked[0], alone[0])
-    for value, expected in zip(stacked[1], alone[1], strict=True):
-        np.testing.assert_array_equal(value, expected)
-    assert len(set(map(float, stacked[0]))) == 4  # (it trained)
+    assert_same_training(stacked, _train(server, graph, feeds, init, train, loss, x), len(feeds))
 
 
-def test_a_member_that_fails_is_named_by_its_part(server, monkeypatch):
-    made = _executors(monkeypatch)
+def test_a_member_that_fails_is_named_by_its_part(server, executors):
     with ds.Graph().as_default() as graph:
         x = ds.placeholder(ds.float32, [4, 3], name="x")
         weights = [ds.placeholder(ds.float32, None, name=f"w{i}") for i in range(3)]
@@ -115,7 +100,7 @@ def test_a_member_that_fails_is_named_by_its_part(server, monkeypatch):
         bad = np.ones((2, 3), F32)
         with pytest.raises(errors.InvalidArgumentError) as raised:
             session.run(h, {x: np.ones((4, 3), F32), weights[0]: ok, weights[1]: bad, weights[2]: ok})
-    assert [["layer0", "layer1", "layer2"]] in [_stacks(executor) for executor in made]  # (one stack)
+    assert [["layer0", "layer1", "layer2"]] in [_stacks(executor) for executor in executors]  # (one stack)
     assert raised.value.node_name == "MatMul_1"  # layer1's product, as TensorFlow names it
     assert "Matrix size-incompatible" in raised.value.message
 

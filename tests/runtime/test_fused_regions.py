@@ -22,22 +22,11 @@ from distserver.protos.node_def_pb2 import NodeDef
 from distserver.protos.types_pb2 import DT_FLOAT, DT_INT64
 from distserver.runtime import executor as executor_module
 from distserver.runtime.executor import Executor
+from tests.runtime.conftest import assert_same_training
 
 F32 = np.float32
 HERE = "/job:localhost/replica:0/task:0"
 PS = "/job:ps/replica:0/task:0"
-
-
-def _executors(monkeypatch: pytest.MonkeyPatch) -> list[Executor]:
-    made: list[Executor] = []
-    build = Executor.__init__
-
-    def recording(self: Executor, *args: Any, **kwargs: Any) -> None:
-        build(self, *args, **kwargs)
-        made.append(self)
-
-    monkeypatch.setattr(Executor, "__init__", recording)
-    return made
 
 
 def _regions(executor: Executor) -> list[list[str]]:
@@ -76,13 +65,12 @@ def _train(server: ds.Server, model: tuple[Any, ...], feeds: list[tuple[Any, Any
             return losses, session.run(ds.global_variables())
 
 
-def test_groups_of_element_wise_nodes_run_as_one_node_with_the_same_bits(server, monkeypatch):
+def test_groups_of_element_wise_nodes_run_as_one_node_with_the_same_bits(server, monkeypatch, executors):
     rng = np.random.default_rng(4)
     feeds = [(rng.integers(0, 102, (16, 3)), rng.integers(0, 2, 16).astype(F32)) for _ in range(4)]
     model = _embedding_model()
-    made = _executors(monkeypatch)
     fused = _train(server, model, feeds)
-    step = max(made, key=lambda e: len(_regions(e)))
+    step = max(executors, key=lambda e: len(_regions(e)))
     regions = _regions(step)
     by_last = {parts[-1]: parts for parts in regions}
     # The ids' split by shard ("div": a floor division, a remainder, a comparison, a
@@ -94,15 +82,10 @@ def test_groups_of_element_wise_nodes_run_as_one_node_with_the_same_bits(server,
     assert all(len(parts) >= executor_module.REGION_MIN_NODES for parts in regions)
     # The same steps with every node on its own: the same bits.
     monkeypatch.setattr(executor_module, "_fuse_regions", lambda nodes, control_sources: None)
-    alone = _train(server, model, feeds)
-    np.testing.assert_array_equal(fused[0], alone[0])
-    for value, expected in zip(fused[1], alone[1], strict=True):
-        np.testing.assert_array_equal(value, expected)
-    assert len(set(map(float, fused[0]))) == 4  # (it trained)
+    assert_same_training(fused, _train(server, model, feeds), len(feeds))
 
 
-def test_a_part_that_fails_is_named_by_its_part(server, monkeypatch):
-    made = _executors(monkeypatch)
+def test_a_part_that_fails_is_named_by_its_part(server, executors):
     with ds.Graph().as_default() as graph:
         x = ds.placeholder(ds.int64, [4], name="x")
         y = ds.placeholder(ds.int64, [], name="y")
@@ -114,7 +97,7 @@ def test_a_part_that_fails_is_named_by_its_part(server, monkeypatch):
         with pytest.raises(errors.InvalidArgumentError, match="Integer division by zero") as raised:
             session.run(out, {x: np.arange(4), y: np.int64(0)})
     assert raised.value.node_name == "quotient"
-    assert any("quotient" in parts and "out" in parts for e in made for parts in _regions(e))
+    assert any("quotient" in parts and "out" in parts for e in executors for parts in _regions(e))
 
 
 def _node(name: str, op: str, *inputs: str, dtype: int = DT_FLOAT) -> NodeDef:
@@ -138,16 +121,18 @@ def _placeholder(name: str) -> NodeDef:
     return node
 
 
+def _x_to_c() -> list[NodeDef]:
+    """A placeholder x and a chain of three light nodes from it: a, b, c."""
+    return [_placeholder("x"), _node("a", "Neg", "x"), _node("b", "Exp", "a"), _node("c", "Square", "b")]
+
+
 def test_a_group_never_waits_for_a_value_made_from_its_own():
     # a -> b -> c is a group, but d reads c through a product that is not fusable, and d
     # reads a: with the group, d would wait for it while it waited for d.
     graph_def = GraphDef()
     graph_def.node.extend(
         [
-            _placeholder("x"),
-            _node("a", "Neg", "x"),
-            _node("b", "Exp", "a"),
-            _node("c", "Square", "b"),
+            *_x_to_c(),
             _node("product", "MatMul", "c", "c"),
             _node("d", "AddV2", "a", "product"),
             _node("e", "Neg", "d"),
@@ -179,10 +164,7 @@ def test_a_group_holds_no_send_back_for_a_receive_it_did_not_wait_for():
     graph_def = GraphDef()
     graph_def.node.extend(
         [
-            _placeholder("x"),
-            _node("a", "Neg", "x"),
-            _node("b", "Exp", "a"),
-            _node("c", "Square", "b"),
+            *_x_to_c(),
             _transfer("to_ps", "_Send", "c", PS),
             _transfer("from_ps", "_Recv", None, PS),
             _node("d", "Mul", "from_ps", "c"),
