@@ -42,14 +42,17 @@ class FusedRegionKernel(OpKernel):
     the parts attr `outputs` names. Each intermediate value is let go after its last
     reader, as the executor would."""
 
-    def __init__(self, node: NodeDef) -> None:
+    def __init__(self, node: NodeDef, kernels: list[OpKernel] | None = None) -> None:
+        """`kernels`: the parts' kernels, when the caller has them (the executor that
+        fuses the parts built them already); else built here."""
         super().__init__(node)
         parts = fused_parts(self)
         # (checked before any part's kernel is built: a part may not be a region itself)
         not_fusable = [part.op for part in parts if not fusable_op(part.op)]
         if not parts or not_fusable:
             raise self._refused(f"groups ops that may not run in one node: {not_fusable or 'none'}")
-        kernels = [create_kernel(part) for part in parts]
+        if kernels is None or len(kernels) != len(parts):
+            kernels = [create_kernel(part) for part in parts]
         wiring = list(self._attr("wiring").list.i)
         outputs = list(self._attr("outputs").list.i)
         arities = [sum(1 for text in part.input if not text.startswith("^")) for part in parts]

@@ -84,7 +84,7 @@ from distserver.kernels.math import (
     GRADIENT_INPUT,
     is_dense_gradient,
 )
-from distserver.kernels.regions import FUSED_REGION_OP
+from distserver.kernels.regions import FUSED_REGION_OP, FusedRegionKernel
 from distserver.kernels.registry import (
     CARRIES_DEADNESS,
     DEAD,
@@ -1411,11 +1411,13 @@ def _merge(
     inputs: list[tuple[int, int]],
     output_of: dict[tuple[int, int], int],
     node_def: NodeDef,
+    kernel: OpKernel | None = None,
 ) -> None:
     """Make `parts` one node computing `node_def`, in the place of `slot` (one of them):
     it reads `inputs` (outputs of other nodes), a reader of output k of a part reads its
     output `output_of[(part, k)]`, and it waits for what the parts waited for (control
-    edges) and is waited for by what waited for them."""
+    edges) and is waited for by what waited for them. `kernel`: `node_def`'s, when the
+    caller built it (else built here)."""
     inner = {part.index for part in parts}
     controls = list(dict.fromkeys(src for p in parts for src in control_sources[p.index] if src not in inner))
     readers: list[int] = []  # one entry per data edge out
@@ -1446,7 +1448,7 @@ def _merge(
         part.left_out = True
     merged = slot
     merged.left_out = False
-    merged.kernel = _shared_or_new_kernel(node_def, None)
+    merged.kernel = _shared_or_new_kernel(node_def, None) if kernel is None else kernel
     merged.sizes_its_output = True
     merged.inputs = inputs
     for src, _ in inputs:
@@ -1731,7 +1733,9 @@ def _merge_region(nodes: list[_Node], control_sources: list[list[int]], members:
     node_def.attr["M"].i = len(read_outside)
     node_def.attr[FUSED_NODES_ATTR].list.s.extend(_wired(nodes, part).SerializeToString() for part in members)
     output_of = {(part.index, 0): k for k, part in enumerate(read_outside)}
-    _merge(nodes, control_sources, members, last, inputs, output_of, node_def)
+    # (with the parts' kernels built already: rebuilding them doubled a graph's build)
+    kernel = FusedRegionKernel(node_def, [part.kernel for part in members])
+    _merge(nodes, control_sources, members, last, inputs, output_of, node_def, kernel)
 
 
 def _mode_of(node: _Node) -> int:
