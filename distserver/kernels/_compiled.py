@@ -6,8 +6,9 @@ update of a 784x512 variable takes twelve (~0.67 ms here) where one compiled loo
 over the elements takes ~0.23 ms; a sparse update or a segment sum walks rows that
 numpy can only gather, update and scatter back; a sum over a middle axis (an
 embedding's pooled rows) is one numpy pass per entry, a stitch one indexed
-assignment per input, and the distinct ids of a sparse update or an embedding's
-split by shard several passes and masks. `_loops` has those loops, each giving the
+assignment per input, a gather of rows a pass for each bound of its indices before
+the copy, and the distinct ids of a sparse update or an embedding's split by shard
+several passes and masks. `_loops` has those loops, each giving the
 bits of the numpy code it stands in for.
 
 Compiling takes ~1 s of CPU (~0.35 s once numba's cache in `__pycache__` has them),

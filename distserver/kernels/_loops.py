@@ -154,6 +154,28 @@ def sum_middle_axis(output: np.ndarray, x: np.ndarray) -> None:  # pragma: no co
                 output[r, j] = output[r, j] + x[r, e, j]
 
 
+@numba.njit(
+    [
+        types.int64(_LETTERS["WW"](t), _LETTERS["RR"](t), _LETTERS[ids](t))  # type: ignore[no-untyped-call]
+        for t in (types.float32, types.float64)
+        for ids in ("I", "I32")
+    ],
+    **_OPTIONS,
+)
+def take_rows(output: np.ndarray, params: np.ndarray, ids: np.ndarray) -> int:  # pragma: no cover
+    """output[k] = params[ids[k]] for every k (`np.take(params, ids, axis=0)`); returns
+    -1, or the position of the first id out of [0, len(params)) (then the rows before
+    it are written and the rest is not)."""
+    limit = params.shape[0]
+    for k in range(ids.size):
+        r = ids[k]
+        if r < 0 or r >= limit:
+            return k
+        for j in range(params.shape[1]):
+            output[k, j] = params[r, j]
+    return -1
+
+
 # `activation_gradient_with_sums`'s kinds: the gradient op, and its inputs (a, b).
 RELU = 0  # ReluGrad(dy, x): dy * (x > 0)
 TANH = 1  # TanhGrad(y, dy): dy * (1 - y * y)

@@ -827,6 +827,8 @@ class GatherKernel(OpKernel):
         self.dtype = attr_type_in(self, self.params_type_attr, ALL_TYPES)
         self.index_type = attr_type_in(self, "Tindices", INDEX_TYPES)
         self.batch_dims = self.attr_int("batch_dims", 0) if self.op != "Gather" else 0
+        if self.dtype in _compiled.DTYPES:
+            _compiled.prepare()
 
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
         params, indices = inputs[0], inputs[1]
@@ -841,6 +843,10 @@ class GatherKernel(OpKernel):
             raise kernel_error(self, "params must be at least 1 dimensional")
         axis = normalize_axis(self, axis, params.ndim)
         batch_dims = self._batch_dims(params, indices, axis)
+        if axis == 0 and batch_dims == 0:
+            rows = _take_rows(params, indices)
+            if rows is not None:
+                return rows
         limit = params.shape[axis]
         if indices.size and (indices.min() < 0 or indices.max() >= limit):  # (no temporaries)
             bad = np.flatnonzero((indices < 0) | (indices >= limit))
@@ -878,6 +884,30 @@ class GatherKernel(OpKernel):
                     f"indices.shape[{i}]: {indices.shape[i]}",
                 )
         return batch_dims
+
+
+def _take_rows(params: np.ndarray, indices: np.ndarray) -> np.ndarray | None:
+    """`np.take(params, indices, axis=0)` of float rows by the compiled loop (one pass
+    that checks each index as it copies its row, where numpy's way takes a pass for the
+    smallest, one for the largest, then the copy: 1,024 rows of 32 floats 7.5 -> 4 us);
+    None, having changed nothing, when the loop does not apply or an index is out of
+    range (numpy's way then names it)."""
+    loops = _compiled.loops()
+    if (
+        loops is None
+        or params.ndim < 2
+        or params.dtype not in _compiled.DTYPES
+        or not _compiled.contiguous(params, indices)
+    ):
+        return None
+    rows = np.empty(indices.shape + params.shape[1:], params.dtype)
+    if params.ndim == 2 and indices.ndim == 1:  # (the loop's shapes already: no views)
+        bad = loops.take_rows(rows, params, indices)
+    else:
+        width = math.prod(params.shape[1:])
+        flat = params.reshape(params.shape[0], width)
+        bad = loops.take_rows(rows.reshape(indices.size, width), flat, indices.reshape(indices.size))
+    return rows if bad < 0 else None
 
 
 def _batched_take(params: np.ndarray, indices: np.ndarray, axis: int, batch_dims: int) -> np.ndarray:

@@ -32,6 +32,7 @@ LOOPS = (
     "set_rows_at",
     "first_occurrences",
     "partition_order",
+    "take_rows",
 )
 
 
@@ -276,6 +277,56 @@ def test_a_stitch_loop_gives_numpys_bits(monkeypatch, counted, dtype, op, traili
     (got,) = kernel.compute(Context(), [*ids, strided, *values[1:]])
     assert counted["set_rows_at"] == 2
     _assert_same_bits([got], [expected])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("index_type", [np.int32, np.int64])
+@pytest.mark.parametrize(
+    ("op", "params_shape", "ids_shape"),
+    [
+        ("GatherV2", (50, 4), (12,)),
+        ("GatherV2", (50, 2, 3), (3, 4)),
+        ("ResourceGather", (50, 4), (12,)),
+        ("GatherV2", (50, 4), (0,)),
+    ],
+    ids=["rows", "blocks-by-a-matrix", "variable-rows", "none"],
+)
+def test_a_gather_loop_gives_numpys_rows(
+    monkeypatch, counted, dtype, index_type, op, params_shape, ids_shape
+):
+    # Rows named in any order and more than once, the first and the last row, NaNs,
+    # infinities and negative zeros copied as they are.
+    rng = np.random.default_rng(8)
+    params = (rng.normal(size=params_shape) * 1e30).astype(dtype)
+    params.flat[::5], params.flat[1::7], params[-1] = np.nan, -np.inf, -0.0
+    ids = rng.integers(0, params_shape[0], size=ids_shape).astype(index_type)
+    if ids.size:
+        ids.flat[:3] = [0, params_shape[0] - 1, 0]
+    if op == "ResourceGather":
+        kernel = create_kernel(make_node(op, ["v", "ids"], dtype=dtype, Tindices=index_type))
+        context = Context()
+        handle, _ = _variable(make_node, context, "v", params)
+        run = lambda: kernel.compute(context, [handle, _received(ids)])  # noqa: E731
+    else:
+        kernel = create_kernel(
+            make_node(op, ["p", "ids", "axis"], Tparams=dtype, Tindices=index_type, Taxis=np.int32)
+        )
+        run = lambda: kernel.compute(Context(), [_received(params), _received(ids), np.array(0, np.int32)])  # noqa: E731
+    compiled, numpy = _both_ways(monkeypatch, run)
+    assert counted["take_rows"] == 1
+    _assert_same_bits(compiled, numpy)
+    _assert_same_bits(compiled, [np.take(params, ids, axis=0)])
+
+
+@pytest.mark.parametrize("bad", [-1, 50], ids=["negative", "past-the-end"])
+def test_a_gather_loop_leaves_an_index_out_of_range_to_numpys_error(counted, bad):
+    kernel = create_kernel(
+        make_node("GatherV2", ["p", "ids", "axis"], Tparams=np.float32, Tindices=np.int64, Taxis=np.int32)
+    )
+    ids = np.array([[3, 4], [bad, 7]], np.int64)
+    with pytest.raises(errors.InvalidArgumentError, match=rf"indices\[1,0\] = {bad} is not in \[0, 50\)"):
+        kernel.compute(Context(), [np.ones((50, 3), np.float32), ids, np.array(0, np.int32)])
+    assert counted["take_rows"] == 1
 
 
 def _first_occurrence_answer(values):
