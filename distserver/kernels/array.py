@@ -312,7 +312,8 @@ class ExpandDimsKernel(_TypedKernel):
         dim = int_list(self, dim_value.reshape(-1), "dim")[0]
         if not -1 - x.ndim <= dim <= x.ndim:
             raise kernel_error(self, f"Tried to expand dim index {dim} for tensor with {x.ndim} dimensions.")
-        return [np.expand_dims(x, dim if dim >= 0 else dim + x.ndim + 1)]
+        place = dim if dim >= 0 else dim + x.ndim + 1
+        return [x.reshape((*x.shape[:place], 1, *x.shape[place:]))]  # (np.expand_dims: ~1.5 us more)
 
 
 @register_kernel("Squeeze")
@@ -802,7 +803,8 @@ class SelectV2Kernel(_TypedKernel):
         check_input_dtype(self, 1, then, self.dtype)
         check_input_dtype(self, 2, other, self.dtype)
         try:
-            np.broadcast_shapes(cond.shape, then.shape, other.shape)
+            if not cond.shape == then.shape == other.shape:  # (alike, most often: 1.7 us saved)
+                np.broadcast_shapes(cond.shape, then.shape, other.shape)
         except ValueError:
             raise kernel_error(
                 self,

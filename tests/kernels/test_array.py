@@ -170,9 +170,19 @@ def test_transpose_errors(run_op):
 
 @pytest.mark.parametrize("dim", [0, 1, 2, -1, -3])
 def test_expand_dims(run_op, dim):
-    x = np.zeros((2, 3))
+    x = np.arange(24.0).reshape(4, 6)[::2, ::3]  # (not contiguous: still a view)
     (out,) = run_op("ExpandDims", x, np.array(dim, I32), T=np.float64, Tdim=I32)
-    assert out.shape == np.expand_dims(x, dim).shape
+    expected = np.expand_dims(x, dim)
+    assert out.shape == expected.shape
+    assert out.strides == expected.strides
+    np.testing.assert_array_equal(out, expected)
+    assert np.shares_memory(out, x)
+
+
+@pytest.mark.parametrize("dim", [0, -1])
+def test_expand_dims_of_a_scalar(run_op, dim):
+    (out,) = run_op("ExpandDims", np.array(7.0), np.array([dim], I32), T=np.float64, Tdim=I32)
+    np.testing.assert_array_equal(out, np.array([7.0]))
 
 
 def test_expand_dims_errors(run_op):
@@ -493,6 +503,17 @@ def test_select_v2_broadcasts(run_op):
         match=r"condition \[2\], then \[2,3\], and else \[\] must be broadcastable",
     ):
         run_op("SelectV2", np.array([True, False]), t, np.array(-1), T=np.int64)
+
+
+def test_select_v2_of_alike_shapes(run_op):
+    cond = np.array([[True, False, True], [False, False, True]])
+    t, e = np.arange(6).reshape(2, 3), -np.arange(6).reshape(2, 3)
+    (out,) = run_op("SelectV2", cond, t, e, T=np.int64)
+    np.testing.assert_array_equal(out, np.where(cond, t, e))
+    with pytest.raises(
+        errors.InvalidArgumentError, match=r"condition \[2,3\], then \[2,3\], and else \[3,2\]"
+    ):
+        run_op("SelectV2", cond, t, e.reshape(3, 2), T=np.int64)
 
 
 @pytest.mark.parametrize("axis", [0, 1, 2, -1])
