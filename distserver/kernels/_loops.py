@@ -122,13 +122,30 @@ def sparse_adagrad(
             var[r, j] = var[r, j] - lr * g * (one / np.sqrt(accum[r, j]))
 
 
-@numba.njit(_signatures("WW", "I", "RR"), **_OPTIONS)
-def add_rows_at(output: np.ndarray, ids: np.ndarray, rows: np.ndarray) -> None:  # pragma: no cover
-    """output[ids[k]] += rows[k] for every k, in order (`np.add.at`; the ids in range)."""
+@numba.njit(
+    [
+        types.int64(_LETTERS["WW"](t), _LETTERS[ids](t), _LETTERS["RR"](t))  # type: ignore[no-untyped-call]
+        for t in (types.float32, types.float64)
+        for ids in ("I", "I32")
+    ],
+    **_OPTIONS,
+)
+def segment_sum_rows(output: np.ndarray, ids: np.ndarray, rows: np.ndarray) -> int:  # pragma: no cover
+    """output = zeros, then output[ids[k]] += rows[k] for every k in order, a negative id
+    dropped (`UnsortedSegmentSum`: `np.add.at` into zeros); returns -1, or the position
+    of the first id past the output's rows (then the output is not meaningful)."""
+    for r in range(output.shape[0]):
+        for j in range(output.shape[1]):
+            output[r, j] = 0
     for k in range(ids.size):
         r = ids[k]
+        if r >= output.shape[0]:
+            return k
+        if r < 0:
+            continue
         for j in range(output.shape[1]):
             output[r, j] = output[r, j] + rows[k, j]
+    return -1
 
 
 @numba.njit(_signatures("WW", "I32", "RR"), **_OPTIONS)

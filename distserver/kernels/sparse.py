@@ -29,7 +29,7 @@ TF kernels have updated the rows before the bad one.
 from __future__ import annotations
 
 import math as _math
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
 import ml_dtypes
 import numpy as np
@@ -287,29 +287,39 @@ class UnsortedSegmentReductionKernel(OpKernel):
                 f"{shape_str(segment_ids.shape)}",
             )
         ids = segment_ids.reshape(-1)
-        if ids.size and ids.max() >= num_segments:
-            bad = int(np.flatnonzero(ids >= num_segments)[0])
-            position = np.unravel_index(bad, segment_ids.shape)
-            raise kernel_error(
-                self,
-                f"segment_ids[{','.join(map(str, position))}] = {int(ids[bad])} is out of range "
-                f"[0, {num_segments})",
-            )
         inner = data.shape[segment_ids.ndim :]
+        loops = _compiled.loops() if self._use_loops else None
+        if loops is not None and _compiled.contiguous(ids, data):
+            # (one pass that checks the ids as it adds their rows: no passes for the
+            # smallest and the largest id, no filled output first; 982 rows of 32 floats
+            # 15 -> 8 us)
+            width = _math.prod(inner)
+            output = np.empty((num_segments, *inner), self.dtype)
+            bad = loops.segment_sum_rows(
+                output.reshape(num_segments, width), ids, data.reshape(ids.size, width)
+            )
+            if bad < 0:
+                return [output]
+            self._out_of_range(segment_ids, num_segments, bad)
+        if ids.size and ids.max() >= num_segments:
+            self._out_of_range(segment_ids, num_segments, int(np.flatnonzero(ids >= num_segments)[0]))
         rows = data.reshape((ids.size, *inner))
         if ids.size and ids.min() < 0:  # negative ids are dropped, as in TF
             keep = ids >= 0
             ids, rows = ids[keep], rows[keep]
         output = np.full((num_segments, *inner), _identity(self.op, self.dtype), dtype=self.dtype)
-        loops = _compiled.loops() if self._use_loops else None
-        if loops is not None and ids.size and output.size and _compiled.contiguous(rows):
-            flat_ids = _compiled.read_only(np.ascontiguousarray(ids, dtype=np.int64), -1)
-            flat_rows = _compiled.read_only(rows, ids.size, -1)
-            loops.add_rows_at(output.reshape(num_segments, -1), flat_ids, flat_rows)
-            return [output]
         with np.errstate(all="ignore"):
             reduce_rows_at(self.ufunc, output, ids, rows)
         return [output]
+
+    def _out_of_range(self, segment_ids: np.ndarray, num_segments: int, bad: int) -> NoReturn:
+        """Raise TF's error for the id at flat position `bad`, past `num_segments`."""
+        position = np.unravel_index(bad, segment_ids.shape)
+        raise kernel_error(
+            self,
+            f"segment_ids[{','.join(map(str, position))}] = {int(segment_ids.reshape(-1)[bad])} is out of "
+            f"range [0, {num_segments})",
+        )
 
 
 # --------------------------------------------------------------------------- DynamicPartition

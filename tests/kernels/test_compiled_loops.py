@@ -26,7 +26,7 @@ LOOPS = (
     "momentum",
     "adagrad",
     "sparse_adagrad",
-    "add_rows_at",
+    "segment_sum_rows",
     "activation_gradient_with_sums",
     "sum_middle_axis",
     "set_rows_at",
@@ -217,12 +217,37 @@ def test_segment_sum_loop_gives_numpys_bits(monkeypatch, counted, dtype, index_t
     shape = (len(ids), *inner)
     data = _received((rng.normal(size=shape) * 10.0 ** rng.integers(-8, 8, size=shape)).astype(dtype))
     compiled, numpy = _both_ways(monkeypatch, lambda: _segment_sum(data, ids, 10, index_type))
-    assert counted["add_rows_at"] == 1
+    assert counted["segment_sum_rows"] == 1
     _assert_same_bits(compiled, numpy)
     expected = np.zeros((10, *inner), dtype)
     kept = np.array(ids) >= 0
     np.add.at(expected, np.array(ids)[kept], data[kept])
     _assert_same_bits(compiled, [expected])
+
+
+@pytest.mark.parametrize("index_type", [np.int32, np.int64])
+def test_a_segment_sum_loop_names_an_id_out_of_range_as_numpys_way(monkeypatch, counted, index_type):
+    # Matrix ids, a negative one (dropped) before the one past the segments.
+    data = np.ones((2, 2, 3), np.float32)
+
+    def run():
+        with pytest.raises(errors.InvalidArgumentError) as raised:
+            _segment_sum(data, [[1, -1], [4, 0]], 4, index_type)
+        return raised.value.message
+
+    compiled, numpy = _both_ways(monkeypatch, run)
+    assert counted["segment_sum_rows"] == 1
+    assert compiled == numpy
+    assert "segment_ids[1,0] = 4 is out of range [0, 4)" in compiled
+
+
+@pytest.mark.parametrize(("num_segments", "inner"), [(0, (3,)), (5, (0,))], ids=["no-segments", "empty-rows"])
+def test_a_segment_sum_loop_of_nothing_gives_numpys_shape(monkeypatch, counted, num_segments, inner):
+    data = np.ones((0, *inner), np.float64)
+    compiled, numpy = _both_ways(monkeypatch, lambda: _segment_sum(data, [], num_segments, np.int64))
+    assert counted["segment_sum_rows"] == 1
+    _assert_same_bits(compiled, numpy)
+    assert compiled[0].shape == (num_segments, *inner)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
