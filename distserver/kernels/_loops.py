@@ -45,6 +45,16 @@ def _signatures(*arguments: str) -> list[Any]:
     return [types.void(*[_LETTERS[a](t) for a in arguments]) for t in (types.float32, types.float64)]  # type: ignore[no-untyped-call]
 
 
+def _row_signatures(*arguments: str) -> list[Any]:
+    """The signatures of a loop that returns an int64, for float32 and float64 and for
+    int64 and int32 row numbers (its argument "ROWS"; the others in `_LETTERS`)."""
+    return [
+        types.int64(*[_LETTERS[rows if a == "ROWS" else a](t) for a in arguments])  # type: ignore[no-untyped-call]
+        for t in (types.float32, types.float64)
+        for rows in ("I", "I32")
+    ]
+
+
 @numba.njit(_signatures("W", "W", "W", "R", "T", "T", "T", "T"), **_OPTIONS)
 def adam(
     var: np.ndarray,
@@ -101,7 +111,7 @@ def adagrad(
         var[i] = var[i] - lr * g / denominator
 
 
-@numba.njit(_signatures("WW", "WW", "T", "RR", "I", "B", "T"), **_OPTIONS)
+@numba.njit(_row_signatures("WW", "WW", "T", "RR", "ROWS", "B", "T"), **_OPTIONS)
 def sparse_adagrad(
     var: np.ndarray,
     accum: np.ndarray,
@@ -110,9 +120,13 @@ def sparse_adagrad(
     rows: np.ndarray,
     update_slots: bool,
     one: Any,
-) -> None:  # pragma: no cover
-    """`SparseApplyAdagradKernel.update` for the rows `rows` names (in range), one after
-    the other: a row named twice is updated twice, in order, as TF's kernel does."""
+) -> int:  # pragma: no cover
+    """`SparseApplyAdagradKernel.update` for the rows `rows` names, one after the other: a
+    row named twice is updated twice, in order, as TF's kernel does. Returns -1; or,
+    having changed nothing, the offset of the first row number out of range."""
+    for k in range(rows.size):
+        if rows[k] < 0 or rows[k] >= var.shape[0]:
+            return k
     for k in range(rows.size):
         r = rows[k]
         for j in range(var.shape[1]):
@@ -120,16 +134,10 @@ def sparse_adagrad(
             if update_slots:
                 accum[r, j] = accum[r, j] + g * g
             var[r, j] = var[r, j] - lr * g * (one / np.sqrt(accum[r, j]))
+    return -1
 
 
-@numba.njit(
-    [
-        types.int64(_LETTERS["WW"](t), _LETTERS[ids](t), _LETTERS["RR"](t))  # type: ignore[no-untyped-call]
-        for t in (types.float32, types.float64)
-        for ids in ("I", "I32")
-    ],
-    **_OPTIONS,
-)
+@numba.njit(_row_signatures("WW", "ROWS", "RR"), **_OPTIONS)
 def segment_sum_rows(output: np.ndarray, ids: np.ndarray, rows: np.ndarray) -> int:  # pragma: no cover
     """output = zeros, then output[ids[k]] += rows[k] for every k in order, a negative id
     dropped (`UnsortedSegmentSum`: `np.add.at` into zeros); returns -1, or the position
@@ -171,14 +179,7 @@ def sum_middle_axis(output: np.ndarray, x: np.ndarray) -> None:  # pragma: no co
                 output[r, j] = output[r, j] + x[r, e, j]
 
 
-@numba.njit(
-    [
-        types.int64(_LETTERS["WW"](t), _LETTERS["RR"](t), _LETTERS[ids](t))  # type: ignore[no-untyped-call]
-        for t in (types.float32, types.float64)
-        for ids in ("I", "I32")
-    ],
-    **_OPTIONS,
-)
+@numba.njit(_row_signatures("WW", "RR", "ROWS"), **_OPTIONS)
 def take_rows(output: np.ndarray, params: np.ndarray, ids: np.ndarray) -> int:  # pragma: no cover
     """output[k] = params[ids[k]] for every k (`np.take(params, ids, axis=0)`); returns
     -1, or the position of the first id out of [0, len(params)) (then the rows before

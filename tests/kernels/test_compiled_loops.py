@@ -179,13 +179,14 @@ def _sparse_adagrad(make_node, dtype, index_type, start, grad, rows, **attrs):
 @pytest.mark.parametrize(
     "rows", [[5, 0, 17, 3, 9], [5, 0, 5, 3, 0, 5], list(range(40))], ids=["distinct", "repeated", "every-row"]
 )
+@pytest.mark.parametrize("shape", [(40, 6), (40, 2, 3)], ids=["matrix", "blocks"])
 def test_sparse_adagrad_loop_gives_numpys_bits(
-    make_node, monkeypatch, counted, dtype, index_type, update_slots, rows
+    make_node, monkeypatch, counted, dtype, index_type, update_slots, rows, shape
 ):
+    # (a matrix takes `SparseApplyAdagradKernel`'s short path, blocks the general one)
     rng = np.random.default_rng(5)
-    shape = (40, 2, 3)
     start = [rng.normal(size=shape).astype(dtype), np.abs(rng.normal(size=shape)).astype(dtype) + 0.1]
-    grad = _received(rng.normal(size=(len(rows), 2, 3)).astype(dtype))
+    grad = _received(rng.normal(size=(len(rows), *shape[1:])).astype(dtype))
 
     def run():
         return _sparse_adagrad(make_node, dtype, index_type, start, grad, rows, update_slots=update_slots)
@@ -193,6 +194,31 @@ def test_sparse_adagrad_loop_gives_numpys_bits(
     compiled, numpy = _both_ways(monkeypatch, run)
     assert counted["sparse_adagrad"] == 1
     _assert_same_bits(compiled, numpy)
+
+
+@pytest.mark.parametrize("bad", [-1, 40], ids=["negative", "past-the-end"])
+def test_a_sparse_adagrad_loop_refuses_a_row_out_of_range_having_changed_nothing(
+    make_node, monkeypatch, counted, bad
+):
+    start = [np.ones((40, 6), np.float32), np.full((40, 6), 0.5, np.float32)]
+    grad = _received(np.ones((3, 6), np.float32))
+    ctx = Context()
+    handles = [_variable(make_node, ctx, f"v{i}", value.copy())[0] for i, value in enumerate(start)]
+    kernel = create_kernel(make_node("ResourceSparseApplyAdagrad", T=np.float32, Tindices=np.int64))
+
+    def run():
+        with pytest.raises(errors.InvalidArgumentError) as raised:
+            kernel.compute(ctx, [*handles, np.array(0.1, np.float32), grad, np.array([4, bad, 7], np.int64)])
+        return raised.value.message
+
+    compiled, numpy = _both_ways(monkeypatch, run)
+    assert counted["sparse_adagrad"] == 1
+    assert compiled == numpy
+    assert f"Index {bad} at offset 1 in indices is out of range" in compiled
+    for handle, value in zip(handles, start, strict=True):
+        np.testing.assert_array_equal(
+            ctx.resources.lookup(handle[()].container, handle[()].name).value, value
+        )
 
 
 def _segment_sum(data, ids, num_segments, index_type):
