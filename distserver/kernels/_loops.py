@@ -25,7 +25,8 @@ _OPTIONS: dict[str, Any] = {"nogil": True, "cache": True, "error_model": "numpy"
 # arrays of it that the loop writes (W: 1-d, WW: 2-d) or only reads (R, RR: read-only
 # arrays, as the tensors a task receives are; numba takes a writeable array there too,
 # at the same cost, and `_compiled.read_only` gives a read-only view in the loop's
-# shape; RRR: 3-d), int64 or int32 row numbers (I, I32), a flag (B) and an int64 (N).
+# shape; RRR: 3-d), int64 or int32 row numbers (I, I32), a flag (B), a vector of flags
+# the loop writes (FLAGS) and an int64 (N).
 _LETTERS = {
     "WW": lambda t: types.Array(t, 2, "C"),
     "RR": lambda t: types.Array(t, 2, "C", readonly=True),
@@ -35,6 +36,7 @@ _LETTERS = {
     "I": lambda t: types.Array(types.int64, 1, "C", readonly=True),
     "I32": lambda t: types.Array(types.int32, 1, "C", readonly=True),
     "B": lambda t: types.boolean,
+    "FLAGS": lambda t: types.Array(types.boolean, 1, "C"),
     "N": lambda t: types.int64,
     "T": lambda t: t,
 }
@@ -156,14 +158,30 @@ def segment_sum_rows(output: np.ndarray, ids: np.ndarray, rows: np.ndarray) -> i
     return -1
 
 
-@numba.njit(_signatures("WW", "I32", "RR"), **_OPTIONS)
-def set_rows_at(output: np.ndarray, ids: np.ndarray, rows: np.ndarray) -> None:  # pragma: no cover
+@numba.njit(_signatures("WW", "I32", "RR", "FLAGS"), **_OPTIONS)
+def set_rows_at(
+    output: np.ndarray, ids: np.ndarray, rows: np.ndarray, written: np.ndarray
+) -> None:  # pragma: no cover
     """output[ids[k]] = rows[k] for every k, in order (`output[ids] = rows`: a repeated
-    id keeps its last row; the ids in range)."""
+    id keeps its last row; the ids in range), and written[ids[k]] = True."""
     for k in range(ids.size):
         r = ids[k]
         for j in range(output.shape[1]):
             output[r, j] = rows[k, j]
+        written[r] = True
+
+
+@numba.njit(types.UniTuple(types.int64, 2)(_LETTERS["I32"](None)), **_OPTIONS)  # type: ignore[no-untyped-call]
+def bounds(values: np.ndarray) -> tuple[int, int]:  # pragma: no cover
+    """The smallest and the largest of `values` (at least one), in one pass."""
+    low = high = values[0]
+    for k in range(1, values.size):
+        v = values[k]
+        if v < low:
+            low = v
+        elif v > high:
+            high = v
+    return low, high
 
 
 @numba.njit(_signatures("WW", "RRR"), **_OPTIONS)

@@ -30,6 +30,7 @@ LOOPS = (
     "activation_gradient_with_sums",
     "sum_middle_axis",
     "set_rows_at",
+    "bounds",
     "first_occurrences",
     "partition_order",
     "take_rows",
@@ -320,14 +321,37 @@ def test_a_stitch_loop_gives_numpys_bits(monkeypatch, counted, dtype, op, traili
     for i, v in zip(ids, values, strict=True):
         expected[i.reshape(-1)] = v.reshape(-1, *trailing)
     _assert_same_bits(compiled, [expected])
-    # Rows that are not C-contiguous (every other row of a larger array) take numpy's path.
+    # Rows that are not C-contiguous (every other row of a larger array): every input
+    # takes numpy's path.
     monkeypatch.setattr(_compiled, "_loops", loops)
     counted.clear()
     strided = np.repeat(values[0], 2, axis=0)[::2]
     assert not strided.flags.c_contiguous
     (got,) = kernel.compute(Context(), [*ids, strided, *values[1:]])
-    assert counted["set_rows_at"] == 2
+    assert counted["set_rows_at"] == 0
     _assert_same_bits([got], [expected])
+
+
+@pytest.mark.parametrize("op", ["DynamicStitch", "ParallelDynamicStitch"])
+def test_a_stitch_names_a_negative_index_and_sizes_its_output_by_the_largest(monkeypatch, counted, op):
+    kernel = create_kernel(make_node(op, [f"in{i}" for i in range(4)], N=2, T=np.float32))
+    rows = [np.ones((3, 2), np.float32), np.ones((2, 2), np.float32)]
+
+    def refused():
+        with pytest.raises(errors.InvalidArgumentError) as raised:
+            kernel.compute(Context(), [np.array([0, 9, 2], np.int32), np.array([4, -3], np.int32), *rows])
+        return raised.value.message
+
+    loops = _compiled.loops()
+    compiled, numpy = _both_ways(monkeypatch, refused)
+    assert counted["bounds"] == 2
+    assert compiled == numpy
+    assert "indices[1] contains a negative index -3" in compiled
+    monkeypatch.setattr(_compiled, "_loops", loops)
+    ids = [np.array([0, 9, 2], np.int32), np.array([4, 1], np.int32)]
+    compiled, numpy = _both_ways(monkeypatch, lambda: kernel.compute(Context(), [*ids, *rows]))
+    _assert_same_bits(compiled, numpy)
+    assert compiled[0].shape == (10, 2)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
