@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 from distserver.kernels.math import DENSE_STACK_OP, FUSED_MATMUL_GRAD_OP, FUSED_MATMUL_OP  # noqa: E402
 from distserver.kernels.regions import FUSED_REGION_OP  # noqa: E402
 from distserver.kernels.registry import registered_ops  # noqa: E402
+from distserver.kernels.sparse import DEDUPLICATED_SPARSE_UPDATE_OP  # noqa: E402
 from distserver.kernels.state import GROUPED_READS_OP, GROUPED_UPDATES_OP  # noqa: E402
 from distserver.runtime.functions import INLINED_OPS  # noqa: E402
 
@@ -44,6 +45,12 @@ OWN_OPS = {
     },
     DENSE_STACK_OP: {"inputs": [["inputs", "N"]], "outputs": [["outputs", "M"]]},
     FUSED_REGION_OP: {"inputs": [["inputs", "N"]], "outputs": [["outputs", "M"]]},
+    DEDUPLICATED_SPARSE_UPDATE_OP: {
+        "inputs": [
+            [name, 1] for name in ("indices", "values", "var", "accum", "lr", "begin", "end", "strides")
+        ],
+        "outputs": [],
+    },
 }
 
 # Runs in TensorFlow's interpreter: op names on stdin, JSON on stdout.

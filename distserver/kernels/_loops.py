@@ -26,7 +26,7 @@ _OPTIONS: dict[str, Any] = {"nogil": True, "cache": True, "error_model": "numpy"
 # arrays, as the tensors a task receives are; numba takes a writeable array there too,
 # at the same cost, and `_compiled.read_only` gives a read-only view in the loop's
 # shape; RRR: 3-d), int64 or int32 row numbers (I, I32), a flag (B), a vector of flags
-# the loop writes (FLAGS) and an int64 (N).
+# the loop writes (FLAGS), an int64 (N) and a vector of int64 the loop writes (NW).
 _LETTERS = {
     "WW": lambda t: types.Array(t, 2, "C"),
     "RR": lambda t: types.Array(t, 2, "C", readonly=True),
@@ -38,6 +38,7 @@ _LETTERS = {
     "B": lambda t: types.boolean,
     "FLAGS": lambda t: types.Array(types.boolean, 1, "C"),
     "N": lambda t: types.int64,
+    "NW": lambda t: types.Array(types.int64, 1, "C"),
     "T": lambda t: t,
 }
 
@@ -133,6 +134,69 @@ def sparse_adagrad(
         r = rows[k]
         for j in range(var.shape[1]):
             g = grad[k, j]
+            if update_slots:
+                accum[r, j] = accum[r, j] + g * g
+            var[r, j] = var[r, j] - lr * g * (one / np.sqrt(accum[r, j]))
+    return -1
+
+
+@numba.njit(_row_signatures("WW", "WW", "T", "RR", "ROWS", "N", "B", "T", "NW", "NW", "WW"), **_OPTIONS)
+def deduplicated_sparse_adagrad(
+    var: np.ndarray,
+    accum: np.ndarray,
+    lr: Any,
+    grad: np.ndarray,
+    ids: np.ndarray,
+    max_span: int,
+    update_slots: bool,
+    one: Any,
+    firsts: np.ndarray,
+    ranks: np.ndarray,
+    sums: np.ndarray,
+) -> int:  # pragma: no cover
+    """An optimizer's sparse Adagrad update of rows named more than once, as TF's graph
+    makes it (`kernels.sparse.DeduplicatedSparseUpdateKernel`): the distinct ids (at
+    least one) in order of first appearance (`first_occurrences`, through a table of
+    the ids' range; their first positions into `firsts`, each id's rank into
+    `ranks`), the gradient rows of each summed from zeros in order
+    (`segment_sum_rows`, into the first rows of `sums`), then `sparse_adagrad` of
+    those sums at those rows. Returns -1; or, having changed no variable, the rank of
+    the first distinct id out of range, or -2 when the ids span more than `max_span`
+    values (for numpy's ways)."""
+    low = high = ids[0]
+    for i in range(1, ids.size):
+        if ids[i] < low:
+            low = ids[i]
+        elif ids[i] > high:
+            high = ids[i]
+    if high - low >= max_span:
+        return -2
+    rank_of = np.full(high - low + 1, -1, np.int32)
+    distinct = 0
+    for i in range(ids.size):
+        offset = ids[i] - low
+        rank = rank_of[offset]
+        if rank < 0:
+            rank = distinct
+            rank_of[offset] = rank
+            firsts[rank] = i
+            distinct += 1
+        ranks[i] = rank
+    for u in range(distinct):
+        r = ids[firsts[u]]
+        if r < 0 or r >= var.shape[0]:
+            return u
+    for u in range(distinct):
+        for j in range(sums.shape[1]):
+            sums[u, j] = 0
+    for i in range(ids.size):
+        u = ranks[i]
+        for j in range(sums.shape[1]):
+            sums[u, j] = sums[u, j] + grad[i, j]
+    for u in range(distinct):
+        r = ids[firsts[u]]
+        for j in range(var.shape[1]):
+            g = sums[u, j]
             if update_slots:
                 accum[r, j] = accum[r, j] + g * g
             var[r, j] = var[r, j] - lr * g * (one / np.sqrt(accum[r, j]))

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 import ml_dtypes
 import numpy as np
 
+from distserver import errors
 from distserver.kernels import _compiled
 from distserver.kernels._common import (
     ALL_TYPES,
@@ -54,7 +55,14 @@ from distserver.kernels._common import (
     quiet,
     shape_str,
 )
-from distserver.kernels.registry import KernelContext, OpKernel, register_kernel
+from distserver.kernels.math import fused_parts
+from distserver.kernels.registry import (
+    KernelContext,
+    OpKernel,
+    compute_without_dereference,
+    create_kernel,
+    register_kernel,
+)
 from distserver.kernels.state import OPTIMIZER_UPDATES, _ApplyKernel, _locked, ftrl_update, proximal_step
 
 if TYPE_CHECKING:
@@ -797,6 +805,155 @@ class SparseApplyAdagradKernel(_SparseApplyKernel):
         return {"var": var, "accum": accum}
 
 
+# A sparse update of rows named more than once, as an optimizer writes it for
+# IndexedSlices (TF's `_deduplicate_indexed_slices`): the parts' ops, in order.
+DEDUPLICATED_SPARSE_UPDATE_OP = "_DistserverDeduplicatedSparseUpdate"
+DEDUPLICATED_SPARSE_UPDATE_PARTS = (
+    "Unique",
+    "Shape",
+    "StridedSlice",
+    "UnsortedSegmentSum",
+    "ResourceSparseApplyAdagrad",
+)
+
+
+@register_kernel(DEDUPLICATED_SPARSE_UPDATE_OP)
+class DeduplicatedSparseUpdateKernel(OpKernel):
+    """An optimizer's sparse update of rows that may be named more than once, as one
+    node (`runtime.fusion.fuse_deduplicated_sparse_updates`):
+
+        unique, position = Unique(indices)
+        count = StridedSlice(Shape(unique), begin, end, strides)  # shape(unique)[0]
+        summed = UnsortedSegmentSum(values, position, count)
+        ResourceSparseApplyAdagrad(var, accum, lr, summed, unique)
+
+    Inputs: indices, values, var, accum, lr, begin, end, strides; the parts' NodeDefs
+    in attr `FUSED_NODES_ATTR`, in that order. An embedding's update runs five kernels
+    a shard this way, each paying its checks and the step's turn (~75 us a shard in
+    a step); one compiled loop (`_loops.deduplicated_sparse_adagrad`) makes the same
+    sums and updates, bit for bit. Whatever it does not take (other dtypes, ids in a
+    wide range, a shared variable, errors) runs the parts' kernels one after the
+    other, which raise what they raise, naming the node (the update's name)."""
+
+    is_stateful = True
+
+    def __init__(self, node: NodeDef) -> None:
+        super().__init__(node)
+        parts = fused_parts(self)
+        if tuple(part.op for part in parts) != DEDUPLICATED_SPARSE_UPDATE_PARTS:
+            raise errors.InvalidArgumentError(
+                f"Node '{self.name}' ({DEDUPLICATED_SPARSE_UPDATE_OP}) has parts "
+                f"{[part.op for part in parts]}: expected {list(DEDUPLICATED_SPARSE_UPDATE_PARTS)}",
+                node_name=self.name,
+            )
+        kernels = [create_kernel(part) for part in parts]
+        self._unique, self._shape, self._count, self._sum, self._update = map(
+            compute_without_dereference, kernels
+        )
+        count, update = kernels[2], kernels[4]
+        assert isinstance(update, SparseApplyAdagradKernel)
+        self.dtype = update.dtype
+        self.index_type = update.index_type
+        self.update_slots = update.update_slots
+        self._one = self.dtype.type(1)
+        # The loop makes `count` the number of distinct ids itself: the slice must be
+        # shape(unique)[0] (its constants are checked at each call).
+        self._may_go_fast = (
+            update._may_go_fast
+            and kernels[3].dtype == self.dtype  # type: ignore[attr-defined]
+            and (count.begin_mask, count.end_mask, count.ellipsis_mask, count.new_axis_mask) == (0, 0, 0, 0)  # type: ignore[attr-defined]
+            and count.shrink_axis_mask == 1  # type: ignore[attr-defined]
+        )
+        self._find_input = update._find_input
+        if self._may_go_fast:
+            _compiled.prepare()
+
+    def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        if len(inputs) != 8:
+            raise kernel_error(self, f"expects 8 inputs, got {len(inputs)}")
+        if self._may_go_fast and self._update_fast(ctx, inputs):
+            OPTIMIZER_UPDATES.count(True)
+            return []
+        indices, values, var, accum, lr, begin, end, strides = inputs
+        unique, position = self._unique(ctx, [indices])
+        (shape,) = self._shape(ctx, [unique])
+        (count,) = self._count(ctx, [shape, begin, end, strides])
+        (summed,) = self._sum(ctx, [values, position, count])
+        return self._update(ctx, [var, accum, lr, summed, unique])
+
+    def _update_fast(self, ctx: KernelContext, inputs: list[Any]) -> bool:
+        """Update in place and return True, or return False having changed nothing."""
+        indices, values, var_input, accum_input, lr, begin, end, strides = inputs
+        dtype = self.dtype
+        loops = _compiled.loops()
+        if (
+            loops is None
+            or list(map(type, inputs[:2] + inputs[4:])).count(np.ndarray) != 6
+            or lr.dtype != dtype
+            or values.dtype != dtype
+            or indices.dtype != self.index_type
+            or lr.ndim
+            or values.ndim != 2
+            or indices.ndim != 1
+            or not indices.size
+            or values.shape[0] != indices.shape[0]
+            or (begin.shape, end.shape, strides.shape) != ((1,), (1,), (1,))
+            or (begin[0], end[0], strides[0]) != (0, 1, 1)
+        ):
+            return False
+        var = self._find_input(ctx, var_input)
+        accum = self._find_input(ctx, accum_input)
+        if var is None or accum is None or var is accum:
+            return False
+        n = indices.size
+        firsts = np.empty(n, np.int64)
+        ranks = np.empty(n, np.int64)
+        sums = np.empty(values.shape, dtype)
+        first, second = (var, accum) if id(var) < id(accum) else (accum, var)  # `_locked`'s order
+        with first.lock, second.lock:
+            if not (var.unshared() and accum.unshared()):  # (before this kernel holds the arrays)
+                return False
+            value, slot = var.value, accum.value
+            assert value is not None  # (unshared: both have values)
+            assert slot is not None
+            if (
+                value.dtype != dtype
+                or slot.dtype != dtype
+                or value.ndim != 2
+                or slot.shape != value.shape
+                or values.shape[1] != value.shape[1]
+                or not value.shape[1]
+                or not _compiled.contiguous(value, slot, values, indices)
+            ):
+                return False
+            value.setflags(write=True)
+            slot.setflags(write=True)
+            try:
+                bad = loops.deduplicated_sparse_adagrad(
+                    value,
+                    slot,
+                    lr[()],
+                    values,
+                    indices,
+                    min(_TABLE_SPAN_PER_VALUE * n, _MAX_TABLE_ENTRIES),  # (`_narrow_range`)
+                    self.update_slots,
+                    self._one,
+                    firsts,
+                    ranks,
+                    sums,
+                )
+            finally:
+                value.setflags(write=False)
+                slot.setflags(write=False)
+        if bad == -2:  # (ids in a wide range: nothing changed)
+            return False
+        if bad >= 0:  # (no variable changed: the update's error, at the distinct id's offset)
+            raise kernel_error(
+                self, f"Index {int(indices[firsts[bad]])} at offset {bad} in indices is out of range"
+            )
+        return True
+
+
 @register_kernel("SparseApplyAdagradV2", "ResourceSparseApplyAdagradV2")
 class SparseApplyAdagradV2Kernel(SparseApplyAdagradKernel):
     """Adagrad with epsilon: var[i] -= lr * grad / (sqrt(accum[i]) + epsilon)."""
@@ -980,7 +1137,9 @@ class SparseApplyFtrlV2Kernel(SparseApplyFtrlKernel):
 
 
 __all__ = [
+    "DEDUPLICATED_SPARSE_UPDATE_OP",
     "ConcatOffsetKernel",
+    "DeduplicatedSparseUpdateKernel",
     "DynamicPartitionKernel",
     "SparseApplyAdagradKernel",
     "SparseApplyAdagradV2Kernel",

@@ -26,6 +26,7 @@ from typing import TypeVar
 
 from distserver import errors
 from distserver.kernels.math import ACTIVATION_OPS, BIAS_ADD_OPS, FUSED_MATMUL_OP, FUSED_NODES_ATTR
+from distserver.kernels.sparse import DEDUPLICATED_SPARSE_UPDATE_OP
 from distserver.kernels.state import (
     ARENA_MAX_VARIABLE_BYTES,
     GROUPABLE_UPDATE_OPS,
@@ -130,6 +131,104 @@ def _fused_node(chain: list[NodeDef]) -> NodeDef:
     node = NodeDef(name=chain[-1].name, op=FUSED_MATMUL_OP, device=matmul.device)
     node.input.extend([*_data_inputs(matmul), bias, *controls])
     node.attr["T"].CopyFrom(matmul.attr["T"])
+    node.attr[FUSED_NODES_ATTR].list.s.extend(part.SerializeToString() for part in chain)
+    return node
+
+
+def fuse_deduplicated_sparse_updates(graph_def: GraphDef) -> GraphDef:
+    """`graph_def` with each sparse Adagrad update of rows that may repeat, as TF's
+    optimizers write it for an embedding's gradient (`_deduplicate_indexed_slices`:
+    Unique, Shape, StridedSlice, UnsortedSegmentSum, then ResourceSparseApplyAdagrad
+    of the sums at the distinct rows), made one `DEDUPLICATED_SPARSE_UPDATE_OP` node
+    (`kernels.sparse.DeduplicatedSparseUpdateKernel`); `graph_def` itself when it has
+    none.
+
+    Fused only where nothing else can see the inner values: the distinct ids go to
+    the Shape and the update alone, the positions to the sum alone, the shape to the
+    slice, the slice to the sum (as its count), the sum to the update, with no
+    control edge out of any of them; all five on one device. The node takes the
+    update's name (the edges out of it stay) and its inputs are indices, values, var,
+    accum, lr, and the slice's begin, end and strides, then every control input of
+    the parts. Not in graphs with TF 1.x control flow (`group_variable_updates`)."""
+    if not any(node.op == "ResourceSparseApplyAdagrad" for node in graph_def.node) or any(
+        node.op in _V1_CONTROL_FLOW_OPS for node in graph_def.node
+    ):
+        return graph_def
+    nodes = {node.name: node for node in graph_def.node}
+    reads: defaultdict[str, list[tuple[str, int, bool]]] = defaultdict(
+        list
+    )  # node -> (reader, output, control)
+    for node in graph_def.node:
+        for text in node.input:
+            name, index, is_control = parse_input(text)
+            reads[name].append((node.name, index, is_control))
+
+    def producer(text: str, op: str, output: int = 0) -> NodeDef | None:
+        name, index, is_control = parse_input(text)
+        node = nodes.get(name)
+        return node if node is not None and not is_control and index == output and node.op == op else None
+
+    chains: dict[str, list[NodeDef]] = {}  # the update's name -> Unique, Shape, slice, sum, update
+    for update in graph_def.node:
+        inputs = _data_inputs(update)
+        if update.op != "ResourceSparseApplyAdagrad" or len(inputs) != 5:
+            continue
+        total = producer(inputs[3], "UnsortedSegmentSum")
+        unique = producer(inputs[4], "Unique")
+        total_inputs = _data_inputs(total) if total is not None else []
+        if unique is None or len(total_inputs) != 3 or producer(total_inputs[1], "Unique", 1) is not unique:
+            continue
+        count = producer(total_inputs[2], "StridedSlice")
+        count_inputs = _data_inputs(count) if count is not None else []
+        shape = producer(count_inputs[0], "Shape") if len(count_inputs) == 4 else None
+        if (
+            shape is None
+            or len(_data_inputs(shape)) != 1
+            or producer(_data_inputs(shape)[0], "Unique") is not unique
+        ):
+            continue
+        assert total is not None
+        assert count is not None
+        chain = [unique, shape, count, total, update]
+        expected = {
+            unique.name: sorted([(shape.name, 0, False), (update.name, 0, False), (total.name, 1, False)]),
+            shape.name: [(count.name, 0, False)],
+            count.name: [(total.name, 0, False)],
+            total.name: [(update.name, 0, False)],
+        }
+        if (
+            len(_data_inputs(unique)) == 1
+            and all(part.device == update.device for part in chain)
+            and all(sorted(reads[name]) == readers for name, readers in expected.items())
+        ):
+            chains[update.name] = chain
+    if not chains:
+        return graph_def
+    fused = {part.name for chain in chains.values() for part in chain}
+    result = GraphDef()
+    result.CopyFrom(graph_def)
+    del result.node[:]
+    for node in graph_def.node:
+        if node.name not in fused:
+            result.node.append(node)
+        elif node.name in chains:
+            result.node.append(_deduplicated_update_node(chains[node.name]))
+    return result
+
+
+def _deduplicated_update_node(chain: list[NodeDef]) -> NodeDef:
+    """The node of `chain` (see `fuse_deduplicated_sparse_updates`)."""
+    unique, _, count, total, update = chain
+    var, accum, lr = _data_inputs(update)[:3]
+    controls: list[str] = []
+    for part in chain:
+        for text in part.input:
+            if text.startswith("^") and text not in controls:
+                controls.append(text)
+    node = NodeDef(name=update.name, op=DEDUPLICATED_SPARSE_UPDATE_OP, device=update.device)
+    node.input.extend(
+        [_data_inputs(unique)[0], _data_inputs(total)[0], var, accum, lr, *_data_inputs(count)[1:], *controls]
+    )
     node.attr[FUSED_NODES_ATTR].list.s.extend(part.SerializeToString() for part in chain)
     return node
 

@@ -38,7 +38,12 @@ from distserver.runtime.clients import WorkerClient
 from distserver.runtime.concurrency import request_tensors
 from distserver.runtime.counters import StepCounters
 from distserver.runtime.executor import Executor, StepContext
-from distserver.runtime.fusion import fuse_dense_layers, group_variable_reads, group_variable_updates
+from distserver.runtime.fusion import (
+    fuse_deduplicated_sparse_updates,
+    fuse_dense_layers,
+    group_variable_reads,
+    group_variable_updates,
+)
 from distserver.runtime.push import PUSH_LIMIT_BYTES, worker_returns
 from distserver.runtime.rendezvous import RendezvousTable, StepRendezvous
 from distserver.tensors import tensor_nbytes
@@ -64,7 +69,8 @@ class WorkerSession:
 
 def _build_executor(graph_def: GraphDef, task_name: str, stateful_kernels: dict[str, OpKernel]) -> Executor:
     """The executor of a partition registered with a worker of `task_name`, its dense
-    layers fused (`fuse_dense_layers`), its variable updates and reads grouped
+    layers and its sparse updates of repeated rows fused (`fuse_dense_layers`,
+    `fuse_deduplicated_sparse_updates`), its variable updates and reads grouped
     (`group_variable_updates`, `group_variable_reads`)."""
     for node in graph_def.node:
         if node.device and not node.device.startswith(task_name + "/"):
@@ -74,7 +80,10 @@ def _build_executor(graph_def: GraphDef, task_name: str, stateful_kernels: dict[
                 node_name=node.name,
             )
     return Executor(
-        group_variable_reads(group_variable_updates(fuse_dense_layers(graph_def))), stateful_kernels
+        group_variable_reads(
+            group_variable_updates(fuse_deduplicated_sparse_updates(fuse_dense_layers(graph_def)))
+        ),
+        stateful_kernels,
     )
 
 
