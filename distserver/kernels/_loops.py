@@ -140,67 +140,20 @@ def sparse_adagrad(
     return -1
 
 
-@numba.njit(_row_signatures("WW", "WW", "T", "RR", "ROWS", "N", "B", "T", "NW", "NW", "WW"), **_OPTIONS)
-def deduplicated_sparse_adagrad(
-    var: np.ndarray,
-    accum: np.ndarray,
-    lr: Any,
-    grad: np.ndarray,
-    ids: np.ndarray,
-    max_span: int,
-    update_slots: bool,
-    one: Any,
-    firsts: np.ndarray,
-    ranks: np.ndarray,
-    sums: np.ndarray,
-) -> int:  # pragma: no cover
-    """An optimizer's sparse Adagrad update of rows named more than once, as TF's graph
-    makes it (`kernels.sparse.DeduplicatedSparseUpdateKernel`): the distinct ids (at
-    least one) in order of first appearance (`first_occurrences`, through a table of
-    the ids' range; their first positions into `firsts`, each id's rank into
-    `ranks`), the gradient rows of each summed from zeros in order
-    (`segment_sum_rows`, into the first rows of `sums`), then `sparse_adagrad` of
-    those sums at those rows. Returns -1; or, having changed no variable, the rank of
-    the first distinct id out of range, or -2 when the ids span more than `max_span`
-    values (for numpy's ways)."""
-    low = high = ids[0]
-    for i in range(1, ids.size):
-        if ids[i] < low:
-            low = ids[i]
-        elif ids[i] > high:
-            high = ids[i]
-    if high - low >= max_span:
-        return -2
-    rank_of = np.full(high - low + 1, -1, np.int32)
-    distinct = 0
-    for i in range(ids.size):
-        offset = ids[i] - low
-        rank = rank_of[offset]
-        if rank < 0:
-            rank = distinct
-            rank_of[offset] = rank
-            firsts[rank] = i
-            distinct += 1
-        ranks[i] = rank
-    for u in range(distinct):
-        r = ids[firsts[u]]
-        if r < 0 or r >= var.shape[0]:
-            return u
-    for u in range(distinct):
-        for j in range(sums.shape[1]):
-            sums[u, j] = 0
-    for i in range(ids.size):
-        u = ranks[i]
-        for j in range(sums.shape[1]):
-            sums[u, j] = sums[u, j] + grad[i, j]
-    for u in range(distinct):
-        r = ids[firsts[u]]
-        for j in range(var.shape[1]):
-            g = sums[u, j]
-            if update_slots:
-                accum[r, j] = accum[r, j] + g * g
-            var[r, j] = var[r, j] - lr * g * (one / np.sqrt(accum[r, j]))
-    return -1
+@numba.njit(
+    [types.UniTuple(types.int64, 2)(_LETTERS[rows](None)) for rows in ("I", "I32")],  # type: ignore[no-untyped-call]
+    **_OPTIONS,
+)
+def bounds(values: np.ndarray) -> tuple[int, int]:  # pragma: no cover
+    """The smallest and the largest of `values` (at least one), in one pass."""
+    low = high = values[0]
+    for k in range(1, values.size):
+        v = values[k]
+        if v < low:
+            low = v
+        elif v > high:
+            high = v
+    return low, high
 
 
 @numba.njit(_row_signatures("WW", "ROWS", "RR"), **_OPTIONS)
@@ -233,19 +186,6 @@ def set_rows_at(
         for j in range(output.shape[1]):
             output[r, j] = rows[k, j]
         written[r] = True
-
-
-@numba.njit(types.UniTuple(types.int64, 2)(_LETTERS["I32"](None)), **_OPTIONS)  # type: ignore[no-untyped-call]
-def bounds(values: np.ndarray) -> tuple[int, int]:  # pragma: no cover
-    """The smallest and the largest of `values` (at least one), in one pass."""
-    low = high = values[0]
-    for k in range(1, values.size):
-        v = values[k]
-        if v < low:
-            low = v
-        elif v > high:
-            high = v
-    return low, high
 
 
 @numba.njit(_signatures("WW", "RRR"), **_OPTIONS)
@@ -364,3 +304,36 @@ def partition_order(
         order[slot[p]] = i
         slot[p] += 1
     return -1
+
+
+@numba.njit(_row_signatures("WW", "WW", "T", "RR", "ROWS", "N", "B", "T", "NW", "NW", "WW"), **_OPTIONS)
+def deduplicated_sparse_adagrad(
+    var: np.ndarray,
+    accum: np.ndarray,
+    lr: Any,
+    grad: np.ndarray,
+    ids: np.ndarray,
+    max_span: int,
+    update_slots: bool,
+    one: Any,
+    firsts: np.ndarray,
+    ranks: np.ndarray,
+    sums: np.ndarray,
+) -> int:  # pragma: no cover
+    """An optimizer's sparse Adagrad update of rows named more than once, as TF's graph
+    makes it (`kernels.sparse.DeduplicatedSparseUpdateKernel`), by the loops of its
+    parts in one call: the distinct ids (at least one) in order of first appearance
+    (`first_occurrences` over the ids' range: their first positions into `firsts`,
+    each id's rank into `ranks`), the gradient rows of each summed from zeros in order
+    (`segment_sum_rows`, into the first rows of `sums`), then `sparse_adagrad` of
+    those sums at those rows. Returns -1; or, having changed no variable, the rank of
+    the first distinct id out of range, or -2 when the ids span `max_span` values or
+    more (for numpy's ways)."""
+    low, high = bounds(ids)
+    if high - low >= max_span:
+        return -2
+    distinct = first_occurrences(ids, low, high - low + 1, firsts, ranks)
+    summed = sums[:distinct]
+    if segment_sum_rows(summed, ranks, grad) >= 0:  # (never: every rank is in range)
+        return -2
+    return sparse_adagrad(var, accum, lr, summed, ids[firsts[:distinct]], update_slots, one)

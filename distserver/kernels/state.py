@@ -27,8 +27,8 @@ import operator
 import sys
 import threading
 import weakref
-from collections.abc import Sequence
-from typing import Any, ClassVar
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
@@ -496,6 +496,41 @@ class _locked:  # a context manager, named like one written as a function
         self._taken = 0
 
 
+_R = TypeVar("_R")
+
+# What `update_pair_in_place` returns when it did not update.
+NOT_IN_PLACE: Any = object()
+
+
+def update_pair_in_place(
+    var: VariableResource,
+    slot: VariableResource,
+    fits: Callable[[np.ndarray, np.ndarray], bool],
+    update: Callable[[np.ndarray, np.ndarray], _R],
+) -> _R:
+    """The short path of an optimizer's update of a variable and its slot (two
+    distinct variables with values): with both locks held (in `_locked`'s order), when
+    neither's value is shared (checked before this holds the arrays) and the values
+    `fits`, `update(value, slot_value)` with both arrays writeable, and its result;
+    else `NOT_IN_PLACE`, having changed nothing."""
+    first, second = (var, slot) if id(var) < id(slot) else (slot, var)
+    with first.lock, second.lock:
+        if not (var.unshared() and slot.unshared()):
+            return NOT_IN_PLACE  # type: ignore[no-any-return]
+        value, slot_value = var.value, slot.value
+        assert value is not None  # (unshared: both have values)
+        assert slot_value is not None
+        if not fits(value, slot_value):
+            return NOT_IN_PLACE  # type: ignore[no-any-return]
+        value.setflags(write=True)  # (setflags: 0.27 us, `flags.writeable =` 0.40)
+        slot_value.setflags(write=True)
+        try:
+            return update(value, slot_value)
+        finally:
+            value.setflags(write=False)
+            slot_value.setflags(write=False)
+
+
 # The dtypes whose updates may be written into the variables' arrays (`update_in_place`):
 # numpy computes them natively, so in place and out of place give the same bits.
 _IN_PLACE_TYPES = frozenset({np.dtype(np.float32), np.dtype(np.float64)})
@@ -729,30 +764,21 @@ class ApplyMomentumKernel(_ApplyKernel):
         accum = self._find_input(ctx, accum_input)
         if var is None or accum is None or var is accum:
             return False
-        first, second = (var, accum) if id(var) < id(accum) else (accum, var)  # `_locked`'s order
-        with first.lock, second.lock:
-            if not (var.unshared() and accum.unshared()):  # (before this kernel holds the arrays)
-                return False
-            value, slot = var.value, accum.value
-            assert value is not None  # (unshared: both have values)
-            assert slot is not None
-            if (
-                value.dtype != dtype
-                or slot.dtype != dtype
-                or not value.ndim
-                or value.shape != grad.shape
-                or slot.shape != grad.shape
-            ):
-                return False
-            value.setflags(write=True)  # (setflags: 0.27 us, `flags.writeable =` 0.40)
-            slot.setflags(write=True)
-            try:
-                if not self._compiled_step(value, slot, lr, grad, momentum):
-                    self._quiet_step(value, slot, lr, grad, momentum)
-            finally:
-                value.setflags(write=False)
-                slot.setflags(write=False)
-        return True
+
+        def fits(value: np.ndarray, slot: np.ndarray) -> bool:
+            return (
+                value.dtype == dtype
+                and slot.dtype == dtype
+                and value.ndim > 0
+                and value.shape == grad.shape
+                and slot.shape == grad.shape
+            )
+
+        def step(value: np.ndarray, slot: np.ndarray) -> None:
+            if not self._compiled_step(value, slot, lr, grad, momentum):
+                self._quiet_step(value, slot, lr, grad, momentum)
+
+        return update_pair_in_place(var, accum, fits, step) is not NOT_IN_PLACE
 
     def compiled_update(self, values: dict[str, np.ndarray]) -> bool:
         if self.use_nesterov:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TypeVar
 
 from distserver import errors
@@ -89,17 +89,25 @@ def fuse_dense_layers(graph_def: GraphDef) -> GraphDef:
             chain.append(activation)
         chains[chain[-1].name] = chain
         fused.update(part.name for part in chain)
+    return _with_chains_fused(graph_def, chains, _fused_node)
+
+
+def _with_chains_fused(
+    graph_def: GraphDef, chains: dict[str, list[NodeDef]], fused_node: Callable[[list[NodeDef]], NodeDef]
+) -> GraphDef:
+    """`graph_def` with each chain (by its last node's name) replaced by
+    `fused_node(chain)`, where its last node was; `graph_def` itself without chains."""
     if not chains:
         return graph_def
-
+    parts = {part.name for chain in chains.values() for part in chain}
     result = GraphDef()
     result.CopyFrom(graph_def)
     del result.node[:]
     for node in graph_def.node:
-        if node.name not in fused:
+        if node.name not in parts:
             result.node.append(node)
         elif node.name in chains:
-            result.node.append(_fused_node(chains[node.name]))
+            result.node.append(fused_node(chains[node.name]))
     return result
 
 
@@ -202,18 +210,7 @@ def fuse_deduplicated_sparse_updates(graph_def: GraphDef) -> GraphDef:
             and all(sorted(reads[name]) == readers for name, readers in expected.items())
         ):
             chains[update.name] = chain
-    if not chains:
-        return graph_def
-    fused = {part.name for chain in chains.values() for part in chain}
-    result = GraphDef()
-    result.CopyFrom(graph_def)
-    del result.node[:]
-    for node in graph_def.node:
-        if node.name not in fused:
-            result.node.append(node)
-        elif node.name in chains:
-            result.node.append(_deduplicated_update_node(chains[node.name]))
-    return result
+    return _with_chains_fused(graph_def, chains, _deduplicated_update_node)
 
 
 def _deduplicated_update_node(chain: list[NodeDef]) -> NodeDef:
