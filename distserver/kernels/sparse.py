@@ -745,10 +745,7 @@ class SparseApplyAdagradKernel(_SparseApplyKernel):
         # That case runs here with the same locks and checks as `_SparseApplyKernel`'s,
         # and the row numbers' range checked by the loop (31 -> 21 us for 982 rows of
         # 32 floats); anything else, errors but that range included, goes the general way.
-        if self._may_go_fast and len(inputs) == 5 and self._update_fast(ctx, inputs):
-            OPTIMIZER_UPDATES.count(True)
-            return []
-        return super().compute(ctx, inputs)
+        return [] if self._took_short_path(ctx, inputs) else super().compute(ctx, inputs)
 
     def _update_fast(self, ctx: KernelContext, inputs: list[Any]) -> bool:
         """Update in place and return True, or return False having changed nothing."""

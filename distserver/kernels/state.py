@@ -626,6 +626,20 @@ class _ApplyKernel(_VariableKernel):
             )
         return kernel_error(self, _missing_text(self._handle(ctx, value)), errors.NotFoundError)
 
+    # A kernel with a short path for its usual inputs sets `_may_go_fast` and defines
+    # `_update_fast` (update in place and return True, or change nothing and return False).
+    _may_go_fast = False
+
+    def _update_fast(self, ctx: KernelContext, inputs: list[Any]) -> bool:
+        return False
+
+    def _took_short_path(self, ctx: KernelContext, inputs: list[Any]) -> bool:
+        """Whether the short path (`_update_fast`) made this update."""
+        if self._may_go_fast and len(inputs) == len(self.signature) and self._update_fast(ctx, inputs):
+            OPTIMIZER_UPDATES.count(True)
+            return True
+        return False
+
     def _resource(self, ctx: KernelContext, index: int, value: Any) -> VariableResource:
         """The variable input `index` (`value`) names."""
         if self.on_refs:
@@ -749,10 +763,7 @@ class ApplyMomentumKernel(_ApplyKernel):
         # hyperparameters, a gradient of the variable's shape. That case runs here
         # with the same checks, locks and arithmetic as `_ApplyKernel.compute` (10.7 -> 5.8
         # us a call); anything else, errors included, goes the general way.
-        if self._may_go_fast and len(inputs) == 5 and self._update_fast(ctx, inputs):
-            OPTIMIZER_UPDATES.count(True)
-            return []
-        return super().compute(ctx, inputs)
+        return [] if self._took_short_path(ctx, inputs) else super().compute(ctx, inputs)
 
     def _update_fast(self, ctx: KernelContext, inputs: list[Any]) -> bool:
         """Update in place and return True, or return False having changed nothing."""
