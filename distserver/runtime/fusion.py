@@ -163,9 +163,8 @@ def fuse_deduplicated_sparse_updates(graph_def: GraphDef) -> GraphDef:
     ):
         return graph_def
     nodes = {node.name: node for node in graph_def.node}
-    reads: defaultdict[str, list[tuple[str, int, bool]]] = defaultdict(
-        list
-    )  # node -> (reader, output, control)
+    # node -> (reader, output read, whether a control edge) for every edge out of it
+    reads: defaultdict[str, list[tuple[str, int, bool]]] = defaultdict(list)
     for node in graph_def.node:
         for text in node.input:
             name, index, is_control = parse_input(text)
