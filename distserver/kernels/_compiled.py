@@ -11,12 +11,12 @@ the copy, and the distinct ids of a sparse update or an embedding's split by sha
 several passes and masks. `_loops` has those loops, each giving the
 bits of the numpy code it stands in for.
 
-Compiling takes ~1 s of CPU (~0.35 s once numba's cache in `__pycache__` has them),
-so it never happens in a kernel's call: the first kernel built that can use a loop
-(or the first sum over a middle axis) calls `prepare`, which compiles them all in a
-background thread, and until they are
-ready (or when numba is missing, fails, or `DISTSERVER_COMPILED_KERNELS=0`)
-`loops()` is None and kernels use numpy.
+Compiling them all takes ~4.4 s of CPU here (~0.35 s once numba's cache in
+`__pycache__` has them), so it never happens in a kernel's call: the first kernel
+built that can use a loop (or the first sum over a middle axis) calls `prepare`,
+which compiles them all in a background thread, and until they are ready (or when
+numba is missing, fails, or `DISTSERVER_COMPILED_KERNELS=0`) `loops()` is None and
+kernels use numpy.
 """
 
 from __future__ import annotations
