@@ -1081,7 +1081,13 @@ class DynamicStitchKernel(OpKernel):
                 raise kernel_error(self, f"indices[{m}] contains a negative index {low}")
             size = max(size, high + 1)
         width = math.prod(trailing)
-        if loops is not None and size and width and all(map(_compiled.contiguous, flat_indices, data)):
+        if (
+            loops is not None
+            and size
+            and width
+            and sum(index.size for index in flat_indices) >= size  # (see `_stitch_compiled`)
+            and all(map(_compiled.contiguous, flat_indices, data))
+        ):
             return [self._stitch_compiled(loops, flat_indices, data, (size, *trailing))]
         merged = np.zeros((size, *trailing), dtype=self.dtype)
         if self.dtype == OBJECT:
@@ -1097,7 +1103,9 @@ class DynamicStitchKernel(OpKernel):
         shards' rows, [1024, 32] each: 21 -> 9 us), where numpy's indexed assignment
         makes a pass of its own per input; only the rows no index names are zeroed
         afterwards (most often none: an embedding's positions name every row once),
-        not the whole output first."""
+        not the whole output first. For indices that may name every row (no more rows
+        than indices): an output larger than its inputs, from an index far past the
+        others, takes numpy's zeros, whose pages stay untouched where no row goes."""
         merged = np.empty(shape, self.dtype)
         size = shape[0]
         rows = merged.reshape(size, -1)

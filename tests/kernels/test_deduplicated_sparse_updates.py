@@ -11,7 +11,7 @@ import pytest
 from distserver import errors
 from distserver.kernels import _compiled, create_kernel
 from distserver.kernels.math import FUSED_NODES_ATTR
-from distserver.kernels.sparse import DEDUPLICATED_SPARSE_UPDATE_OP, DEDUPLICATED_SPARSE_UPDATE_PARTS
+from distserver.kernels.sparse import DEDUPLICATED_SPARSE_UPDATE_OP
 
 from .conftest import Context, make_node
 from .test_in_place_updates import _variable
@@ -208,4 +208,3 @@ def test_a_malformed_node_is_refused():
     kernel = _fused(parts)
     with pytest.raises(errors.InvalidArgumentError, match="expects 8 inputs, got 7"):
         kernel.compute(Context(), [np.zeros(1)] * 7)
-    assert DEDUPLICATED_SPARSE_UPDATE_PARTS[-1] == "ResourceSparseApplyAdagrad"
