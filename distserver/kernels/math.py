@@ -392,7 +392,25 @@ class CastKernel(OpKernel):
 # --------------------------------------------------------------------------- MatMul, BiasAdd, AddN
 
 
-_quiet_matmul = quiet(np.matmul)
+# A product of two 2-D float32 or float64 arrays goes to BLAS through `np.dot`, which
+# makes the same call (gemm, with either operand transposed) as `np.matmul` without
+# its ufunc machinery: 0.3 us less a call at 64x32 @ 32x32, 0.35 less with the second
+# operand a transposed view (a dense layer's input gradient). Same bits, compared over
+# shapes from [1, 32] to [256, 784] and transposed views
+# (`tests/kernels/test_math.py::test_dot_and_matmul_agree`).
+_BLAS_DTYPES = frozenset({np.dtype(np.float32), np.dtype(np.float64)})
+
+
+def _product(lhs: np.ndarray, rhs: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """lhs @ rhs of 2-D arrays: `np.dot` for two of one float dtype BLAS takes, else
+    `np.matmul`."""
+    dtype = lhs.dtype
+    if dtype in _BLAS_DTYPES and rhs.dtype == dtype:
+        return np.dot(lhs, rhs, out)  # type: ignore[no-any-return]
+    return np.matmul(lhs, rhs, out=out)  # type: ignore[no-any-return]
+
+
+_quiet_product = quiet(_product)
 
 
 @register_kernel("MatMul")
@@ -470,14 +488,14 @@ def _matmul(
         or rows * lhs.shape[1] * rhs.shape[1] < _intra_op.SPLIT_MACS
         or not _intra_op.enabled()
     ):
-        product: np.ndarray = _quiet_matmul(lhs, rhs)
+        product: np.ndarray = _quiet_product(lhs, rhs)
         if then is not None:
             then(product)
         return product
     out = np.empty((rows, rhs.shape[1]), np.result_type(lhs, rhs))
 
     def block(part: slice) -> None:
-        _quiet_matmul(lhs[part], rhs, out=out[part])
+        _quiet_product(lhs[part], rhs, out[part])
         if then is not None:
             then(out[part])
 
@@ -598,7 +616,7 @@ class FusedMatMulKernel(OpKernel):
 
         def layer(lhs: np.ndarray, rhs: np.ndarray, bias: np.ndarray) -> np.ndarray:
             if lhs.shape[0] < _intra_op.SPLIT_MIN_ROWS:  # (`_matmul`'s first test: one block, here)
-                product: np.ndarray = np.matmul(lhs, rhs)
+                product: np.ndarray = np.dot(lhs, rhs)  # (`_product`: the fused types)
                 finish(product, bias)
                 return product
             return _matmul(lhs, rhs, then=lambda block: quiet_finish(block, bias))
@@ -821,10 +839,10 @@ def _dense_gradients(g: Any, h: np.ndarray, w: np.ndarray | None) -> list[np.nda
 def _layer_products(bias: np.ndarray, g: np.ndarray, h: np.ndarray, w: np.ndarray | None) -> list[np.ndarray]:
     """`FusedMatMulGradKernel`'s outputs, given the bias's gradient: the products (in its
     quiet `layer`: a product of one block is numpy's own, `_matmul`'s first test)."""
-    weights = np.matmul(h.T, g) if h.shape[1] < _intra_op.SPLIT_MIN_ROWS else _matmul(h.T, g)
+    weights = np.dot(h.T, g) if h.shape[1] < _intra_op.SPLIT_MIN_ROWS else _matmul(h.T, g)
     if w is None:
         return [bias, weights]
-    return [bias, weights, np.matmul(g, w.T) if g.shape[0] < _intra_op.SPLIT_MIN_ROWS else _matmul(g, w.T)]
+    return [bias, weights, np.dot(g, w.T) if g.shape[0] < _intra_op.SPLIT_MIN_ROWS else _matmul(g, w.T)]
 
 
 def _only(value: Any, allowed: tuple[int, ...]) -> bool:

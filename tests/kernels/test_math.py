@@ -391,6 +391,31 @@ def test_matmul_of_one_inner_column_gives_the_bits_of_blas(run_op, transpose_a, 
     assert out.shape == (0, 3)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize(
+    "shape", [(64, 32, 32), (256, 784, 512), (256, 512, 10), (1, 32, 32), (3, 5, 7), (64, 1, 32), (5, 300, 1)]
+)
+def test_dot_and_matmul_agree(run_op, dtype, shape):
+    """MatMul of two float32 or float64 matrices takes `np.dot` (`math._product`): the bits
+    of `np.matmul`, for every pair of transposes (a dense layer's gradients read
+    transposed views) and for operands BLAS cannot take as they are (a strided view)."""
+    rows, inner, columns = shape
+    rng = np.random.default_rng(rows * inner + columns)
+    a = (rng.standard_normal((rows, inner)) * 3).astype(dtype)
+    b = (rng.standard_normal((inner, columns)) * 3).astype(dtype)
+    bits = f"u{np.dtype(dtype).itemsize}"
+    for transpose_a in (False, True):
+        for transpose_b in (False, True):
+            x = np.ascontiguousarray(a.T) if transpose_a else a
+            y = np.ascontiguousarray(b.T) if transpose_b else b
+            (out,) = run_op("MatMul", x, y, T=dtype, transpose_a=transpose_a, transpose_b=transpose_b)
+            want = np.matmul(x.T if transpose_a else x, y.T if transpose_b else y)
+            np.testing.assert_array_equal(out.view(bits), want.view(bits))
+    strided = np.repeat(a, 2, axis=1)[:, ::2]  # (not a layout BLAS takes: copied first)
+    (out,) = run_op("MatMul", strided, b, T=dtype)
+    np.testing.assert_allclose(out, np.matmul(a, b), rtol=1e-5 if dtype == np.float32 else 1e-12)
+
+
 def test_matmul_empty_inner_dimension_gives_zeros(run_op):
     (out,) = run_op("MatMul", np.ones((2, 0), np.float32), np.ones((0, 3), np.float32), T=np.float32)
     np.testing.assert_array_equal(out, np.zeros((2, 3)))
