@@ -392,20 +392,22 @@ class CastKernel(OpKernel):
 # --------------------------------------------------------------------------- MatMul, BiasAdd, AddN
 
 
-# A product of two 2-D float32 or float64 arrays goes to BLAS through `np.dot`, which
-# makes the same call (gemm, with either operand transposed) as `np.matmul` without
-# its ufunc machinery: 0.3 us less a call at 64x32 @ 32x32, 0.35 less with the second
-# operand a transposed view (a dense layer's input gradient). Same bits, compared over
-# shapes from [1, 32] to [256, 784] and transposed views
-# (`tests/kernels/test_math.py::test_dot_and_matmul_agree`).
+# A small product of two 2-D float32 or float64 arrays goes to BLAS through `np.dot`,
+# which makes the same gemm call as `np.matmul` without its ufunc machinery: 0.3-0.4 us
+# less a product of up to ~2^18 multiply-adds (64x32 @ 32x32: 1.49 -> 1.10 us; with
+# the second operand a transposed view, a layer's input gradient: 2.17 -> 1.81). Larger
+# ones stay with `np.matmul`, which `np.dot` trails there (1024x32 @ 32x32: 10 against
+# 20 us; a transposed 784x256 operand, copied first: 506 against 575). Same bits either
+# way (`tests/kernels/test_math.py::test_dot_and_matmul_agree`).
 _BLAS_DTYPES = frozenset({np.dtype(np.float32), np.dtype(np.float64)})
+_DOT_MAX_MACS = 1 << 18
 
 
 def _product(lhs: np.ndarray, rhs: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """lhs @ rhs of 2-D arrays: `np.dot` for two of one float dtype BLAS takes, else
-    `np.matmul`."""
+    """lhs @ rhs of 2-D arrays: `np.dot` for a small product of two arrays of one float
+    dtype BLAS takes, else `np.matmul`."""
     dtype = lhs.dtype
-    if dtype in _BLAS_DTYPES and rhs.dtype == dtype:
+    if dtype in _BLAS_DTYPES and rhs.dtype == dtype and lhs.size * rhs.shape[1] <= _DOT_MAX_MACS:
         return np.dot(lhs, rhs, out)  # type: ignore[no-any-return]
     return np.matmul(lhs, rhs, out=out)  # type: ignore[no-any-return]
 
@@ -616,7 +618,9 @@ class FusedMatMulKernel(OpKernel):
 
         def layer(lhs: np.ndarray, rhs: np.ndarray, bias: np.ndarray) -> np.ndarray:
             if lhs.shape[0] < _intra_op.SPLIT_MIN_ROWS:  # (`_matmul`'s first test: one block, here)
-                product: np.ndarray = np.dot(lhs, rhs)  # (`_product`: the fused types)
+                product: np.ndarray = (  # (`_product`, written out: the fused types)
+                    np.dot(lhs, rhs) if lhs.size * rhs.shape[1] <= _DOT_MAX_MACS else np.matmul(lhs, rhs)
+                )
                 finish(product, bias)
                 return product
             return _matmul(lhs, rhs, then=lambda block: quiet_finish(block, bias))
@@ -839,10 +843,15 @@ def _dense_gradients(g: Any, h: np.ndarray, w: np.ndarray | None) -> list[np.nda
 def _layer_products(bias: np.ndarray, g: np.ndarray, h: np.ndarray, w: np.ndarray | None) -> list[np.ndarray]:
     """`FusedMatMulGradKernel`'s outputs, given the bias's gradient: the products (in its
     quiet `layer`: a product of one block is numpy's own, `_matmul`'s first test)."""
-    weights = np.dot(h.T, g) if h.shape[1] < _intra_op.SPLIT_MIN_ROWS else _matmul(h.T, g)
+    if h.size * g.shape[1] <= _DOT_MAX_MACS:  # (`_product`, written out: the fused types)
+        weights = np.dot(h.T, g)
+    else:
+        weights = np.matmul(h.T, g) if h.shape[1] < _intra_op.SPLIT_MIN_ROWS else _matmul(h.T, g)
     if w is None:
         return [bias, weights]
-    return [bias, weights, np.dot(g, w.T) if g.shape[0] < _intra_op.SPLIT_MIN_ROWS else _matmul(g, w.T)]
+    if g.size * w.shape[0] <= _DOT_MAX_MACS:
+        return [bias, weights, np.dot(g, w.T)]
+    return [bias, weights, np.matmul(g, w.T) if g.shape[0] < _intra_op.SPLIT_MIN_ROWS else _matmul(g, w.T)]
 
 
 def _only(value: Any, allowed: tuple[int, ...]) -> bool:

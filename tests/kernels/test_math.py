@@ -396,9 +396,10 @@ def test_matmul_of_one_inner_column_gives_the_bits_of_blas(run_op, transpose_a, 
     "shape", [(64, 32, 32), (256, 784, 512), (256, 512, 10), (1, 32, 32), (3, 5, 7), (64, 1, 32), (5, 300, 1)]
 )
 def test_dot_and_matmul_agree(run_op, dtype, shape):
-    """MatMul of two float32 or float64 matrices takes `np.dot` (`math._product`): the bits
-    of `np.matmul`, for every pair of transposes (a dense layer's gradients read
-    transposed views) and for operands BLAS cannot take as they are (a strided view)."""
+    """MatMul of two float32 or float64 matrices takes `np.dot` when the product is small,
+    else `np.matmul` (`math._product`): the bits of `np.matmul` either way, for every pair
+    of transposes (a dense layer's gradients read transposed views) and for operands
+    BLAS cannot take as they are (a strided view)."""
     rows, inner, columns = shape
     rng = np.random.default_rng(rows * inner + columns)
     a = (rng.standard_normal((rows, inner)) * 3).astype(dtype)
