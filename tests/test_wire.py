@@ -342,10 +342,10 @@ def test_a_large_request_reaches_its_handler_as_views_and_bad_ones_are_invalid_a
     from distserver.protos.master_pb2 import RunStepRequest
     from distserver.protos.worker_pb2 import RecvTensorRequest
     from distserver.transports.base import parse_handler_request
-    from distserver.wire import HAND_DECODED_MESSAGE_BYTES, TensorRequest
+    from distserver.wire import HAND_DECODED_REQUEST_BYTES, TensorRequest
 
     # From this size requests are read by hand (an mlp's 784 KiB feed is).
-    big = np.ones(HAND_DECODED_MESSAGE_BYTES // 4, np.float32)
+    big = np.ones(HAND_DECODED_REQUEST_BYTES // 4, np.float32)
     request = RunStepRequest(session_handle="s", fetch=["y:0"])
     data = encode_tensor_message(request, [("x:0", big)])
     parsed = parse_handler_request(RunStepRequest, data)
@@ -387,6 +387,88 @@ def test_hand_read_content_at_an_unaligned_offset_is_copied_aligned_below_1_mib(
                 assert np.shares_memory(got, np.frombuffer(data, np.uint8))
                 unaligned_seen |= not got.flags.aligned
         assert unaligned_seen
+
+
+def _protobuf_message(message, items):
+    """`message` with `items` added to its tensor field by protobuf itself."""
+    built = type(message)()
+    built.CopyFrom(message)
+    for name, value in items:
+        if isinstance(built, RunCallableResponse):
+            built.fetch.add().CopyFrom(to_tensor_proto(value))
+        else:
+            field = built.recv if isinstance(built, RunGraphResponse) else built.tensor
+            field.add(name=name).tensor.CopyFrom(to_tensor_proto(value))
+    return built.SerializeToString()
+
+
+def test_items_written_from_cached_heads_are_the_bytes_protobuf_writes():
+    # Small plain tensors go out as a cached head and their own bytes: the same message
+    # protobuf writes, the first time and every time after, whatever the name's length
+    # (a varint of one or two bytes) or the dtype. A value the head does not fit (not in
+    # C order, big-endian) still goes out right under the same name and shape.
+    long_name = "/job:ps/replica:0/task:0/device:CPU:0;" + "k" * 120 + ";0:0"
+    plain = [v for v in values() if np.asarray(v).dtype != object and np.asarray(v).size]
+    for message in (RunGraphResponse(), RunStepResponse(), RunCallableResponse()):
+        items = [(f"{long_name if i % 2 else 'x'}{i}", np.asarray(v)) for i, v in enumerate(plain)]
+        want = _protobuf_message(message, items)
+        unnamed = isinstance(message, RunCallableResponse)
+        for _ in range(2):
+            assert encode_tensor_message(message, [v for _, v in items] if unnamed else items) == want
+    again = [("t:0", np.arange(12, dtype=np.int32).reshape(3, 4))]
+    encode_tensor_message(RunGraphResponse(), again)  # its head cached
+    for other in (np.arange(12, dtype=np.int32).reshape(4, 3).T, np.arange(12, dtype=">i4").reshape(3, 4)):
+        data = encode_tensor_message(RunGraphResponse(), [("t:0", other)])
+        assert data == _protobuf_message(RunGraphResponse(), [("t:0", other)])
+
+
+def test_known_items_read_back_as_protobuf_reads_them_and_nothing_else(monkeypatch):
+    # A message of many small tensors, read twice: the long way (protobuf, which teaches
+    # the reader each item's head), then from the known heads alone. Both give
+    # protobuf's values, as read-only aligned copies that do not keep the message alive,
+    # wherever the content lies (a message field before the tensors moves it a byte at
+    # a time).
+    from distserver import wire
+
+    long_name = "/job:worker/replica:0/task:0/device:CPU:0;" + "g" * 120 + ";0:0"
+    shapes = [(4 * (i % 3 + 1), 4) for i in range(12)]
+    items = [
+        (f"{long_name}{i}", np.arange(np.prod(shape), dtype=np.float32).reshape(shape) + i)
+        for i, shape in enumerate(shapes)
+    ]
+    items.append(("labels:0", np.arange(7, dtype=np.int64)))
+    long_way = wire._decode_small_item
+
+    def refused(*args):
+        raise AssertionError("a known item read the long way")
+
+    for shift in range(4):
+        message = RunStepResponse(status_error_message="e" * shift)
+        data = encode_tensor_message(message, items)
+        buffer = np.frombuffer(data, np.uint8)
+        for reader in (long_way, refused):
+            monkeypatch.setattr(wire, "_decode_small_item", reader)
+            decoded, rest = decode_tensor_message(data, RunStepResponse)
+            assert rest == message
+            assert [name for name, _ in decoded] == [name for name, _ in items]
+            for (_, got), (_, value) in zip(decoded, items, strict=True):
+                assert_same(got, value)
+                assert got.flags.aligned
+                assert not got.flags.writeable
+                assert not np.shares_memory(got, buffer)
+        monkeypatch.setattr(wire, "_decode_small_item", long_way)
+    # The same name and item length with another dtype or shape: read as what the item
+    # says, never as the known item.
+    name, value = items[1]
+    for other in (value.view(np.int32), value.reshape(-1), value.reshape(4, 8).view(np.uint32)):
+        data = encode_tensor_message(RunStepResponse(), [(name, other)])
+        ((got_name, got),), _ = decode_tensor_message(data, RunStepResponse)
+        assert got_name == name
+        assert_same(got, other)
+    # Cut short inside a known item's content: data loss, as before.
+    data = encode_tensor_message(RunStepResponse(), items[:2])
+    with pytest.raises(errors.DataLossError):
+        decode_tensor_message(data[:-5], RunStepResponse)
 
 
 def test_small_tensors_in_a_hand_read_request_are_charged_to_its_budget():

@@ -255,13 +255,14 @@ async def _named_tensors(
     """A serialized RunStep, RunGraph or RunCallable response's tensors (RunCallable's
     without names) and the rest of the message.
 
-    In an answer of `HAND_DECODED_MESSAGE_BYTES` or more, plain numeric tensors of 16 KiB
-    or more are numpy views over `data` (`wire.decode_tensor_message`); smaller answers,
+    An answer of `HAND_DECODED_MESSAGE_BYTES` or more is read by hand
+    (`wire.decode_tensor_message`: plain numeric tensors of 16 KiB or more as numpy
+    views over `data`, items whose heads it knows without protobuf); smaller answers,
     and answers with large tensors of other kinds, are parsed by protobuf (in a thread
     when large).
     `missing_ok`: a name without a tensor gives None (RecvTensors: fetch it separately).
     """
-    if len(data) >= HAND_DECODED_MESSAGE_BYTES:  # below, protobuf is as fast
+    if len(data) >= HAND_DECODED_MESSAGE_BYTES:  # (below, protobuf is as fast)
         decoded = decode_tensor_message(data, message_class, missing_ok=missing_ok)
         if decoded is not None:
             return decoded

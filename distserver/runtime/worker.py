@@ -363,11 +363,16 @@ class Worker:
         """TENSOR_SERVICE method name -> handler (distserver peers' batched receives)."""
         return {"RecvTensors": self.recv_tensors_rpc}
 
-    async def recv_tensors_rpc(self, request: w.RunGraphRequest) -> EncodedMessage:
+    async def recv_tensors_rpc(
+        self, request: w.RunGraphRequest | TensorRequest[w.RunGraphRequest]
+    ) -> EncodedMessage:
         """Some of the values of `request.recv_key` this task sent in `request.step_id`:
         those sent by the time the first one is (`batched_recv.answer`), written by hand
-        (a key whose value is to be fetched separately: a name without a tensor)."""
-        values = await self._batched_values(request)
+        (a key whose value is to be fetched separately: a name without a tensor). (A
+        request of `wire.HAND_DECODED_REQUEST_BYTES` or more, many long keys, comes read
+        by hand: its message is the same.)"""
+        message = request.message if isinstance(request, TensorRequest) else request
+        values = await self._batched_values(message)
         return await encode_off_loop(w.RunGraphResponse(), list(values.items()))
 
     async def _batched_values(self, request: w.RunGraphRequest) -> dict[str, Any]:

@@ -41,7 +41,7 @@ from distserver import errors
 from distserver.devices import RendezvousKey
 from distserver.security import Security
 from distserver.wire import (
-    HAND_DECODED_MESSAGE_BYTES,
+    HAND_DECODED_REQUEST_BYTES,
     EncodedMessage,
     TensorRequest,
     decode_tensor_message,
@@ -99,10 +99,10 @@ def parse_handler_request(
     request_cls: type[MessageT], data: bytes | memoryview
 ) -> MessageT | TensorRequest[MessageT]:
     """`parse_request` for a service handler: a RunStep, RunCallable or RunGraph request
-    of `HAND_DECODED_MESSAGE_BYTES` or more comes as a `wire.TensorRequest`, its large
+    of `HAND_DECODED_REQUEST_BYTES` or more comes as a `wire.TensorRequest`, its large
     plain tensors numpy views over `data` rather than copies protobuf makes on the
     event loop (the handlers read both forms)."""
-    if len(data) < HAND_DECODED_MESSAGE_BYTES or tensor_field(request_cls) is None:
+    if len(data) < HAND_DECODED_REQUEST_BYTES or tensor_field(request_cls) is None:
         return parse_request(request_cls, data)
     try:
         decoded = decode_tensor_message(data, request_cls, what=f"a {request_cls.__name__}")

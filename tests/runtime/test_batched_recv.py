@@ -216,6 +216,7 @@ def test_hostile_recv_tensors_requests_get_clear_errors():
     from distserver.protos import worker_pb2 as w
     from distserver.protos.services import TENSOR_SERVICE
     from distserver.runtime.batched_recv import MAX_BATCH_KEYS
+    from distserver.wire import HAND_DECODED_REQUEST_BYTES
 
     async def ask(address, keys):
         channel = get_transport("grpc").connect(address)
@@ -235,3 +236,8 @@ def test_hostile_recv_tensors_requests_get_clear_errors():
         assert "Invalid rendezvous key" in asyncio.run(ask(address, ["not a key"]))
         other = f"{PS_TASK}/device:CPU:0;1;{WORKER_TASK}/device:CPU:0;x:0;0:0"
         assert "Invalid rendezvous key (src)" in asyncio.run(ask(address, [other]))
+        # A request of 128 KiB or more (a thousand long keys) is read by hand as requests
+        # with tensors are: its keys are checked the same.
+        long = f"{PS_TASK}/device:CPU:0;1;{WORKER_TASK}/device:CPU:0;{'x' * 200}:0;0:0"
+        assert len(long) * MAX_BATCH_KEYS > HAND_DECODED_REQUEST_BYTES
+        assert "Invalid rendezvous key (src)" in asyncio.run(ask(address, [long] * MAX_BATCH_KEYS))
