@@ -108,16 +108,17 @@ class _Batch:
     def abandoned(self) -> bool:
         return all(future.done() for _, future in self.waiting.values())
 
+    def give_up(self, receive: asyncio.Future[tuple[Any, bool]]) -> None:
+        """A done callback of each receive: when it was cancelled, stop asking once
+        nobody waits for the rest. (Taken off a receive before its value is delivered:
+        a callback scheduled costs ~0.6 us, and a batch brings dozens of values.)"""
+        if receive.cancelled() and self.runner is not None and self.abandoned():
+            self.runner.cancel()
+
 
 def _stop_when_given_up(fetching: asyncio.Task[None], receive: asyncio.Future[tuple[Any, bool]]) -> None:
     if receive.cancelled():
         fetching.cancel()
-
-
-def _give_up(batch: _Batch, receive: asyncio.Future[tuple[Any, bool]]) -> None:
-    """A receive of `batch` was cancelled: stop asking once nobody waits for the rest."""
-    if receive.cancelled() and batch.runner is not None and batch.abandoned():
-        batch.runner.cancel()
 
 
 class BatchedReceiver:
@@ -160,7 +161,7 @@ class BatchedReceiver:
         if entry is not None:  # received twice in one step (no graph of ours does that)
             return asyncio.shield(entry[1])
         batch.waiting[key.text] = (key, future)
-        future.add_done_callback(lambda done: _give_up(batch, done))
+        future.add_done_callback(batch.give_up)
         return future
 
     def _start(self) -> None:
@@ -217,6 +218,7 @@ class BatchedReceiver:
                         self._fetched_separately.add(text)
                         self._spawn(self._fetch_into(batch.step_id, key, future))
                     elif not future.done():
+                        future.remove_done_callback(batch.give_up)
                         future.set_result((value, False))
                 if not delivered:
                     raise errors.InternalError(

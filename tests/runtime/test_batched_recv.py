@@ -125,6 +125,47 @@ async def test_a_turns_batch_is_asked_for_before_its_values_fetched_one_by_one()
     assert asked == ["batch", "one"]
 
 
+async def test_a_batch_stops_asking_once_the_receives_still_waiting_are_given_up():
+    """A batch delivers what its first answer brings and asks again for the rest; once
+    every receive still waiting is cancelled (its step is over), it stops asking: the
+    call in flight is cancelled, whatever the receives already delivered."""
+    asking_again = asyncio.Event()
+    stopped: list[bool] = []
+
+    async def batch_call(step_id: int, keys: list[str]) -> dict:
+        if len(keys) == 2:
+            return {keys[0]: np.ones(2, np.float32)}
+        asking_again.set()
+        try:
+            await asyncio.Event().wait()  # (the sender never sends it)
+        except asyncio.CancelledError:
+            stopped.append(True)
+            raise
+        return {}
+
+    async def fetch_one(step_id: int, key) -> tuple:
+        raise AssertionError("nothing is fetched by itself")
+
+    receiver = batched_recv.BatchedReceiver(lambda task: batch_call, fetch_one)
+
+    def key(name: str):
+        return parse_rendezvous_key(
+            rendezvous_key(f"{PS_TASK}/device:CPU:0", 1, f"{WORKER_TASK}/device:CPU:0", name)
+        )
+
+    delivered, waiting = receiver.fetch_soon(1, key("a")), receiver.fetch_soon(1, key("b"))
+    value, is_dead = await asyncio.wait_for(delivered, 5)
+    np.testing.assert_array_equal(value, [1.0, 1.0])
+    assert not is_dead
+    await asyncio.wait_for(asking_again.wait(), 5)
+    waiting.cancel()
+    for _ in range(10):
+        if stopped:
+            break
+        await asyncio.sleep(0)
+    assert stopped == [True]
+
+
 @pytest.mark.parametrize("protocol", ["grpc", "grpc+verbs"])
 def test_many_small_values_cross_in_few_calls_and_stay_equal(protocol):
     with LocalCluster({"ps": 1, "worker": 1}, protocol=protocol) as cluster:
