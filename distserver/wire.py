@@ -306,8 +306,10 @@ def encode_tensor_message(message: Message, values: Sequence[Any]) -> bytes:
 # The serialized head of a tensor-field item (all of it but the content at its end) by
 # (field number, name, dtype, shape): a step sends the same names and shapes over and
 # over, and a cached head spares ~2 us of protobuf a small tensor. Bounded: cleared when
-# full.
+# full, and only names of up to `_CACHED_NAME_BYTES` (rendezvous keys and tensor names
+# are ~10-300 bytes; a name a peer or client makes up may be megabytes).
 _item_heads: dict[tuple[int, str, np.dtype[Any], tuple[int, ...]], bytes] = {}
+_CACHED_NAME_BYTES = 1024
 
 
 def _item_head(field: TensorField, name: str, value: np.ndarray) -> bytes | None:
@@ -323,9 +325,10 @@ def _item_head(field: TensorField, name: str, value: np.ndarray) -> bytes | None
             return None
         named, rest = _item_parts(field, name, value)
         head = _field_head(field.number, len(named) + len(rest) + value.nbytes) + named + rest
-        if len(_item_heads) >= _HEADER_CACHE_SIZE:
-            _item_heads.clear()
-        _item_heads[key] = head
+        if len(named) <= _CACHED_NAME_BYTES:
+            if len(_item_heads) >= _HEADER_CACHE_SIZE:
+                _item_heads.clear()
+            _item_heads[key] = head
     return head
 
 
@@ -454,6 +457,8 @@ def _learn_item(field: TensorField, view: memoryview, start: int, end: int, item
         return
     named, rest = _item_parts(field, name, value)
     content = end - value.nbytes
+    if len(named) > _CACHED_NAME_BYTES:
+        return
     if content - start != len(named) + len(rest) or view[start:content] != named + rest:
         return
     if len(_known_items) >= _HEADER_CACHE_SIZE:

@@ -471,6 +471,24 @@ def test_known_items_read_back_as_protobuf_reads_them_and_nothing_else(monkeypat
         decode_tensor_message(data[:-5], RunStepResponse)
 
 
+def test_names_longer_than_a_kibibyte_are_written_and_read_right_but_never_cached():
+    # A name a peer or a client makes up may be megabytes: the heads of such items are
+    # not kept, on either side, and the items still cross as protobuf writes and reads.
+    from distserver import wire
+
+    value = np.arange(6, dtype=np.float32).reshape(2, 3)
+    for _ in range(2):
+        names = [f"{i}:" + "n" * 2048 for i in range(20)]
+        heads, known = len(wire._item_heads), len(wire._known_items)
+        data = encode_tensor_message(RunStepResponse(), [(name, value) for name in names])
+        assert data == _protobuf_message(RunStepResponse(), [(name, value) for name in names])
+        decoded, _ = decode_tensor_message(data, RunStepResponse)
+        assert [name for name, _ in decoded] == names
+        for _, got in decoded:
+            assert_same(got, value)
+        assert (len(wire._item_heads), len(wire._known_items)) == (heads, known)
+
+
 def test_small_tensors_in_a_hand_read_request_are_charged_to_its_budget():
     # A small item claiming a huge shape (a typed field TensorFlow pads): refused before
     # anything is allocated, as protobuf-parsed requests are.
