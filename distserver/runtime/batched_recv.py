@@ -77,7 +77,7 @@ async def answer(
     """
     slots = rendezvous.slots(keys)
     if not any(slot.done() for slot in slots):
-        await asyncio.wait(slots, return_when=asyncio.FIRST_COMPLETED)
+        await rendezvous.wait_for_any(keys)
     ready: dict[str, Any] = {}
     budget = BATCH_RESPONSE_BYTES
     for key, slot in zip(keys, slots, strict=True):

@@ -98,6 +98,39 @@ async def test_an_answer_to_a_request_that_comes_after_values_were_sent_leaves_a
     assert set(await batched_recv.answer(rendezvous, [late, *later])) == {each.text for each in later}
 
 
+async def test_answers_waiting_on_many_keys_wake_on_any_of_them_or_on_the_steps_failure():
+    """Answers wait on one future for all their keys (`StepRendezvous.wait_for_any`):
+    two waiting on overlapping keys both wake when one of theirs is sent; one given
+    up (its call cancelled) leaves the keys to later answers; a failing step wakes a
+    waiting answer with its error."""
+    rendezvous = StepRendezvous(1, PS_TASK, None)
+
+    def key(name: str):
+        return parse_rendezvous_key(
+            rendezvous_key(f"{PS_TASK}/device:CPU:0", 1, f"{WORKER_TASK}/device:CPU:0", name)
+        )
+
+    a, b, c, d = (key(name) for name in "abcd")
+    first = asyncio.ensure_future(batched_recv.answer(rendezvous, [a, b]))
+    second = asyncio.ensure_future(batched_recv.answer(rendezvous, [b, c]))
+    given_up = asyncio.ensure_future(batched_recv.answer(rendezvous, [d]))
+    await asyncio.sleep(0)
+    given_up.cancel()
+    await asyncio.sleep(0)
+    assert not first.done()
+    assert not second.done()
+    rendezvous.send(b, np.ones(1, np.float32))
+    got_first, got_second = await asyncio.wait_for(asyncio.gather(first, second), 5)
+    assert set(got_first) == set(got_second) == {b.text}
+    rendezvous.send(d, np.zeros(1, np.float32))
+    assert set(await asyncio.wait_for(batched_recv.answer(rendezvous, [c, d]), 5)) == {d.text}
+    waiting = asyncio.ensure_future(batched_recv.answer(rendezvous, [a, c]))
+    await asyncio.sleep(0)
+    rendezvous.abort(errors.AbortedError("the step failed"))
+    with pytest.raises(errors.AbortedError, match="the step failed"):
+        await asyncio.wait_for(waiting, 5)
+
+
 async def test_a_turns_batch_is_asked_for_before_its_values_fetched_one_by_one():
     """A request sent first is served first: the batch of small values (what the peer's
     first nodes wait for) goes before the large values the turn fetches one by one."""
