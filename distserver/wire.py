@@ -283,8 +283,11 @@ def encode_tensor_message(message: Message, values: Sequence[Any]) -> bytes:
     for item in values:
         name, value = item if named else ("", item)
         head = _item_head(field, name, value) if type(value) is np.ndarray else None
-        large = isinstance(value, np.ndarray) and value.nbytes >= HAND_ENCODED_BYTES
-        if head is None and value is not None and not large:
+        if (
+            head is None
+            and value is not None
+            and not (isinstance(value, np.ndarray) and value.nbytes >= HAND_ENCODED_BYTES)
+        ):
             items: Any = getattr(small, field.name)
             write_tensor_proto(items.add(name=name).tensor if named else items.add(), value)
             continue
@@ -370,10 +373,10 @@ def decode_tensor_message(
     `DecodeBudget` named `what`) or, when an item of the same name, length and head
     was read before (`_known_item`), as read-only copies of their content; every
     other field parsed by protobuf as `message_class` (handles, options, status,
-    metadata: small). None when a large
-    tensor is not plain numeric content, or the message has too many fields: protobuf
-    must parse it all. With `missing_ok`, a `NamedTensorProto` without a tensor gives
-    (name, None) (RecvTensors: fetch it separately).
+    metadata: small). None when a large tensor is not plain numeric content, or the
+    message has too many fields: protobuf must parse it all. With `missing_ok`, a
+    `NamedTensorProto` without a tensor gives (name, None) (RecvTensors: fetch it
+    separately).
 
     Raises:
         DataLossError: a field or a tensor's content is cut short, or the content does
