@@ -1031,6 +1031,57 @@ async def test_a_marked_partition_runs_what_needs_no_receive_then_waits_for_them
     assert straight_runs[2:] == [(2, 0, 2)]
 
 
+async def test_a_marked_partition_asks_for_its_receives_after_its_first_span_has_handed_over_its_sends():
+    """A ps's first span sends the worker what it waits for: the step's other receives
+    are made only after that span has sent its values and the loop has handed them to
+    the peer waiting for them, never before."""
+    loop = asyncio.get_running_loop()
+    peer = "/job:ps/replica:0/task:0"
+    receives = [_recv("w", peer), _recv("v", peer)]
+    for receive in receives:
+        receive.attr["_receives_first"].b = True  # (`plan.mark_receives_first`)
+    executor = Executor(
+        _graph(
+            *receives,
+            _node("sum", "AddV2", ["w", "v"], T=_F32),
+            _send("fetch", "sum"),
+            _const("c", 4.0),
+            _node("early", "Square", ["c"], T=_F32),
+            _send("to_ps", "early", peer),
+        )
+    )
+    assert executor._straight is not None
+    assert executor._straight.gated
+    early_key = executor._nodes[6].kernel.key  # type: ignore[attr-defined]
+    fetches: dict[str, asyncio.Future[tuple[Any, bool]]] = {}
+    answered: list[bool] = []
+    made_after: list[tuple[bool, bool]] = []  # (the early value sent, its waiter answered)
+
+    def fetch_remote(step_id: int, key: Any) -> asyncio.Future[tuple[Any, bool]]:
+        made_after.append((slot.done(), bool(answered)))
+        fetches[key.tensor_name] = loop.create_future()
+        return fetches[key.tensor_name]
+
+    ctx = _step_context(None)
+    ctx.rendezvous = StepRendezvous(1, TASK, fetch_remote)
+    (slot,) = ctx.rendezvous.slots([early_key])
+
+    async def peer_waiting() -> None:  # (as a RecvTensors answer waits on the slot)
+        await slot
+        answered.append(True)
+
+    waiting = asyncio.ensure_future(peer_waiting())
+    await asyncio.sleep(0)
+    stepping = asyncio.ensure_future(executor.run(ctx))
+    await asyncio.sleep(0.01)
+    assert made_after == [(True, True), (True, True)]
+    fetches["w"].set_result((np.float32(1.0), False))
+    fetches["v"].set_result((np.float32(2.0), False))
+    await asyncio.wait_for(stepping, 10)
+    await waiting
+    assert await ctx.rendezvous.recv_local(executor._nodes[3].kernel.key) == (np.float32(3.0), False)  # type: ignore[attr-defined]
+
+
 def test_a_variable_read_by_the_node_that_starts_a_run_in_a_thread_is_still_updated_in_place():
     # The run's first node (a product with the variable, large) reads the variable; once
     # that node has run, nothing (the loop's frame, the pool's work item) may keep its
