@@ -970,6 +970,25 @@ async def test_a_cancelled_step_stops_its_thread_before_the_next_node(monkeypatc
     assert ran == ["big"]
 
 
+def _marked_partition() -> Executor:
+    """A partition the planner marked to wait for its receives at once: w and v from
+    the ps, their sum fetched, and `early` (needing no receive) sent to the ps first."""
+    peer = "/job:ps/replica:0/task:0"
+    receives = [_recv("w", peer), _recv("v", peer)]
+    for receive in receives:
+        receive.attr["_receives_first"].b = True  # (`plan.mark_receives_first`)
+    return Executor(
+        _graph(
+            *receives,
+            _node("sum", "AddV2", ["w", "v"], T=_F32),
+            _send("fetch", "sum"),
+            _const("c", 4.0),
+            _node("early", "Square", ["c"], T=_F32),  # needs no receive: runs before the wait
+            _send("to_ps", "early", peer),
+        )
+    )
+
+
 async def test_a_marked_partition_runs_what_needs_no_receive_then_waits_for_them_all(monkeypatch):
     from distserver.runtime import executor as executor_module
 
@@ -987,20 +1006,7 @@ async def test_a_marked_partition_runs_what_needs_no_receive_then_waits_for_them
         fetches[key.tensor_name] = asyncio.get_running_loop().create_future()
         return fetches[key.tensor_name]
 
-    peer = "/job:ps/replica:0/task:0"
-    receives = [_recv("w", peer), _recv("v", peer)]
-    for receive in receives:
-        receive.attr["_receives_first"].b = True  # (`plan.mark_receives_first`)
-    executor = Executor(
-        _graph(
-            *receives,
-            _node("sum", "AddV2", ["w", "v"], T=_F32),
-            _send("fetch", "sum"),
-            _const("c", 4.0),
-            _node("early", "Square", ["c"], T=_F32),  # needs no receive: runs before the wait
-            _send("to_ps", "early", peer),
-        )
-    )
+    executor = _marked_partition()
     straight = executor._straight
     assert straight is not None
     assert straight.gated
@@ -1036,20 +1042,7 @@ async def test_a_marked_partition_asks_for_its_receives_after_its_first_span_has
     are made only after that span has sent its values and the loop has handed them to
     the peer waiting for them, never before."""
     loop = asyncio.get_running_loop()
-    peer = "/job:ps/replica:0/task:0"
-    receives = [_recv("w", peer), _recv("v", peer)]
-    for receive in receives:
-        receive.attr["_receives_first"].b = True  # (`plan.mark_receives_first`)
-    executor = Executor(
-        _graph(
-            *receives,
-            _node("sum", "AddV2", ["w", "v"], T=_F32),
-            _send("fetch", "sum"),
-            _const("c", 4.0),
-            _node("early", "Square", ["c"], T=_F32),
-            _send("to_ps", "early", peer),
-        )
-    )
+    executor = _marked_partition()
     assert executor._straight is not None
     assert executor._straight.gated
     early_key = executor._nodes[6].kernel.key  # type: ignore[attr-defined]
