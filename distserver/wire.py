@@ -388,13 +388,12 @@ def decode_tensor_message(
     named_items = field.named
     budget = DecodeBudget(what=what or f"a {message_class.__name__}")
     view = memoryview(data)
-    address = np.frombuffer(view, np.uint8).ctypes.data
     named: list[tuple[str, np.ndarray | None]] = []
     rest: list[memoryview] = []
     try:
         for number, wire_type, field_start, start, end in _fields(view, 0, len(view), _TENSOR_MESSAGE_FIELDS):
             if number == field.number and wire_type == _LEN:
-                item: tuple[str, Any] | None = _known_item(data, view, address, start, end, named_items)
+                item: tuple[str, Any] | None = _known_item(data, view, start, end, named_items)
                 if item is None:
                     item = (
                         _decode_small_item(view[start:end], named_items, missing_ok, budget)
@@ -422,11 +421,11 @@ _known_items: dict[tuple[bytes, int], tuple[bytes, str, np.dtype[Any], tuple[int
 
 
 def _known_item(
-    data: bytes | memoryview, view: memoryview, address: int, start: int, end: int, named: bool
+    data: bytes | memoryview, view: memoryview, start: int, end: int, named: bool
 ) -> tuple[str, np.ndarray] | None:
     """The tensor-field item view[start:end] as (name, value), when `_known_items` holds
-    its name, length and head; else None. The value is a numpy view over `data` (whose
-    content starts at `address` in memory) where `_decode_tensor` makes one."""
+    its name, length and head; else None. The value is a numpy view over `data` where
+    `_decode_tensor` makes one."""
     at = start
     name = b""
     if named:
@@ -442,14 +441,11 @@ def _known_item(
     offset = at + len(head)
     if offset + count * dtype.itemsize != end or view[at:offset] != head:
         return None
-    nbytes = end - offset
-    misaligned = (address + offset) % dtype.alignment
-    if nbytes < HAND_ENCODED_BYTES or (misaligned and nbytes < ENCODE_IN_THREAD_BYTES):
-        # A copy, read-only and aligned (a bytes object's content is): a small tensor's,
-        # so that it does not keep the whole message alive (protobuf copies it too), or
-        # a large one's whose view is not aligned (as `_decode_tensor` copies it).
+    if end - offset < HAND_ENCODED_BYTES:
+        # A copy, read-only and aligned (a bytes object's content is): a small tensor
+        # does not keep the whole message alive (protobuf copies it too).
         return text, np.ndarray(shape, dtype, bytes(view[offset:end]))
-    return text, np.ndarray(shape, dtype, data, offset)
+    return text, _aligned(np.ndarray(shape, dtype, data, offset))
 
 
 def _learn_item(field: TensorField, view: memoryview, start: int, end: int, item: tuple[str, Any]) -> None:
@@ -653,8 +649,13 @@ def _decode_tensor(data: bytes | memoryview, view: memoryview, start: int, end: 
             f"Tensor content has {length} bytes; dtype {dtype} and shape {shape} "
             f"need {count * dtype.itemsize}"
         )
-    value = np.frombuffer(data, dtype=dtype.newbyteorder("<"), count=count, offset=offset).reshape(shape)
-    if not value.flags.aligned and length < ENCODE_IN_THREAD_BYTES:
+    value = np.frombuffer(data, dtype=dtype.newbyteorder("<"), count=count, offset=offset)
+    return _aligned(value.reshape(shape))
+
+
+def _aligned(value: np.ndarray) -> np.ndarray:
+    """`value`, a view of a message's content, or its aligned copy."""
+    if not value.flags.aligned and value.nbytes < ENCODE_IN_THREAD_BYTES:
         # Content at an offset its dtype does not divide (most of TensorFlow's clients'
         # feeds, many of ours): every kernel that read it would first copy it in pieces
         # (a 784 KiB matrix product +0.1-0.2 ms, a sum 1.7-2.2x). One aligned copy
