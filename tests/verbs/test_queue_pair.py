@@ -233,6 +233,25 @@ async def test_handlers_take_completions_and_messages_as_they_arrive(qp_pair, pr
         await asyncio.wait_for(receiving, 10)
 
 
+async def test_a_message_sent_in_parts_arrives_whole_and_delivered_messages_stay_as_sent(qp_pair, probes):
+    # Parts leave as one packet, unjoined (a call's answer: a head and a view of its
+    # piece); a handler gets a view of each message, which later packets never touch.
+    qa, qb = qp_pair
+    delivered: list[bytes | memoryview] = []
+    qa.deliver_to(delivered.append)
+    body = os.urandom(verbs.MAX_SEND_BYTES)
+    sent = []
+    for i in range(20):
+        head = f"m{i}:".encode()
+        piece = memoryview(body)[i : verbs.MAX_SEND_BYTES - len(head) - i]
+        qb.send_nowait(head, piece)
+        sent.append(head + bytes(piece))
+    await probes.poll_until(lambda: len(delivered) == 20, what="every message")
+    assert [bytes(message) for message in delivered] == sent
+    with pytest.raises(ValueError, match="at most"):
+        qb.send_nowait(b"x", bytes(verbs.MAX_SEND_BYTES))  # the parts together are checked
+
+
 async def test_cancelled_poll_does_not_lose_a_completion(qp_pair, probes):
     qa, qb = qp_pair
     region = await _exposed(qa, qb, 4096, probes)

@@ -55,7 +55,7 @@ class QueuePairCalls:
         self._handler = handler
         self._spawn = spawn
         self._ids = itertools.count(1)
-        self._waiting: dict[int, tuple[asyncio.Future[bytes], list[bytes]]] = {}
+        self._waiting: dict[int, tuple[asyncio.Future[bytes], list[bytes | memoryview]]] = {}
         self._serving: dict[int, asyncio.Task[None]] = {}
         self._cancelled_by_peer: set[int] = set()
         self._error: errors.OpError | None = None
@@ -72,7 +72,7 @@ class QueuePairCalls:
         future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         self._waiting[call_id] = (future, [])
         try:
-            self._qp.send_nowait(wire.encode_call(call_id, path, payload))
+            self._qp.send_nowait(*wire.encode_call(call_id, path, payload))
             return await wait_for_answer(
                 future, timeout, lambda: self._cancel(call_id), f"{name} failed: Deadline Exceeded"
             )
@@ -93,7 +93,7 @@ class QueuePairCalls:
             if message.more:
                 return
             if message.code == errors.OK:
-                future.set_result(b"".join(pieces))
+                future.set_result(b"".join(pieces))  # (the answer's one copy out of its messages)
             else:
                 text = b"".join(pieces).decode("utf-8", "replace")
                 future.set_exception(errors.from_status(message.code, text))
@@ -124,8 +124,8 @@ class QueuePairCalls:
             self._serving.pop(call.call_id, None)
             self._cancelled_by_peer.discard(call.call_id)
         with contextlib.suppress(errors.OpError):  # the caller is gone: nobody to tell
-            for packet in wire.encode_call_result(call.call_id, code, body):
-                self._qp.send_nowait(packet)
+            for head, piece in wire.encode_call_result(call.call_id, code, body):
+                self._qp.send_nowait(head, piece)
 
     def fail(self, error: errors.OpError) -> None:
         """The queue pair failed: every waiting call fails with `error`."""

@@ -34,9 +34,13 @@ _PACKETS_PER_WAKEUP = 64  # stay fair to other callbacks when a peer floods us
 _SOCKET_BUFFER_BYTES = 1 << 20
 
 
+Buffer = bytes | bytearray | memoryview
+"""A packet's bytes, or one of its parts (a memoryview of bytes, one byte an item)."""
+
+
 @dataclass
 class _Outgoing:
-    payload: bytes
+    parts: Sequence[Buffer]
     fds: list[int]  # our own duplicates, closed once sent
     done: asyncio.Future[None]
 
@@ -65,7 +69,8 @@ class PacketChannel:
           channel failed. It does not run for a local `close()`.
         * `send_nowait(payload, fds)` queues a packet (fds are duplicated, so the
           caller may close its own at once) and returns a future resolved when the
-          kernel took it; packets leave in call order.
+          kernel took it; packets leave in call order. `payload` may be a sequence of
+          parts, sent as one packet without joining them (`sendmsg`'s gather).
         * `stop()` stops reading and writing and fails unsent packets; `close()` also
           closes the socket. Both are idempotent.
     """
@@ -86,7 +91,6 @@ class PacketChannel:
         self._on_packet = on_packet
         self._on_closed = on_closed
         self._loop = asyncio.get_running_loop()
-        self._buffer = bytearray(MAX_PACKET_BYTES)
         self._outgoing: deque[_Outgoing] = deque()
         self._writer_armed = False
         self._reading = False
@@ -109,11 +113,15 @@ class PacketChannel:
             self._reading = True
             self._loop.add_reader(self._fileno, self._on_readable)
 
-    def send_nowait(self, payload: bytes, fds: Sequence[int] = ()) -> asyncio.Future[None]:
+    def send_nowait(
+        self, payload: Buffer | Sequence[Buffer], fds: Sequence[int] = ()
+    ) -> asyncio.Future[None]:
         if self._stopped:
             raise errors.UnavailableError("the queue pair's socket is closed")
-        if len(payload) > MAX_PACKET_BYTES:
-            raise ValueError(f"packet of {len(payload)} bytes exceeds {MAX_PACKET_BYTES}")
+        parts = (payload,) if isinstance(payload, bytes | bytearray | memoryview) else payload
+        nbytes = sum(map(len, parts))
+        if nbytes > MAX_PACKET_BYTES:
+            raise ValueError(f"packet of {nbytes} bytes exceeds {MAX_PACKET_BYTES}")
         duplicates: list[int] = []
         try:
             for fd in fds:
@@ -122,14 +130,14 @@ class PacketChannel:
             for fd in duplicates:
                 os.close(fd)
             raise
-        item = _Outgoing(payload, duplicates, self._loop.create_future())
+        item = _Outgoing(parts, duplicates, self._loop.create_future())
         self._outgoing.append(item)
         if not self._writer_armed:
             self._flush()
         sent_to_peer(self._loop)
         return item.done
 
-    async def send(self, payload: bytes, fds: Sequence[int] = ()) -> None:
+    async def send(self, payload: Buffer | Sequence[Buffer], fds: Sequence[int] = ()) -> None:
         # Shielded: once queued, a packet goes out whole even if this caller is cancelled.
         await asyncio.shield(self.send_nowait(payload, fds))
 
@@ -140,7 +148,7 @@ class PacketChannel:
             if item.fds:
                 ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", item.fds).tobytes())]
             try:
-                self._sock.sendmsg([item.payload], ancillary)
+                self._sock.sendmsg(item.parts, ancillary)
             except (BlockingIOError, InterruptedError):
                 if not self._writer_armed:
                     self._writer_armed = True
@@ -173,8 +181,10 @@ class PacketChannel:
             if self._stopped:
                 return
             try:
-                nbytes, ancillary, flags, _ = self._sock.recvmsg_into(
-                    [self._buffer], _ANCILLARY_BYTES, socket.MSG_CMSG_CLOEXEC
+                # A new bytes object of the packet's size, the kernel's copy the only one
+                # (`recvmsg` shrinks its buffer in place).
+                data, ancillary, flags, _ = self._sock.recvmsg(
+                    MAX_PACKET_BYTES, _ANCILLARY_BYTES, socket.MSG_CMSG_CLOEXEC
                 )
             except (BlockingIOError, InterruptedError):
                 return
@@ -182,7 +192,7 @@ class PacketChannel:
                 self._lose(errors.UnavailableError(f"the queue pair's peer is gone ({exc})"))
                 return
             fds = _take_fds(ancillary)
-            if nbytes == 0 and not fds:
+            if not data and not fds:
                 self._lose(None)  # EOF: we never send empty packets
                 return
             if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
@@ -191,7 +201,7 @@ class PacketChannel:
                 self._lose(errors.InternalError("the queue pair's peer sent an oversized packet"))
                 return
             try:
-                self._on_packet(bytes(self._buffer[:nbytes]), fds)
+                self._on_packet(data, fds)
             except errors.OpError as exc:
                 self._lose(exc)
                 return

@@ -41,7 +41,7 @@ import numpy as np
 
 from distserver import errors
 from distserver.transports.verbs import _wire as wire
-from distserver.transports.verbs._channel import PacketChannel, peer_credentials, seqpacket_socket
+from distserver.transports.verbs._channel import Buffer, PacketChannel, peer_credentials, seqpacket_socket
 from distserver.transports.verbs._cq import CQE, CompletionQueue, CqProducer, Opcode, WcStatus, WorkCompletion
 from distserver.transports.verbs._identity import HostIdentity, host_identity
 from distserver.transports.verbs._memory import (
@@ -188,7 +188,7 @@ class QueuePair:
         self._exposed: dict[int, asyncio.Future[None]] = {}
         self._exposed_regions: dict[int, MemoryRegion] = {}
         self._messages: deque[bytes] = deque()
-        self._on_message: Callable[[bytes], None] | None = None
+        self._on_message: Callable[[bytes | memoryview], None] | None = None
         self._message_waiters: deque[asyncio.Future[None]] = deque()
         self._uncredited = 0
         self._in_flight = 0
@@ -318,7 +318,7 @@ class QueuePair:
             elif kind == wire.FrameType.SEND:
                 self._stats["receives"] += 1
                 if self._on_message is not None:
-                    self._on_message(data[1:])
+                    self._on_message(memoryview(data)[1:])  # (a view: no copy of a large answer)
                 else:
                     self._messages.append(data[1:])
                     self._wake_receivers()
@@ -656,18 +656,20 @@ class QueuePair:
             raise asyncio.CancelledError
         return WorkCompletion(wr_id, Opcode.RDMA_READ, WcStatus.SUCCESS, length, 0)
 
-    async def send(self, data: bytes | bytearray | memoryview) -> None:
-        """Send a small message (at most `MAX_SEND_BYTES`), delivered in order to `recv()`."""
-        await asyncio.shield(self.send_nowait(data))
+    async def send(self, *parts: Buffer) -> None:
+        """Send a small message (at most `MAX_SEND_BYTES`), delivered in order to `recv()`:
+        its parts, one after the other (bytes, or memoryviews of bytes), not joined here."""
+        await asyncio.shield(self.send_nowait(*parts))
 
-    def send_nowait(self, data: bytes | bytearray | memoryview) -> asyncio.Future[None]:
+    def send_nowait(self, *parts: Buffer) -> asyncio.Future[None]:
         """`send` without waiting: the message is queued in order (or sent at once);
         the future tells when it left."""
-        if len(data) > wire.MAX_SEND_BYTES:
-            raise ValueError(f"send() carries at most {wire.MAX_SEND_BYTES} bytes, got {len(data)}")
+        nbytes = sum(map(len, parts))
+        if nbytes > wire.MAX_SEND_BYTES:
+            raise ValueError(f"send() carries at most {wire.MAX_SEND_BYTES} bytes, got {nbytes}")
         self._check_usable()
         self._stats["sends"] += 1
-        return self._channel.send_nowait(wire.encode_send(data))
+        return self._channel.send_nowait((wire.SEND_FRAME, *parts))
 
     async def recv(self) -> bytes:
         """The next message the peer sent."""
@@ -683,7 +685,7 @@ class QueuePair:
                 raise
         return self._messages.popleft()
 
-    def deliver_to(self, handler: Callable[[bytes], None]) -> None:
+    def deliver_to(self, handler: Callable[[bytes | memoryview], None]) -> None:
         """Pass every message to `handler` as it arrives (see the class docstring)."""
         self._on_message = handler
         while self._messages:

@@ -591,7 +591,7 @@ class TensorEndpoint:
 
     # -- dispatch ------------------------------------------------------------------------
 
-    def _on_message(self, data: bytes) -> None:
+    def _on_message(self, data: bytes | memoryview) -> None:
         """Every message from the peer, as the queue pair reads it (no task switch)."""
         try:
             message = wire.decode_tensor_message(data)

@@ -139,8 +139,8 @@ def decode_credit(data: bytes) -> int:
     return int(_CREDIT.unpack_from(data)[1])
 
 
-def encode_send(payload: bytes | bytearray | memoryview) -> bytes:
-    return bytes((FrameType.SEND,)) + bytes(payload)
+SEND_FRAME = bytes((FrameType.SEND,))
+"""The head of a SEND frame; its payload follows (`QueuePair.send` sends the parts)."""
 
 
 def encode_bye(reason: str) -> bytes:
@@ -250,7 +250,7 @@ class CallResult:
     call_id: int
     more: bool
     code: int
-    body: bytes
+    body: bytes | memoryview  # (a view of the message it came in, when that was one)
 
 
 TensorPathMessage = Request | ReRequest | Cancel | Response | Call | CallCancel | CallResult
@@ -283,24 +283,28 @@ def encode_cancel(req_id: int) -> bytes:
     return _REQ_HEAD.pack(TensorMessage.CANCEL, req_id)
 
 
-def encode_call(call_id: int, path: str, payload: bytes) -> bytes:
+def encode_call(call_id: int, path: str, payload: bytes) -> tuple[bytes, bytes]:
+    """A CALL message: its head with the path, then the request, sent as they are."""
     raw = path.encode()
     if len(raw) + len(payload) > MAX_CALL_BYTES:
         raise ValueError(f"a CALL carries at most {MAX_CALL_BYTES} bytes of path and request")
-    return _CALL_HEAD.pack(TensorMessage.CALL, call_id, len(raw)) + raw + payload
+    return _CALL_HEAD.pack(TensorMessage.CALL, call_id, len(raw)) + raw, payload
 
 
 def encode_call_cancel(call_id: int) -> bytes:
     return _REQ_HEAD.pack(TensorMessage.CALL_CANCEL, call_id)
 
 
-def encode_call_result(call_id: int, code: int, body: bytes | memoryview) -> list[bytes]:
-    """CALL_RESULT packets for one answer (the response, or an error message)."""
+def encode_call_result(call_id: int, code: int, body: bytes) -> list[tuple[bytes, memoryview]]:
+    """CALL_RESULT messages for one answer (the response, or an error message): each
+    a head and a view of its piece of `body`, sent as they are (no copy here)."""
     view = memoryview(body)
     starts = range(0, max(len(view), 1), _RESULT_PIECE_BYTES)
     return [
-        _RESULT_HEAD.pack(TensorMessage.CALL_RESULT, call_id, start != starts[-1], code)
-        + bytes(view[start : start + _RESULT_PIECE_BYTES])
+        (
+            _RESULT_HEAD.pack(TensorMessage.CALL_RESULT, call_id, start != starts[-1], code),
+            view[start : start + _RESULT_PIECE_BYTES],
+        )
         for start in starts
     ]
 
@@ -373,7 +377,7 @@ def encode_error(req_id: int, code: int, message: str) -> bytes:
     return head + _STATUS.pack(code) + message.encode("utf-8", "replace")
 
 
-def decode_tensor_message(data: bytes) -> TensorPathMessage:
+def decode_tensor_message(data: bytes | memoryview) -> TensorPathMessage:
     """Decode one tensor-path message (a SEND payload)."""
     _need(data, 1, "tensor message")
     kind = data[0]
@@ -413,11 +417,11 @@ def decode_tensor_message(data: bytes) -> TensorPathMessage:
     if kind == TensorMessage.CALL_RESULT:
         _need(data, _RESULT_HEAD.size, "CALL_RESULT")
         _, call_id, more, code = _RESULT_HEAD.unpack_from(data)
-        return CallResult(call_id, bool(more), code, bytes(data[_RESULT_HEAD.size :]))
+        return CallResult(call_id, bool(more), code, data[_RESULT_HEAD.size :])
     raise ProtocolError(f"unknown tensor message type {kind}")
 
 
-def _decode_response(data: bytes) -> Response:
+def _decode_response(data: bytes | memoryview) -> Response:
     _need(data, _RESP_HEAD.size, "RESPONSE")
     _, req_id, raw_kind = _RESP_HEAD.unpack_from(data)
     try:
@@ -440,7 +444,7 @@ def _decode_response(data: bytes) -> Response:
     return Response(req_id, kind, description, payload)
 
 
-def _unpack_description(data: bytes, pos: int) -> tuple[TensorDescription, int]:
+def _unpack_description(data: bytes | memoryview, pos: int) -> tuple[TensorDescription, int]:
     """The description at `pos`, and where it ends."""
     _need(data, pos + _DESC.size, "tensor description")
     nbytes, rank, token_len = _DESC.unpack_from(data, pos)
@@ -462,6 +466,6 @@ def _unpack_description(data: bytes, pos: int) -> tuple[TensorDescription, int]:
     return TensorDescription(nbytes, dtype, tuple(shape), meta), pos
 
 
-def _need(data: bytes, size: int, what: str) -> None:
+def _need(data: bytes | memoryview, size: int, what: str) -> None:
     if len(data) < size:
         raise ProtocolError(f"truncated {what} frame ({len(data)} bytes, need {size})")
