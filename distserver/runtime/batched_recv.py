@@ -18,8 +18,8 @@ is, so no key waits behind another (no new dependencies between values, hence no
 deadlock), and keys that arrive while a call is out go in a call of their own. A
 turn's batches are asked for before its values fetched one by one (`_start`).
 
-Large values (over the transport's `batched_value_bytes`: 1 MiB over grpc, 32 KiB
-over grpc+verbs; never over `PUSH_LIMIT_BYTES`) and dead ones are answered "ready, fetch it
+Large values (over the transport's `batched_value_bytes`: 1 MiB over grpc and
+grpc+verbs; never over `PUSH_LIMIT_BYTES`) and dead ones are answered "ready, fetch it
 with RecvTensor": the transports move big tensors better (grpc+verbs through shared
 memory), and RecvTensor says a value is dead. A peer without the method (TensorFlow)
 answers UNIMPLEMENTED; it then gets plain RecvTensors for good. A key once answered
