@@ -40,6 +40,7 @@ transfer is one REQUEST and one write).
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import struct
 from dataclasses import dataclass
@@ -309,6 +310,7 @@ def encode_call_result(call_id: int, code: int, body: bytes) -> list[tuple[bytes
     ]
 
 
+@functools.lru_cache(maxsize=256)  # (~4 us a dtype, twice a tensor sent)
 def dtype_token(dtype: np.dtype[Any]) -> str:
     """How a dtype travels: its `str` ('<f4', '|b1', '<U3'), or 'name:bfloat16' for ml_dtypes.
 
