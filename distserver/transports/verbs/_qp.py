@@ -658,7 +658,8 @@ class QueuePair:
 
     async def send(self, *parts: Buffer) -> None:
         """Send a small message (at most `MAX_SEND_BYTES`), delivered in order to `recv()`:
-        its parts, one after the other (bytes, or memoryviews of bytes), not joined here."""
+        its parts, one after the other (bytes, or memoryviews of bytes that nobody
+        changes until the message has left), not joined here."""
         await asyncio.shield(self.send_nowait(*parts))
 
     def send_nowait(self, *parts: Buffer) -> asyncio.Future[None]:
