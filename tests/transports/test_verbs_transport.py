@@ -75,6 +75,35 @@ async def test_same_host_tensors_take_the_shared_memory_path():
         await ps.stop()
 
 
+async def test_values_up_to_a_mebibyte_ride_batched_answers_and_larger_ones_shared_memory():
+    # The ps receives `scale` from the worker, so its values are not pushed in its
+    # RunGraph response: the worker fetches them while the ps's step runs.
+    graph = ds.Graph()
+    with graph.as_default():
+        with ds.device("/job:worker/task:0"):
+            fed = ds.placeholder(ds.int32, [])
+            scale = ds.identity(fed)
+        with ds.device("/job:ps/task:0"):
+            medium = ds.range(0, 1 << 17, dtype=ds.int32) * scale  # 512 KiB
+            large = ds.range(0, 1 << 19, dtype=ds.int32) * scale  # 2 MiB
+        with ds.device("/job:worker/task:0"):
+            sums = [ds.reduce_sum(ds.cast(value, ds.int64)) for value in (medium, large)]
+    ps, worker = await start_cluster("grpc+verbs")
+    try:
+        async with ds.AsyncSession(worker.target, graph=graph) as session:
+            for _ in range(3):
+                assert [int(x) for x in await session.run(sums, feed_dict={fed: 3})] == [
+                    3 * n * (n - 1) // 2 for n in (1 << 17, 1 << 19)
+                ]
+        stats = ps_channel_stats(worker)
+        assert stats.data_path == "verbs"
+        assert (stats.tensors_received, stats.tensor_bytes_received) == (3, 3 * (2 << 20))
+        assert stats.call_bytes_received > 3 * (512 << 10)
+    finally:
+        await worker.stop()
+        await ps.stop()
+
+
 async def test_a_foreign_host_falls_back_to_grpc_and_says_so(monkeypatch, caplog):
     ps, worker = await start_cluster(
         "grpc+verbs", ps_env={HOST_ID_OVERRIDE_ENV: "boot_id=another-host"}, monkeypatch=monkeypatch
