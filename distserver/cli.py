@@ -141,12 +141,14 @@ async def _serve(args: argparse.Namespace) -> int:
     spec = ClusterSpec(cluster)
     addresses = [address for name in spec.jobs for address in spec.job_tasks(name) if address]
     cpus = usable_cpus()
+    helper = False
     if args.blas_threads is not None:
         set_blas_threads(args.blas_threads)
     elif not user_chose_threads():
         threads = threads_per_local_task(addresses, cpus)
         set_blas_threads(threads)
-        if threads == 1 and cpus > 1:
+        helper = threads == 1 and cpus > 1
+        if helper:
             intra_op.enable()  # a large product takes a second thread of its own
     server = AsyncServer(
         cluster,
@@ -167,10 +169,12 @@ async def _serve(args: argparse.Namespace) -> int:
     # them that ran a graph lately (`_cpus.HostTasks`); without that record, none poll.
     cpu_each = cpus > 1 and here <= cpus
     working_here = None
-    if args.spin_us and cpus > 1 and not cpu_each and server.worker is not None:
+    if (args.spin_us or helper) and cpus > 1 and not cpu_each and server.worker is not None:
         working_here = host_tasks(cpus)
         if working_here is not None:
             server.worker.graphs.activity = working_here
+            if helper:  # it takes a CPU too: only while the working tasks leave one
+                intra_op.share_while(working_here.leave_a_cpu)
     if args.pin_loop and alone:
         # A task alone on its host: its event loop keeps one CPU's caches warm, and the
         # compute pool it starts shares that CPU (`_cpus.pin_event_loop`).
@@ -195,7 +199,7 @@ async def _serve(args: argparse.Namespace) -> int:
             "host; --spin-us 0 sleeps at once)",
             args.spin_us,
         )
-    elif working_here is not None:
+    elif working_here is not None and args.spin_us:
         poll_after_sends(asyncio.get_running_loop(), args.spin_us / 1e6, working_here.leave_a_cpu)
         logger.info(
             "event loop polls for up to %d us after its sends to peers while the tasks running "

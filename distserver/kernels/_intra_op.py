@@ -12,12 +12,22 @@ the result keeps the bits of one whole call (see `math._matmul`).
 Off unless `enable()` was called (`distserver serve` does for a task with one BLAS
 thread on a host of two or more CPUs). The helper only ever runs such halves, never
 a kernel, so a kernel that waits for it cannot wait for itself.
+
+`share_while(allowed)` makes the cut depend on the host: products are cut only while
+`allowed()` (asked at most every `ALLOWED_EVERY` seconds) says the tasks working on
+it leave a CPU for the helper (`distserver serve` passes `_cpus.HostTasks.leave_a_cpu`
+when the host has more tasks than CPUs). A ps and a worker on two CPUs: the ps waits
+while the worker computes, and the helper takes the free CPU. A ps and two workers:
+both workers compute at once, and four halves on two CPUs wait for each other (a
+two-worker `mlp` step 0.81-0.83x -> 0.75-0.78x TensorFlow's without the cut;
+docs/benchmarks.md, round 40).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -28,8 +38,16 @@ SPLIT_MACS = 8 << 20
 # ... and of at least this many rows (see `math._matmul`).
 SPLIT_MIN_ROWS = 128
 
+# How often `share_while`'s `allowed` is asked again (seconds).
+ALLOWED_EVERY = 0.01
+
 _helper: concurrent.futures.ThreadPoolExecutor | None = None
 _lock = threading.Lock()
+_allowed: Callable[[], bool] | None = None
+# `allowed()`'s last answer and when it is asked again (`time.monotonic()`); read and
+# written without a lock: a stale answer decides one product.
+_may_split = True
+_asked_again_at = 0.0
 
 
 def enable() -> None:
@@ -49,8 +67,27 @@ def disable() -> None:
         helper.shutdown(wait=True)
 
 
+def share_while(allowed: Callable[[], bool] | None) -> None:
+    """Cut products only while `allowed()` (None: always, as after `enable()`)."""
+    global _allowed, _asked_again_at
+    _allowed = allowed
+    _asked_again_at = 0.0
+
+
 def enabled() -> bool:
-    return _helper is not None
+    """Whether a large product is cut in two now: the helper is on, and
+    `share_while`'s `allowed()` (if any) said so when last asked."""
+    global _may_split, _asked_again_at
+    if _helper is None:
+        return False
+    allowed = _allowed
+    if allowed is None:
+        return True
+    now = time.monotonic()
+    if now >= _asked_again_at:
+        _asked_again_at = now + ALLOWED_EVERY
+        _may_split = allowed()
+    return _may_split
 
 
 def run_halves(first: Callable[[], Any], second: Callable[[], Any]) -> None:

@@ -473,6 +473,39 @@ def test_a_large_product_is_cut_in_two_on_the_helper_thread_and_gives_the_same_b
     assert len(halves) == 1  # off: one call, not split
 
 
+def test_products_are_cut_only_while_the_host_leaves_the_helper_a_cpu(run_op, intra_op_helper, monkeypatch):
+    # `distserver serve` passes `HostTasks.leave_a_cpu`: a ps and two workers on two
+    # CPUs compute at once, and halves would wait for each other.
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((256, 784)).astype(np.float32)
+    b = rng.standard_normal((784, 512)).astype(np.float32)
+    halves, asked = [], []
+    real_run_halves = _intra_op.run_halves
+    monkeypatch.setattr(_intra_op, "run_halves", lambda *parts: halves.append(real_run_halves(*parts)))
+    room = [False]
+
+    def leave_a_cpu():
+        asked.append(room[0])
+        return room[0]
+
+    monkeypatch.setattr(_intra_op, "ALLOWED_EVERY", 3600.0)
+    _intra_op.share_while(leave_a_cpu)
+    try:
+        whole = [run_op("MatMul", a, b, T=np.float32)[0] for _ in range(3)]
+        assert (halves, asked) == ([], [False])  # asked once for the three products
+        monkeypatch.setattr(_intra_op, "ALLOWED_EVERY", 0.0)
+        room[0] = True
+        _intra_op.share_while(leave_a_cpu)  # (asks again at once)
+        split = run_op("MatMul", a, b, T=np.float32)[0]
+        assert (len(halves), asked) == (1, [False, True])
+        np.testing.assert_array_equal(split, whole[0])
+        room[0] = False
+        run_op("MatMul", a, b, T=np.float32)
+        assert (len(halves), asked) == (1, [False, True, False])  # an answer lasts ALLOWED_EVERY
+    finally:
+        _intra_op.share_while(None)
+
+
 @pytest.mark.parametrize("activation", [None, "Relu", "Tanh", "Sigmoid"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_a_large_fused_layer_is_cut_in_two_and_each_half_finished_by_its_thread_with_the_same_bits(
