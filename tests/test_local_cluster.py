@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from distserver.testing.cluster import LocalCluster
@@ -23,13 +21,3 @@ def test_an_error_inside_a_local_cluster_carries_its_tasks_states_and_stderr():
     assert "SIGTERM, stopping /job:worker/replica:0/task:1" in notes
     assert "/job:worker/replica:0/task:0 (running) wrote to stderr" in notes
     assert "Started server with target" in notes
-
-
-def test_a_terminals_ctrl_c_reaches_the_owner_not_its_tasks():
-    # Ctrl-C signals the terminal's foreground process group: the tasks lead sessions
-    # of their own, so the program that owns them stops them in order (a task dying
-    # of the signal first was reported lost by a coordinator still stepping on it).
-    with LocalCluster({"worker": 1}) as local:
-        task = local.process("worker", 0)
-        assert os.getsid(task.pid) == os.getpgid(task.pid) == task.pid
-        assert os.getpgid(task.pid) != os.getpgid(0)

@@ -58,10 +58,6 @@ class LocalCluster:
             other jobs get addresses in `cluster` but no process: something else
             serves them (TensorFlow servers, in a mixed cluster).
 
-    Each task runs in a session of its own, so a terminal's Ctrl-C interrupts the
-    program that started the cluster, not its tasks; `stop()` ends them (and a task
-    ends itself when that program dies).
-
     Use as a context manager, or call `start()` and `stop()`.
     """
 
@@ -158,12 +154,6 @@ class LocalCluster:
             stderr=self._stderr[task],
             text=True,
             env=self._env,
-            # Its own session: a terminal's Ctrl-C (SIGINT to the foreground process
-            # group) reaches only the program that owns the cluster, which stops its
-            # tasks once it is done with them. A task that died of it first could be
-            # reported lost by a coordinator still stepping on it. (setsid in the
-            # child, no Python there: gRPC stays safe.)
-            start_new_session=True,
         )
 
     def restart(self, job: str, task: int = 0) -> None:
