@@ -43,6 +43,15 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
         return runner.run(coro)
 
 
+def managed_by_parent() -> bool:
+    """Whether the process that started this one manages it (`DISTSERVER_PARENT_PID`):
+    see `die_with_parent`. Such a task leaves SIGINT to that parent (`distserver
+    serve`): a terminal's Ctrl-C reaches the whole foreground process group, and the
+    parent stops its tasks (SIGTERM) once it is done with them, instead of finding
+    them gone while it still uses them."""
+    return bool(os.environ.get(PARENT_PID_ENV))
+
+
 def die_with_parent() -> None:
     """Die (SIGKILL) when the process that started this one dies, if it asked to.
 

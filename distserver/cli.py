@@ -29,7 +29,7 @@ from google.protobuf.empty_pb2 import Empty
 from distserver import __version__, _malloc, errors
 from distserver._blas import local_tasks, set_blas_threads, threads_per_local_task, user_chose_threads
 from distserver._cpus import AwakeBetweenSteps, host_tasks, pin_event_loop, poll_after_sends, usable_cpus
-from distserver._process import die_with_parent, exit_quietly_on_interrupt, run
+from distserver._process import die_with_parent, exit_quietly_on_interrupt, managed_by_parent, run
 from distserver.bench import command as bench_command
 from distserver.cluster import ClusterSpec, TFConfigClusterResolver
 from distserver.facade import Session
@@ -225,7 +225,8 @@ async def _serve(args: argparse.Namespace) -> int:
             print(f"distserver: {signal.Signals(signum).name}, stopping {server.task}", file=sys.stderr)
             stopping.append(loop.create_task(server.stop(grace=args.grace)))
 
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    # (A task its parent manages leaves SIGINT, a terminal's Ctrl-C, to that parent.)
+    for signum in (signal.SIGTERM,) if managed_by_parent() else (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, request_stop, signum)
     print(f"{server.task} serving at {server.target}", flush=True)
     if metrics is not None:
@@ -552,6 +553,8 @@ def _run_command(args: argparse.Namespace) -> int:
     try:
         if args.command == "serve":
             die_with_parent()
+            if managed_by_parent():
+                signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent's to handle
             _malloc.keep_freed_memory()
             _configure_logging(args.log_level)
             return run(_serve(args))

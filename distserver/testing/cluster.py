@@ -58,6 +58,9 @@ class LocalCluster:
             other jobs get addresses in `cluster` but no process: something else
             serves them (TensorFlow servers, in a mixed cluster).
 
+    The tasks leave a terminal's Ctrl-C (SIGINT) to the program that started them:
+    `stop()` ends them, and they end themselves when that program dies.
+
     Use as a context manager, or call `start()` and `stop()`.
     """
 
