@@ -19,8 +19,7 @@ it leave a CPU for the helper (`distserver serve` passes `_cpus.HostTasks.leave_
 when the host has more tasks than CPUs). A ps and a worker on two CPUs: the ps waits
 while the worker computes, and the helper takes the free CPU. A ps and two workers:
 both workers compute at once, and four halves on two CPUs wait for each other (a
-two-worker `mlp` step 0.81-0.83x -> 0.75-0.78x TensorFlow's without the cut;
-docs/benchmarks.md, round 40).
+two-worker `mlp` step 1-5% faster without the cut; docs/benchmarks.md, round 40).
 """
 
 from __future__ import annotations
