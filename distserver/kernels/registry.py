@@ -53,8 +53,10 @@ class Rendezvous(Protocol):
         """Wait for a value delivered to this task's rendezvous, wherever it came from."""
         ...
 
-    def recv_soon(self, key: RendezvousKey) -> asyncio.Future[tuple[Any, bool]]:
-        """`recv`, as a future the caller owns (cancelling it gives up this receive only)."""
+    def recv_soon(self, key: RendezvousKey, together: bool = False) -> asyncio.Future[tuple[Any, bool]]:
+        """`recv`, as a future the caller owns (cancelling it gives up this receive only);
+        `together`: the caller goes on only once all its receives are in (see
+        `runtime.rendezvous.StepRendezvous.recv_soon`)."""
         ...
 
     def recv_local_soon(self, key: RendezvousKey) -> asyncio.Future[tuple[Any, bool]]:

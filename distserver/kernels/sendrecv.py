@@ -93,7 +93,9 @@ class RecvKernel(_SendRecvKernel):
         executor waits on it without a task of its own."""
         if self.pushed:
             return ctx.rendezvous.recv_local_soon(self.key)
-        return ctx.rendezvous.recv_soon(self.key_in(ctx))
+        # A partition the planner marked waits for all its receives before it uses any
+        # (`may_wait_first`), so their values may come together.
+        return ctx.rendezvous.recv_soon(self.key_in(ctx), together=self.may_wait_first)
 
     async def compute_async(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
         value, is_dead = await self.receive(ctx)

@@ -78,12 +78,14 @@ STATUS_METHODS: MethodTable = {
 
 # distserver's own: many RecvTensors of one step from one task in one call
 # (`distserver.runtime.batched_recv`). The request is a RunGraphRequest of which only
-# `step_id` and `recv_key` are read; the response's `recv` holds the values that were
-# ready (a NamedTensorProto with an unset dtype: ready, but fetch it with RecvTensor).
-# TensorFlow servers answer UNIMPLEMENTED.
+# `step_id` and `recv_key` are read; the response's `recv` holds values that are ready
+# (a NamedTensorProto with an unset dtype: ready, but fetch it with RecvTensor):
+# RecvTensors answers with those sent by the time the first one is, RecvAllTensors
+# once every one asked for is. TensorFlow servers answer UNIMPLEMENTED.
 TENSOR_SERVICE = "distserver.TensorService"
 TENSOR_METHODS: MethodTable = {
     "RecvTensors": (w.RunGraphRequest, w.RunGraphResponse),
+    "RecvAllTensors": (w.RunGraphRequest, w.RunGraphResponse),
 }
 
 SERVICES: dict[str, MethodTable] = {

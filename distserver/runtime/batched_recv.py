@@ -18,6 +18,15 @@ is, so no key waits behind another (no new dependencies between values, hence no
 deadlock), and keys that arrive while a call is out go in a call of their own. A
 turn's batches are asked for before its values fetched one by one (`_start`).
 
+Except when the receiver goes on only once every receive is in: a partition the
+planner marked (`plan.mark_receives_first`: no receive of it waits, through other
+tasks, for a node that uses a received value). Its receives come `together`, and
+their batch is a `RecvAllTensors` call, answered once every key asked for is sent:
+holding a value back then makes nothing wait that would not wait anyway, and the
+values a sender computes after the first ones are ready come in the same answer
+instead of a second call's (an `embedding` worker's rows, after the ps's variable
+reads: one round trip a step less).
+
 Large values (over the transport's `batched_value_bytes`: 1 MiB over grpc and
 grpc+verbs; never over `PUSH_LIMIT_BYTES`) and dead ones are answered "ready, fetch it
 with RecvTensor": the transports move big tensors better (grpc+verbs through shared
@@ -60,23 +69,31 @@ BATCH_RESPONSE_BYTES = 4 << 20
 # What `answer` returns for a key that is ready but must be fetched with RecvTensor.
 FETCH_SEPARATELY: Any = None
 
-# (step_id, keys) -> {key text: value, or FETCH_SEPARATELY} for some of the keys.
-BatchCall = Callable[[int, list[str]], Awaitable[dict[str, Any]]]
+# (step_id, keys, every) -> {key text: value, or FETCH_SEPARATELY} for some of the
+# keys (RecvTensors), or for all of them up to the response's budget when `every`
+# (RecvAllTensors).
+BatchCall = Callable[[int, list[str], bool], Awaitable[dict[str, Any]]]
 # (step_id, key) -> (value, is_dead) with a plain RecvTensor.
 SingleFetch = Callable[[int, RendezvousKey], Awaitable[tuple[Any, bool]]]
 
 
 async def answer(
-    rendezvous: StepRendezvous, keys: list[RendezvousKey], value_limit: int = PUSH_LIMIT_BYTES
+    rendezvous: StepRendezvous,
+    keys: list[RendezvousKey],
+    value_limit: int = PUSH_LIMIT_BYTES,
+    every: bool = False,
 ) -> dict[str, Any]:
-    """The sending side: once some of `keys` are sent here, those values (by key text).
+    """The sending side: once some of `keys` are sent here (all of them with `every`),
+    those values (by key text).
 
     Each is the value, or `FETCH_SEPARATELY` for a dead one or one over `value_limit`
     bytes (the transport's `batched_value_bytes`, at most `PUSH_LIMIT_BYTES`). Raises the
     step's error if it failed. The caller has checked `len(keys) <= MAX_BATCH_KEYS`.
     """
     slots = rendezvous.slots(keys)
-    if not any(slot.done() for slot in slots):
+    if every:
+        await rendezvous.wait_for_all(keys)
+    elif not any(slot.done() for slot in slots):
         await rendezvous.wait_for_any(keys)
     ready: dict[str, Any] = {}
     budget = BATCH_RESPONSE_BYTES
@@ -104,6 +121,8 @@ class _Batch:
     step_id: int
     waiting: dict[str, tuple[RendezvousKey, asyncio.Future[tuple[Any, bool]]]] = field(default_factory=dict)
     runner: asyncio.Task[None] | None = None
+    # Whether every receive of the batch came `together` (then one call asks for all).
+    every: bool = True
 
     def abandoned(self) -> bool:
         return all(future.done() for _, future in self.waiting.values())
@@ -135,7 +154,8 @@ class BatchedReceiver:
         # This turn's receives, started together by `_start`.
         self._gathering: dict[tuple[str, int], _Batch] = {}
         self._separate: list[tuple[int, RendezvousKey, asyncio.Future[tuple[Any, bool]]]] = []
-        self._batching_peers: set[str] = set()  # have answered a RecvTensors call
+        # (task, every): the method of such batches (`_Batch.every`) has answered there.
+        self._batching_peers: set[tuple[str, bool]] = set()
         self._plain_peers: set[str] = set()  # answered UNIMPLEMENTED
         self._fetched_separately: set[str] = set()  # keys once answered FETCH_SEPARATELY
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -144,9 +164,13 @@ class BatchedReceiver:
         """The value of `key` in step `step_id` from its sending task."""
         return await self.fetch_soon(step_id, key)
 
-    def fetch_soon(self, step_id: int, key: RendezvousKey) -> asyncio.Future[tuple[Any, bool]]:
+    def fetch_soon(
+        self, step_id: int, key: RendezvousKey, together: bool = False
+    ) -> asyncio.Future[tuple[Any, bool]]:
         """`fetch` as a future the caller owns: cancelling it gives up this receive (and
-        the batch's call once no receive waits on it)."""
+        the batch's call once no receive waits on it). `together`: the caller goes on
+        only once all its receives are in, so the sender may answer this one with the
+        others (a batch of such receives only is a `RecvAllTensors` call)."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[tuple[Any, bool]] = loop.create_future()
         if not self._gathering and not self._separate:
@@ -157,6 +181,7 @@ class BatchedReceiver:
         batch = self._gathering.get((key.src_task, step_id))
         if batch is None:
             batch = self._gathering[(key.src_task, step_id)] = _Batch(key.src_task, step_id)
+        batch.every = batch.every and together
         entry = batch.waiting.get(key.text)
         if entry is not None:  # received twice in one step (no graph of ours does that)
             return asyncio.shield(entry[1])
@@ -195,16 +220,16 @@ class BatchedReceiver:
                     return
                 keys = list(waiting)[:MAX_BATCH_KEYS]
                 try:
-                    values = await call(batch.step_id, keys)
+                    values = await call(batch.step_id, keys, batch.every)
                 except errors.UnimplementedError:
-                    if batch.task in self._batching_peers:
-                        raise  # the step's own error (a peer that batches knows the method)
+                    if (batch.task, batch.every) in self._batching_peers:
+                        raise  # the step's own error (a peer that answered knows the method)
                     self._plain_peers.add(batch.task)
                     logger.debug("%s has no RecvTensors: plain RecvTensor from now on", batch.task)
                     for key, future in list(waiting.values()):
                         self._spawn(self._fetch_into(batch.step_id, key, future))
                     return
-                self._batching_peers.add(batch.task)
+                self._batching_peers.add((batch.task, batch.every))
                 delivered = 0
                 for text, value in values.items():
                     entry = waiting.pop(text, None)
@@ -225,7 +250,7 @@ class BatchedReceiver:
                         f"RecvTensors from {batch.task} for step {batch.step_id} answered none of "
                         f"the {len(keys)} keys asked for"
                     )
-        except errors.OpError as exc:
+        except Exception as exc:  # (an OpError, or a bug here: the receives fail, not hang)
             for _, future in waiting.values():
                 if not future.done():
                     future.set_exception(exc)

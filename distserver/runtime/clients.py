@@ -101,10 +101,11 @@ class WorkerClient(Protocol):
         ...
 
     async def recv_tensors(
-        self, step_id: int, keys: list[str], *, timeout: float | None = None
+        self, step_id: int, keys: list[str], every: bool = False, *, timeout: float | None = None
     ) -> dict[str, Any]:
         """Some of the values sent under `keys` in step `step_id` on that worker: those
-        sent by the time the first one is (`distserver.runtime.batched_recv`).
+        sent by the time the first one is, or once every one is (`every`; see
+        `distserver.runtime.batched_recv`).
 
         Raises:
             UnimplementedError: the worker has no such method (TensorFlow).
@@ -197,10 +198,11 @@ class RemoteWorker:
         return await self.channel.recv_tensor(step_id, key, timeout=timeout)
 
     async def recv_tensors(
-        self, step_id: int, keys: list[str], *, timeout: float | None = None
+        self, step_id: int, keys: list[str], every: bool = False, *, timeout: float | None = None
     ) -> dict[str, Any]:
         request = w.RunGraphRequest(step_id=step_id, recv_key=keys)
-        data = await self.channel.call_serialized(TENSOR_SERVICE, "RecvTensors", request, timeout=timeout)
+        method = "RecvAllTensors" if every else "RecvTensors"
+        data = await self.channel.call_serialized(TENSOR_SERVICE, method, request, timeout=timeout)
         values, _ = await _named_tensors(data, w.RunGraphResponse, missing_ok=True)
         return dict(values)  # a value None: FETCH_SEPARATELY
 

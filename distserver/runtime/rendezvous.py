@@ -25,9 +25,10 @@ from typing import Any
 from distserver import errors
 from distserver.devices import RendezvousKey
 
-# (step_id, key) -> (value, is_dead): fetch one value from its sending task (`key.src_task`);
-# a future (which the receiver may cancel), or a coroutine, which is made a task.
-RemoteFetch = Callable[[int, RendezvousKey], Awaitable[tuple[Any, bool]]]
+# (step_id, key, together) -> (value, is_dead): fetch one value from its sending task
+# (`key.src_task`); a future (which the receiver may cancel), or a coroutine, which is
+# made a task. `together`: see `StepRendezvous.recv_soon`.
+RemoteFetch = Callable[[int, RendezvousKey, bool], Awaitable[tuple[Any, bool]]]
 
 
 class StepRendezvous:
@@ -85,15 +86,17 @@ class StepRendezvous:
         """Wait for the value of `key`, fetching it from its task when that is remote."""
         return await self.recv_soon(key)
 
-    def recv_soon(self, key: RendezvousKey) -> asyncio.Future[tuple[Any, bool]]:
+    def recv_soon(self, key: RendezvousKey, together: bool = False) -> asyncio.Future[tuple[Any, bool]]:
         """`recv` as a future the caller owns: cancelling it gives up this receive only.
-        (The executor waits on it without a task of its own.)"""
+        (The executor waits on it without a task of its own.) `together`: the
+        receiver goes on only once all its receives are in, so a remote value may come
+        together with the others (`BatchedReceiver.fetch_soon`)."""
         if key.src_task != self._local_task and self._fetch_remote is not None:
             if self._error is not None:
                 failed: asyncio.Future[tuple[Any, bool]] = asyncio.get_running_loop().create_future()
                 failed.set_exception(self._error)
                 return failed
-            return asyncio.ensure_future(self._fetch_remote(self.step_id, key))
+            return asyncio.ensure_future(self._fetch_remote(self.step_id, key, together))
         return self.recv_local_soon(key)
 
     async def recv_local(self, key: RendezvousKey) -> tuple[Any, bool]:
@@ -107,7 +110,7 @@ class StepRendezvous:
 
     def slots(self, keys: list[RendezvousKey]) -> list[asyncio.Future[tuple[Any, bool]]]:
         """The futures of values sent on this task, for waiting on many at once
-        (`batched_recv.answer`, with `wait_for_any`); never cancel them."""
+        (`batched_recv.answer`, with `wait_for_any` or `wait_for_all`); never cancel them."""
         return [self._slot(key) for key in keys]
 
     async def wait_for_any(self, keys: list[RendezvousKey]) -> None:
@@ -121,6 +124,15 @@ class StepRendezvous:
         for key in keys:
             self._watchers.setdefault(key.text, []).append(woken)
         await woken
+
+    async def wait_for_all(self, keys: list[RendezvousKey]) -> None:
+        """Until every one of `keys` is sent here, or the step fails."""
+        slots = self.slots(keys)
+        while self._error is None:
+            pending = [key for key, slot in zip(keys, slots, strict=True) if not slot.done()]
+            if not pending:
+                return
+            await self.wait_for_any(pending)
 
     def abort(self, error: errors.OpError) -> None:
         """Fail every pending and future receive of this step with (a copy of) `error`.

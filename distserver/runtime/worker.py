@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import itertools
 import logging
 from collections.abc import Awaitable, Callable, Mapping
@@ -361,24 +362,29 @@ class Worker:
 
     def tensor_handlers(self) -> dict[str, Callable[[Any], Awaitable[Message | EncodedMessage]]]:
         """TENSOR_SERVICE method name -> handler (distserver peers' batched receives)."""
-        return {"RecvTensors": self.recv_tensors_rpc}
+        return {
+            "RecvTensors": functools.partial(self.recv_tensors_rpc, every=False),
+            "RecvAllTensors": functools.partial(self.recv_tensors_rpc, every=True),
+        }
 
     async def recv_tensors_rpc(
-        self, request: w.RunGraphRequest | TensorRequest[w.RunGraphRequest]
+        self, request: w.RunGraphRequest | TensorRequest[w.RunGraphRequest], every: bool = False
     ) -> EncodedMessage:
         """Some of the values of `request.recv_key` this task sent in `request.step_id`:
-        those sent by the time the first one is (`batched_recv.answer`), written by hand
-        (a key whose value is to be fetched separately: a name without a tensor). (A
-        request of `wire.HAND_DECODED_REQUEST_BYTES` or more, many long keys, comes read
-        by hand: its message is the same.)"""
+        those sent by the time the first one is (RecvTensors), or once every one is
+        (`every`: RecvAllTensors; `batched_recv.answer`), written by hand (a key whose
+        value is to be fetched separately: a name without a tensor). (A request of
+        `wire.HAND_DECODED_REQUEST_BYTES` or more, many long keys, comes read by hand:
+        its message is the same.)"""
         message = request.message if isinstance(request, TensorRequest) else request
-        values = await self._batched_values(message)
+        values = await self._batched_values(message, every)
         return await encode_off_loop(w.RunGraphResponse(), list(values.items()))
 
-    async def _batched_values(self, request: w.RunGraphRequest) -> dict[str, Any]:
+    async def _batched_values(self, request: w.RunGraphRequest, every: bool) -> dict[str, Any]:
         if not request.recv_key or len(request.recv_key) > batched_recv.MAX_BATCH_KEYS:
+            method = "RecvAllTensors" if every else "RecvTensors"
             raise errors.InvalidArgumentError(
-                f"RecvTensors asks for {len(request.recv_key)} keys; ask for 1 to "
+                f"{method} asks for {len(request.recv_key)} keys; ask for 1 to "
                 f"{batched_recv.MAX_BATCH_KEYS} per call"
             )
         keys = [parse_rendezvous_key(text) for text in request.recv_key]
@@ -386,7 +392,7 @@ class Worker:
             self._check_source(key)
         step_id = request.step_id
         values = await batched_recv.answer(
-            self._rendezvous.find_or_create(step_id), keys, self._batched_value_bytes
+            self._rendezvous.find_or_create(step_id), keys, self._batched_value_bytes, every
         )
         for text, value in values.items():
             if value is not batched_recv.FETCH_SEPARATELY:
@@ -397,17 +403,17 @@ class Worker:
         assert self._worker_client is not None
         client = self._worker_client(task)
 
-        async def call(step_id: int, keys: list[str]) -> dict[str, Any]:
-            return await client.recv_tensors(step_id, keys, timeout=self._recv_timeout)
+        async def call(step_id: int, keys: list[str], every: bool) -> dict[str, Any]:
+            return await client.recv_tensors(step_id, keys, every, timeout=self._recv_timeout)
 
         return call
 
     async def recv_tensors(
-        self, step_id: int, keys: list[str], *, timeout: float | None = None
+        self, step_id: int, keys: list[str], every: bool = False, *, timeout: float | None = None
     ) -> dict[str, Any]:
         """`WorkerClient.recv_tensors` in process."""
         async with asyncio.timeout(timeout):
-            return await self._batched_values(w.RunGraphRequest(step_id=step_id, recv_key=keys))
+            return await self._batched_values(w.RunGraphRequest(step_id=step_id, recv_key=keys), every)
 
     def _check_source(self, key: RendezvousKey) -> None:
         """Raise unless `key` names a value this task (this incarnation) sends."""

@@ -9,6 +9,7 @@ the step with an error instead of a hang.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import signal
@@ -47,6 +48,10 @@ def _statistics(protocol, target):
 
 def _peer(stats, task):
     return stats["peers"][task]
+
+
+def _run_into(outcome, session, fetch, feed):
+    outcome["total"] = session.run(fetch, feed)
 
 
 def _graph(count, size):
@@ -131,12 +136,89 @@ async def test_answers_waiting_on_many_keys_wake_on_any_of_them_or_on_the_steps_
         await asyncio.wait_for(waiting, 5)
 
 
+async def test_an_answer_for_every_key_waits_for_the_last_one():
+    """RecvAllTensors (`every`): values sent early wait in the answer until the last key
+    asked for is sent, then all leave together; a failing step ends the wait."""
+    rendezvous = StepRendezvous(1, PS_TASK, None)
+
+    def key(name: str):
+        return parse_rendezvous_key(
+            rendezvous_key(f"{PS_TASK}/device:CPU:0", 1, f"{WORKER_TASK}/device:CPU:0", name)
+        )
+
+    early, late, later = key("early"), key("late"), key("later")
+    rendezvous.send(early, np.zeros(2, np.float32))
+    answering = asyncio.ensure_future(batched_recv.answer(rendezvous, [early, late, later], every=True))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert not answering.done()
+    rendezvous.send(late, np.ones(2, np.float32))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert not answering.done()
+    rendezvous.send(later, np.full(2, 2.0, np.float32))
+    values = await asyncio.wait_for(answering, 5)
+    assert {text: float(value[0]) for text, value in values.items()} == {
+        early.text: 0.0,
+        late.text: 1.0,
+        later.text: 2.0,
+    }
+    failing = StepRendezvous(2, PS_TASK, None)
+    failing.send(early, np.zeros(2, np.float32))
+    waiting = asyncio.ensure_future(batched_recv.answer(failing, [early, late], every=True))
+    await asyncio.sleep(0)
+    failing.abort(errors.AbortedError("the step failed"))
+    with pytest.raises(errors.AbortedError, match="the step failed"):
+        await asyncio.wait_for(waiting, 5)
+
+
+async def test_a_batch_asks_for_every_value_only_when_all_its_receives_come_together():
+    """A batch of receives made `together` (a partition that waits for all of them) is a
+    RecvAllTensors call; one receive not made so makes its batch a RecvTensors call."""
+    asked: list[tuple[int, bool]] = []
+
+    async def batch_call(step_id: int, keys: list[str], every: bool) -> dict:
+        asked.append((step_id, every))
+        return {text: np.zeros(1) for text in keys}
+
+    async def fetch_one(step_id: int, key) -> tuple:
+        raise AssertionError("nothing is fetched by itself")
+
+    receiver = batched_recv.BatchedReceiver(lambda task: batch_call, fetch_one)
+
+    def key(name: str):
+        return parse_rendezvous_key(
+            rendezvous_key(f"{PS_TASK}/device:CPU:0", 1, f"{WORKER_TASK}/device:CPU:0", name)
+        )
+
+    await asyncio.gather(
+        receiver.fetch_soon(1, key("a"), together=True), receiver.fetch_soon(1, key("b"), together=True)
+    )
+    await asyncio.gather(receiver.fetch_soon(2, key("a"), together=True), receiver.fetch_soon(2, key("b")))
+    assert asked == [(1, True), (2, False)]
+
+
+async def test_a_bug_in_a_batchs_call_fails_its_receives_instead_of_leaving_them_waiting():
+    async def batch_call(step_id: int, keys: list[str], every: bool) -> dict:
+        raise TypeError("a bug")
+
+    async def fetch_one(step_id: int, key) -> tuple:
+        raise AssertionError("nothing is fetched by itself")
+
+    receiver = batched_recv.BatchedReceiver(lambda task: batch_call, fetch_one)
+    key = parse_rendezvous_key(
+        rendezvous_key(f"{PS_TASK}/device:CPU:0", 1, f"{WORKER_TASK}/device:CPU:0", "a")
+    )
+    with pytest.raises(TypeError, match="a bug"):
+        await asyncio.wait_for(receiver.fetch_soon(1, key), 5)
+
+
 async def test_a_turns_batch_is_asked_for_before_its_values_fetched_one_by_one():
     """A request sent first is served first: the batch of small values (what the peer's
     first nodes wait for) goes before the large values the turn fetches one by one."""
     asked: list[str] = []
 
-    async def batch_call(step_id: int, keys: list[str]) -> dict:
+    async def batch_call(step_id: int, keys: list[str], every: bool) -> dict:
         asked.append("batch")
         return {text: batched_recv.FETCH_SEPARATELY if "large" in text else np.zeros(1) for text in keys}
 
@@ -165,7 +247,7 @@ async def test_a_batch_stops_asking_once_the_receives_still_waiting_are_given_up
     asking_again = asyncio.Event()
     stopped: list[bool] = []
 
-    async def batch_call(step_id: int, keys: list[str]) -> dict:
+    async def batch_call(step_id: int, keys: list[str], every: bool) -> dict:
         if len(keys) == 2:
             return {keys[0]: np.ones(2, np.float32)}
         asking_again.set()
@@ -230,6 +312,54 @@ def test_many_small_values_cross_in_few_calls_and_stay_equal(protocol):
     assert ps_calls < COUNT / 2, ps_after
 
 
+@pytest.mark.parametrize("protocol", ["grpc", "grpc+verbs"])
+def test_a_worker_waiting_for_all_its_receives_gets_a_late_value_with_the_early_ones(protocol):
+    """The worker's partition uses no received value before all are in (the planner
+    marks it), so it asks the ps with RecvAllTensors: the ps answers once every value
+    is sent. Here one is late: the ps computes it from the worker's fed value after a
+    queue's dequeue, which another session's enqueue releases 0.3 s into the step. The
+    early variable read waits for it: one call a step besides the RunGraph, where an
+    answer with what is ready takes two."""
+    with LocalCluster({"ps": 1, "worker": 1}, protocol=protocol) as cluster:
+        graph = ds.Graph()
+        with graph.as_default():
+            with ds.device("/job:ps/task:0"):
+                v = ds.Variable(np.full(4, 3.0, np.float32), name="v")
+                queue = ds.FIFOQueue(4, [ds.float32], shapes=[[4]], name="released")
+            with ds.device("/job:worker/task:0"):
+                x = ds.placeholder(ds.float32, shape=[4], name="x")
+                doubled = x * 2.0
+            with ds.device("/job:ps/task:0"):
+                early = v.read_value() + 1.0
+                late = queue.dequeue() * doubled
+            with ds.device("/job:worker/task:0"):
+                total = early * late
+            release = queue.enqueue(ds.constant(np.full(4, 5.0, np.float32)))
+            init = ds.global_variables_initializer()
+        feed = {x: np.arange(4, dtype=np.float32)}
+        expected = 4.0 * 5.0 * np.arange(4, dtype=np.float32) * 2.0
+        with (
+            ds.Session(cluster.target("worker"), graph=graph) as session,
+            ds.Session(cluster.target("ps"), graph=graph) as releaser,
+        ):
+            session.run(init)
+            releaser.run(release)
+            np.testing.assert_array_equal(session.run(total, feed), expected)  # warm: graphs registered
+            for _ in range(2):
+                before = _peer(_statistics(protocol, cluster.target("worker")), PS_TASK)
+                outcome: dict = {}
+                step = threading.Thread(target=functools.partial(_run_into, outcome, session, total, feed))
+                step.start()
+                step.join(0.3)
+                assert step.is_alive()  # the ps waits on the queue
+                releaser.run(release)
+                step.join(30)
+                np.testing.assert_array_equal(outcome["total"], expected)
+                after = _peer(_statistics(protocol, cluster.target("worker")), PS_TASK)
+                # RunGraph and one RecvAllTensors (answering with what is ready: a second).
+                assert after["calls_started"] - before["calls_started"] == 2, (before, after)
+
+
 def test_large_values_still_go_by_recv_tensor():
     size = (2 << 20) // 4  # 2 MiB float32: above the batch's value limit
     with LocalCluster({"ps": 1, "worker": 1}) as cluster:
@@ -286,7 +416,8 @@ def test_a_peer_dying_mid_batch_fails_the_step():
     assert isinstance(outcome["error"], (errors.UnavailableError, errors.AbortedError)), outcome["error"]
 
 
-def test_hostile_recv_tensors_requests_get_clear_errors():
+@pytest.mark.parametrize("method", ["RecvTensors", "RecvAllTensors"])
+def test_hostile_recv_tensors_requests_get_clear_errors(method):
     from distserver.protos import worker_pb2 as w
     from distserver.protos.services import TENSOR_SERVICE
     from distserver.runtime.batched_recv import MAX_BATCH_KEYS
@@ -297,7 +428,7 @@ def test_hostile_recv_tensors_requests_get_clear_errors():
         try:
             request = w.RunGraphRequest(step_id=1, recv_key=keys)
             with pytest.raises(errors.InvalidArgumentError) as info:
-                await channel.call(TENSOR_SERVICE, "RecvTensors", request, timeout=30)
+                await channel.call(TENSOR_SERVICE, method, request, timeout=30)
         finally:
             await channel.close()
         return info.value.message
@@ -305,7 +436,7 @@ def test_hostile_recv_tensors_requests_get_clear_errors():
     with LocalCluster({"worker": 1}) as cluster:
         address = cluster.target("worker").partition("://")[2]
         too_many = asyncio.run(ask(address, ["k"] * (MAX_BATCH_KEYS + 1)))
-        assert f"ask for 1 to {MAX_BATCH_KEYS}" in too_many
+        assert f"{method} asks for {MAX_BATCH_KEYS + 1} keys; ask for 1 to {MAX_BATCH_KEYS}" in too_many
         assert "ask for 1 to" in asyncio.run(ask(address, []))
         assert "Invalid rendezvous key" in asyncio.run(ask(address, ["not a key"]))
         other = f"{PS_TASK}/device:CPU:0;1;{WORKER_TASK}/device:CPU:0;x:0;0:0"

@@ -629,7 +629,7 @@ async def test_a_receive_is_waited_for_without_a_task_and_given_up_when_the_step
 async def test_a_failed_or_cancelled_receive_fails_the_step_naming_the_node():
     fetches: list[asyncio.Future[tuple[Any, bool]]] = []
 
-    def fetch_remote(step_id: int, key: Any) -> asyncio.Future[tuple[Any, bool]]:
+    def fetch_remote(step_id: int, key: Any, together: bool) -> asyncio.Future[tuple[Any, bool]]:
         fetches.append(asyncio.get_running_loop().create_future())
         return fetches[-1]
 
@@ -1002,7 +1002,7 @@ async def test_a_marked_partition_runs_what_needs_no_receive_then_waits_for_them
     monkeypatch.setattr(executor_module._Straight, "run", counting)
     fetches: dict[str, asyncio.Future[tuple[Any, bool]]] = {}
 
-    def fetch_remote(step_id: int, key: Any) -> asyncio.Future[tuple[Any, bool]]:
+    def fetch_remote(step_id: int, key: Any, together: bool) -> asyncio.Future[tuple[Any, bool]]:
         fetches[key.tensor_name] = asyncio.get_running_loop().create_future()
         return fetches[key.tensor_name]
 
@@ -1050,7 +1050,7 @@ async def test_a_marked_partition_asks_for_its_receives_after_its_first_span_has
     answered: list[bool] = []
     made_after: list[tuple[bool, bool]] = []  # (the early value sent, its waiter answered)
 
-    def fetch_remote(step_id: int, key: Any) -> asyncio.Future[tuple[Any, bool]]:
+    def fetch_remote(step_id: int, key: Any, together: bool) -> asyncio.Future[tuple[Any, bool]]:
         made_after.append((slot.done(), bool(answered)))
         fetches[key.tensor_name] = loop.create_future()
         return fetches[key.tensor_name]

@@ -291,7 +291,7 @@ def run_on_two_tasks(graph: GraphDef, on_ps: set[str], args: list[Any], num_resu
     assert set(parts) == {TASK, PS_TASK}
     rendezvous: dict[str, StepRendezvous] = {}
 
-    async def fetch(step_id: int, key: Any) -> Any:  # what RecvTensor does between workers
+    async def fetch(step_id: int, key: Any, together: bool) -> Any:  # what RecvTensor does between workers
         sender = rendezvous[key.src_task]
         value = await sender.recv_local(key)
         sender.hand_over([key.text])
