@@ -376,8 +376,9 @@ class TensorPath(abc.ABC):
           channel's bookkeeping (closed check, statistics, gRPC error mapping: an
           `AioRpcError` it lets escape becomes the right OpError).
         * `carry_call(service, method, payload, timeout)` may carry a control call
-          (serialized request in, serialized response out); None leaves the call to
-          the channel's gRPC connection. The default carries nothing.
+          (serialized request in, serialized response out) that the channel's direct
+          connection does not (it is not up, or off); None leaves the call to the
+          channel's gRPC connection. The default carries nothing.
         * `data_path` names the path for `ChannelStatistics.data_path`.
         * `close()` releases what the path holds; the channel calls it once, before
           closing its gRPC connection.
@@ -645,11 +646,11 @@ class GrpcChannel(Channel):
     async def _call_framed(
         self, service: str, method: str, payload: bytes, timeout: float | None
     ) -> bytes | memoryview | None:
-        """The serialized response over the tensor path, the direct connection or the call
+        """The serialized response over the direct connection, the tensor path or the call
         stream; None: make a unary call."""
-        data = await self._tensors.carry_call(service, method, payload, timeout)
+        data = await self._direct.call(service, method, payload, timeout)
         if data is None:
-            data = await self._direct.call(service, method, payload, timeout)
+            data = await self._tensors.carry_call(service, method, payload, timeout)
         if data is not None or self._calls is None or len(payload) > _STREAMED_CALL_BYTES:
             return data
         try:

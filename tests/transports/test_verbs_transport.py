@@ -67,9 +67,22 @@ async def test_same_host_tensors_take_the_shared_memory_path():
         assert stats.data_path == "verbs"
         assert stats.tensors_received >= 3  # the 4 MiB tensor, once per step
         assert stats.tensor_bytes_received >= 3 * (4 << 20)
-        # Once the queue pair is up, WorkerService calls (RunGraph, ...) ride it too.
-        endpoint = worker._channels["/job:ps/replica:0/task:0"].tensor_path.endpoint
-        assert endpoint.statistics().calls_made >= 2  # the RunGraphs of steps 2 and 3
+        # WorkerService calls (RunGraph, ...) take the direct connection once it is up.
+        assert worker._channels["/job:ps/replica:0/task:0"].direct_link.calls_made >= 2
+    finally:
+        await worker.stop()
+        await ps.stop()
+
+
+async def test_without_a_direct_connection_control_calls_ride_the_queue_pair(monkeypatch):
+    monkeypatch.setenv("DISTSERVER_DIRECT", "0")
+    ps, worker = await start_cluster("grpc+verbs")
+    try:
+        await run_steps(worker)
+        channel = worker._channels["/job:ps/replica:0/task:0"]
+        assert channel.statistics().data_path == "verbs"
+        assert channel.direct_link.calls_made == 0
+        assert channel.tensor_path.endpoint.statistics().calls_made >= 3  # the RunGraph of each step
     finally:
         await worker.stop()
         await ps.stop()

@@ -16,10 +16,13 @@ the transport is strict (`VerbsTransport(strict=True)`, or `DISTSERVER_VERBS_STR
 for the registered one), fails with `FailedPreconditionError`. Tensors the verbs path
 cannot carry (strings, resources) take the gRPC path one by one.
 
-Once the queue pair is up (the channel's first WorkerService call or RecvTensor sets
-it up), WorkerService calls to that peer ride it too (`_calls`,
-`VerbsTensorPath.carry_call`): the peer's event loop reads them, where a gRPC message
-passes through grpc's poller thread first.
+The channel's first WorkerService call or RecvTensor sets the queue pair up. Control
+calls (WorkerService, TensorService) take the channel's direct TCP connection once it
+is up, as "grpc"'s do (`transports/direct.py`: an answer is read straight into the
+buffer it is decoded from); until then, and for good without one (DISTSERVER_DIRECT=0,
+a direct port that cannot be reached), they ride the queue pair (`_calls`,
+`VerbsTensorPath.carry_call`): either way the peer's event loop reads them, where a
+gRPC message passes through grpc's poller thread first.
 
 Received arrays are zero-copy views that pin their slice of the pool until they are
 garbage collected: right for values a step consumes (the common case), and the
@@ -111,7 +114,8 @@ class TaskListener(Listener):
 class VerbsTensorPath(TensorPath):
     """A channel's tensor path through shared memory when the peer allows, else gRPC.
 
-    Its queue pair also carries the channel's WorkerService calls (`carry_call`).
+    Its queue pair also carries the channel's WorkerService calls while its direct
+    connection does not (`carry_call`).
     """
 
     def __init__(
