@@ -50,6 +50,17 @@ def _peer(stats, task):
     return stats["peers"][task]
 
 
+def _key(name: str):
+    """The rendezvous key of a value the ps sends the worker."""
+    return parse_rendezvous_key(
+        rendezvous_key(f"{PS_TASK}/device:CPU:0", 1, f"{WORKER_TASK}/device:CPU:0", name)
+    )
+
+
+async def _nothing_fetched_by_itself(step_id: int, key) -> tuple:
+    raise AssertionError("nothing is fetched by itself")
+
+
 def _run_into(outcome, session, fetch, feed):
     outcome["total"] = session.run(fetch, feed)
 
@@ -79,12 +90,7 @@ async def test_an_answer_to_a_request_that_comes_after_values_were_sent_leaves_a
     loop = asyncio.get_running_loop()
     rendezvous = StepRendezvous(1, PS_TASK, None)
 
-    def key(name: str):
-        return parse_rendezvous_key(
-            rendezvous_key(f"{PS_TASK}/device:CPU:0", 1, f"{WORKER_TASK}/device:CPU:0", name)
-        )
-
-    sent, late = [key("v0"), key("v1")], key("late")
+    sent, late = [_key("v0"), _key("v1")], _key("late")
     for i, each in enumerate(sent):
         rendezvous.send(each, np.full(4, float(i), np.float32))
     turned: list[bool] = []
@@ -93,7 +99,7 @@ async def test_an_answer_to_a_request_that_comes_after_values_were_sent_leaves_a
     assert not turned
     assert {text: float(value[0]) for text, value in values.items()} == {sent[0].text: 0.0, sent[1].text: 1.0}
 
-    later = [key("w0"), key("w1")]
+    later = [_key("w0"), _key("w1")]
 
     def one_pass() -> None:
         for each in later:
@@ -110,12 +116,7 @@ async def test_answers_waiting_on_many_keys_wake_on_any_of_them_or_on_the_steps_
     waiting answer with its error."""
     rendezvous = StepRendezvous(1, PS_TASK, None)
 
-    def key(name: str):
-        return parse_rendezvous_key(
-            rendezvous_key(f"{PS_TASK}/device:CPU:0", 1, f"{WORKER_TASK}/device:CPU:0", name)
-        )
-
-    a, b, c, d = (key(name) for name in "abcd")
+    a, b, c, d = (_key(name) for name in "abcd")
     first = asyncio.ensure_future(batched_recv.answer(rendezvous, [a, b]))
     second = asyncio.ensure_future(batched_recv.answer(rendezvous, [b, c]))
     given_up = asyncio.ensure_future(batched_recv.answer(rendezvous, [d]))
@@ -141,12 +142,7 @@ async def test_an_answer_for_every_key_waits_for_the_last_one():
     asked for is sent, then all leave together; a failing step ends the wait."""
     rendezvous = StepRendezvous(1, PS_TASK, None)
 
-    def key(name: str):
-        return parse_rendezvous_key(
-            rendezvous_key(f"{PS_TASK}/device:CPU:0", 1, f"{WORKER_TASK}/device:CPU:0", name)
-        )
-
-    early, late, later = key("early"), key("late"), key("later")
+    early, late, later = _key("early"), _key("late"), _key("later")
     rendezvous.send(early, np.zeros(2, np.float32))
     answering = asyncio.ensure_future(batched_recv.answer(rendezvous, [early, late, later], every=True))
     for _ in range(5):
@@ -181,20 +177,14 @@ async def test_a_batch_asks_for_every_value_only_when_all_its_receives_come_toge
         asked.append((step_id, every))
         return {text: np.zeros(1) for text in keys}
 
-    async def fetch_one(step_id: int, key) -> tuple:
-        raise AssertionError("nothing is fetched by itself")
+    fetch_one = _nothing_fetched_by_itself
 
     receiver = batched_recv.BatchedReceiver(lambda task: batch_call, fetch_one)
 
-    def key(name: str):
-        return parse_rendezvous_key(
-            rendezvous_key(f"{PS_TASK}/device:CPU:0", 1, f"{WORKER_TASK}/device:CPU:0", name)
-        )
-
     await asyncio.gather(
-        receiver.fetch_soon(1, key("a"), together=True), receiver.fetch_soon(1, key("b"), together=True)
+        receiver.fetch_soon(1, _key("a"), together=True), receiver.fetch_soon(1, _key("b"), together=True)
     )
-    await asyncio.gather(receiver.fetch_soon(2, key("a"), together=True), receiver.fetch_soon(2, key("b")))
+    await asyncio.gather(receiver.fetch_soon(2, _key("a"), together=True), receiver.fetch_soon(2, _key("b")))
     assert asked == [(1, True), (2, False)]
 
 
@@ -202,8 +192,7 @@ async def test_a_bug_in_a_batchs_call_fails_its_receives_instead_of_leaving_them
     async def batch_call(step_id: int, keys: list[str], every: bool) -> dict:
         raise TypeError("a bug")
 
-    async def fetch_one(step_id: int, key) -> tuple:
-        raise AssertionError("nothing is fetched by itself")
+    fetch_one = _nothing_fetched_by_itself
 
     receiver = batched_recv.BatchedReceiver(lambda task: batch_call, fetch_one)
     key = parse_rendezvous_key(
@@ -228,15 +217,10 @@ async def test_a_turns_batch_is_asked_for_before_its_values_fetched_one_by_one()
 
     receiver = batched_recv.BatchedReceiver(lambda task: batch_call, fetch_one)
 
-    def key(name: str):
-        return parse_rendezvous_key(
-            rendezvous_key(f"{PS_TASK}/device:CPU:0", 1, f"{WORKER_TASK}/device:CPU:0", name)
-        )
-
-    await asyncio.gather(receiver.fetch_soon(1, key("large")), receiver.fetch_soon(1, key("small")))
+    await asyncio.gather(receiver.fetch_soon(1, _key("large")), receiver.fetch_soon(1, _key("small")))
     assert asked == ["batch", "one"]  # step 1: "large" learnt to be fetched by itself
     asked.clear()
-    await asyncio.gather(receiver.fetch_soon(2, key("large")), receiver.fetch_soon(2, key("small")))
+    await asyncio.gather(receiver.fetch_soon(2, _key("large")), receiver.fetch_soon(2, _key("small")))
     assert asked == ["batch", "one"]
 
 
@@ -258,17 +242,11 @@ async def test_a_batch_stops_asking_once_the_receives_still_waiting_are_given_up
             raise
         return {}
 
-    async def fetch_one(step_id: int, key) -> tuple:
-        raise AssertionError("nothing is fetched by itself")
+    fetch_one = _nothing_fetched_by_itself
 
     receiver = batched_recv.BatchedReceiver(lambda task: batch_call, fetch_one)
 
-    def key(name: str):
-        return parse_rendezvous_key(
-            rendezvous_key(f"{PS_TASK}/device:CPU:0", 1, f"{WORKER_TASK}/device:CPU:0", name)
-        )
-
-    delivered, waiting = receiver.fetch_soon(1, key("a")), receiver.fetch_soon(1, key("b"))
+    delivered, waiting = receiver.fetch_soon(1, _key("a")), receiver.fetch_soon(1, _key("b"))
     value, is_dead = await asyncio.wait_for(delivered, 5)
     np.testing.assert_array_equal(value, [1.0, 1.0])
     assert not is_dead
