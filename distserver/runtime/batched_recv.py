@@ -91,8 +91,11 @@ async def answer(
     step's error if it failed. The caller has checked `len(keys) <= MAX_BATCH_KEYS`.
     """
     slots = rendezvous.slots(keys)
-    if every:
-        await rendezvous.wait_for_all(keys)
+    if every:  # (a failing step makes every slot done)
+        pending = [(key, slot) for key, slot in zip(keys, slots, strict=True) if not slot.done()]
+        while pending:
+            await rendezvous.wait_for_any([key for key, _ in pending])
+            pending = [(key, slot) for key, slot in pending if not slot.done()]
     elif not any(slot.done() for slot in slots):
         await rendezvous.wait_for_any(keys)
     ready: dict[str, Any] = {}

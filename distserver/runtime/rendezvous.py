@@ -110,7 +110,7 @@ class StepRendezvous:
 
     def slots(self, keys: list[RendezvousKey]) -> list[asyncio.Future[tuple[Any, bool]]]:
         """The futures of values sent on this task, for waiting on many at once
-        (`batched_recv.answer`, with `wait_for_any` or `wait_for_all`); never cancel them."""
+        (`batched_recv.answer`, with `wait_for_any`); never cancel them."""
         return [self._slot(key) for key in keys]
 
     async def wait_for_any(self, keys: list[RendezvousKey]) -> None:
@@ -124,15 +124,6 @@ class StepRendezvous:
         for key in keys:
             self._watchers.setdefault(key.text, []).append(woken)
         await woken
-
-    async def wait_for_all(self, keys: list[RendezvousKey]) -> None:
-        """Until every one of `keys` is sent here, or the step fails."""
-        slots = self.slots(keys)
-        while self._error is None:
-            pending = [key for key, slot in zip(keys, slots, strict=True) if not slot.done()]
-            if not pending:
-                return
-            await self.wait_for_any(pending)
 
     def abort(self, error: errors.OpError) -> None:
         """Fail every pending and future receive of this step with (a copy of) `error`.
