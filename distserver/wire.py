@@ -498,6 +498,54 @@ def _fields(view: memoryview, start: int, end: int, limit: int) -> Iterator[tupl
         raise _NotPlain
 
 
+def content_start(head: bytes | memoryview, message_class: type[Message]) -> int | None:
+    """Where, in a serialized `message_class` (a message `tensor_field` knows) of which
+    `head` is the first bytes, the content of its first tensor item of
+    `HAND_ENCODED_BYTES` or more starts: a receiver that places the message so that
+    this offset is aligned lets `decode_tensor_message` read that tensor as a view, not
+    an aligned copy. None when `head` ends before it, or the message is not as
+    `encode_tensor_message` writes it."""
+    field = tensor_field(message_class)
+    if field is None:
+        return None
+    view = memoryview(head)
+    pos = 0
+    try:
+        for _ in range(_TENSOR_MESSAGE_FIELDS):
+            key, pos = _read_varint(view, pos)
+            if key & 7 == _VARINT:
+                _, pos = _read_varint(view, pos)
+                continue
+            if key & 7 != _LEN:
+                return None
+            length, pos = _read_varint(view, pos)
+            if key >> 3 == field.number and length >= HAND_ENCODED_BYTES:
+                tensor = _value_start(view, pos, 2) if field.named else pos  # (NamedTensorProto.tensor)
+                return _value_start(view, tensor, 4)  # TensorProto.tensor_content
+            pos += length
+    except (_NotPlain, errors.DataLossError):  # (cut short by the end of `head`)
+        return None
+    return None
+
+
+def _value_start(view: memoryview, pos: int, wanted: int) -> int:
+    """Where the value of the length-delimited field `wanted` starts, in the fields from
+    `pos` on. Raises `_NotPlain` past `_PLAIN_FIELDS` fields or for other wire types,
+    DataLossError at the end of `view`."""
+    for _ in range(_PLAIN_FIELDS):
+        key, pos = _read_varint(view, pos)
+        if key & 7 == _VARINT:
+            _, pos = _read_varint(view, pos)
+            continue
+        if key & 7 != _LEN:
+            raise _NotPlain
+        length, pos = _read_varint(view, pos)
+        if key >> 3 == wanted:
+            return pos
+        pos += length
+    raise _NotPlain
+
+
 def _decode_small_item(
     item: memoryview, named: bool, missing_ok: bool, budget: DecodeBudget
 ) -> tuple[str, Any] | None:

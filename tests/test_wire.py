@@ -16,8 +16,10 @@ from distserver.protos.master_pb2 import RunCallableResponse, RunStepResponse
 from distserver.protos.worker_pb2 import RecvTensorResponse, RunGraphResponse
 from distserver.tensors import ResourceHandle, from_tensor_proto, to_tensor_proto
 from distserver.wire import (
+    HAND_ENCODED_BYTES,
     TensorAssembler,
     chunk_tensor,
+    content_start,
     decode_plain_recv_tensor_response,
     decode_recv_tensor_response,
     decode_tensor_message,
@@ -387,6 +389,48 @@ def test_hand_read_content_at_an_unaligned_offset_is_copied_aligned_below_1_mib(
                 assert np.shares_memory(got, np.frombuffer(data, np.uint8))
                 unaligned_seen |= not got.flags.aligned
         assert unaligned_seen
+
+
+def test_content_start_finds_the_first_large_tensors_content_from_the_messages_first_bytes():
+    from distserver.protos.master_pb2 import RunCallableRequest, RunStepRequest
+    from distserver.protos.worker_pb2 import RunGraphRequest
+
+    small = np.arange(8, dtype=np.float32)
+    large = np.arange(HAND_ENCODED_BYTES // 4, dtype=np.float32)
+    for message in (
+        RunStepRequest(session_handle="s" * 7, fetch=["loss:0"]),
+        RunGraphRequest(graph_handle="g", step_id=12345),
+        RunCallableRequest(session_handle="abc", handle=3),
+    ):
+        for items in ([("x:0", large)], [("small:0", small), ("feed_with_a_longer_name:0", large)]):
+            values = [value for _, value in items] if isinstance(message, RunCallableRequest) else items
+            data = encode_tensor_message(message, values)
+            where = data.find(large.tobytes())
+            assert content_start(data, type(message)) == where > 0
+            # From the first bytes on: what a receiver has read of the message when it places it.
+            assert content_start(memoryview(data)[: where + 1], type(message)) == where
+            assert content_start(memoryview(data)[: where - 1], type(message)) is None
+        # Written by protobuf itself: the same answer.
+        built = type(message)()
+        built.CopyFrom(message)
+        if isinstance(built, RunCallableRequest):
+            built.feed.add().CopyFrom(to_tensor_proto(large))
+        else:
+            items_field = built.send if isinstance(built, RunGraphRequest) else built.feed
+            items_field.add(name="x:0").tensor.CopyFrom(to_tensor_proto(large))
+        data = built.SerializeToString()
+        assert content_start(data, type(message)) == data.find(large.tobytes()) > 0
+        # No tensor large enough, or a message without tensors: nothing to align.
+        data = encode_tensor_message(message, _items_or_values(message, small))
+        assert content_start(data, type(message)) is None
+    assert content_start(RunStepResponse().SerializeToString(), RecvTensorResponse) is None
+    assert content_start(b"\xff" * 64, RunStepRequest) is None  # not a message: no answer, no error
+
+
+def _items_or_values(message, value):
+    from distserver.protos.master_pb2 import RunCallableRequest
+
+    return [value] if isinstance(message, RunCallableRequest) else [("x:0", value)]
 
 
 def _protobuf_message(message, items):

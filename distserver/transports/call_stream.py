@@ -42,6 +42,7 @@ from google.protobuf.message import Message
 from distserver import errors
 from distserver.protos.services import SERVICES
 from distserver.transports.base import parse_handler_request
+from distserver.wire import content_start
 
 METHOD = "/distserver.Calls/Stream"
 
@@ -115,6 +116,12 @@ class CallStreamServer:
     def serves(self, path: str) -> bool:
         """Whether `dispatch` answers calls to `path` (a unary method of the services)."""
         return path in self._handlers
+
+    def content_start(self, path: str, head: memoryview) -> int | None:
+        """Where the content of the first large tensor of a request to `path` starts,
+        from the request's first bytes `head` (`wire.content_start`); None if unknown."""
+        request_cls = self._request_types.get(path)
+        return None if request_cls is None else content_start(head, request_cls)
 
     def rpc_handler(self) -> Any:
         """The generic handler to add to a `grpc.aio.Server`."""

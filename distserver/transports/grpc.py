@@ -843,7 +843,9 @@ async def serve(
             port = sockets[0].getsockname()[1]
             relay_port = _bind(server, "127.0.0.1:0", None)
             relay = grpc.aio.insecure_channel(f"127.0.0.1:{relay_port}", options=_QUIET_CHANNEL_OPTIONS)
-            front = http2.Http2Front(calls.dispatch, calls.serves, _handled_by(handlers), relay, security)
+            front = http2.Http2Front(
+                calls.dispatch, calls.serves, _handled_by(handlers), relay, security, calls.content_start
+            )
             await front.listen(sockets)
         else:
             port = _bind(server, address, credentials)

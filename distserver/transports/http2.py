@@ -17,6 +17,12 @@ trailing metadata go across as they are. A call of a path no handler takes is
 answered UNIMPLEMENTED here. Not used with TLS: then grpc.aio serves the address
 itself.
 
+A request's large DATA frame (TensorFlow's client sends a RunStep's 784 KiB feed in
+one) is read from the socket straight into the call's body, placed so that its first
+large tensor's content is aligned (`Http2Front.content_start`): the handler reads the
+feed where it lies, with no copy to join the reads and none to align it (a copy each,
+~0.1 ms of a training step's critical path; docs/benchmarks.md, round 42).
+
 HTTP/2 (RFC 9113) as a gRPC server needs it: the connection preface and SETTINGS, HEADERS
 and CONTINUATION (HPACK, `distserver.transports.hpack`), DATA with flow control both
 ways, RST_STREAM, PING, WINDOW_UPDATE, GOAWAY. No server push, no priorities (PRIORITY
@@ -54,6 +60,7 @@ from typing import Any
 
 import grpc
 import grpc.aio
+import numpy as np
 
 from distserver import call_deadline, errors
 from distserver.security import Security
@@ -87,9 +94,16 @@ MAX_MESSAGE_BYTES = (1 << 31) - 1
 # The window each stream starts with, and the connection's.
 STREAM_WINDOW = 4 << 20
 CONNECTION_WINDOW = 64 << 20
-# A served call's DATA frame at least this large, with less than that read after it,
-# becomes its body without a copy (`_Connection._read_frames`).
+# A served call's DATA frame at least this large becomes its body without a copy: read
+# straight into it from the socket when it is its request's first (`_Connection._read_large`),
+# else the buffer it was read into when little was read after it (`_Connection._read_frames`).
 KEPT_DATA_BYTES = 64 << 10
+# How much one read of the socket takes in (other than into such a body).
+READ_BYTES = 64 << 10
+# A request read straight into its body is placed so that its first large tensor's
+# content starts at a multiple of this (a cache line): its decoder then takes it as it
+# is, where content at an offset its dtype does not divide is copied first.
+ALIGNMENT = 64
 # A relayed stream's client may be this many bytes of whole messages ahead of the relay.
 RELAY_QUEUE_BYTES = 4 << 20
 HANDSHAKE_SECONDS = 10.0
@@ -196,11 +210,25 @@ class _Stream:
         self.task: asyncio.Task[None] | None = None
 
 
-class _Connection(asyncio.Protocol):
+class _LargeData:
+    """A large DATA frame read straight into its stream's body (`_Connection.get_buffer`):
+    the first frame of a served call's request, placed so that the content of its
+    first large tensor is aligned (`Http2Front.content_start`)."""
+
+    def __init__(self, stream_id: int, flags: int, body: memoryview) -> None:
+        self.stream_id = stream_id
+        self.flags = flags
+        self.body = body
+        self.filled = 0
+
+
+class _Connection(asyncio.BufferedProtocol):
     def __init__(self, front: Http2Front) -> None:
         self._front = front
         self._transport: Any = None  # asyncio's or uvloop's stream transport
-        self._buffer = bytearray()
+        self._buffer = bytearray()  # bytes read and not yet taken as whole frames
+        self._read_area = memoryview(bytearray(READ_BYTES))  # where a read lands, but:
+        self._large: _LargeData | None = None  # the frame a read lands in instead
         self._preface_seen = False
         self._settings_seen = False
         self._decoder = Decoder(MAX_HEADER_BYTES)
@@ -251,21 +279,36 @@ class _Connection(asyncio.Protocol):
         if not self._settings_seen:
             self._close()
 
-    def data_received(self, data: bytes) -> None:
+    def get_buffer(self, sizehint: int) -> memoryview:
+        large = self._large
+        if large is not None:
+            return large.body[large.filled :]
+        return self._read_area
+
+    def buffer_updated(self, nbytes: int) -> None:
         if self._closed:
             return
-        self._buffer += data
         try:
-            self._read_frames()
+            large = self._large
+            if large is None:
+                self._buffer += self._read_area[:nbytes]
+                self._read_frames()
+            else:
+                large.filled += nbytes
+                if large.filled == len(large.body):
+                    self._large = None
+                    self._on_frame(DATA, large.flags, large.stream_id, large.body, True)
         except _ConnectionError as exc:
             self._fail(exc.code, str(exc))
         except HpackError as exc:
             self._fail(COMPRESSION_ERROR, str(exc))
         if self._closed:
             self._buffer = bytearray()
+            self._large = None
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
+        self._large = None
         self._front.connections.discard(self)
         if self._handshake is not None:
             self._handshake.cancel()
@@ -309,6 +352,11 @@ class _Connection(asyncio.Protocol):
                         FRAME_SIZE_ERROR, f"a frame of {size} bytes, over {MAX_FRAME_BYTES}"
                     )
                 if len(buffer) - pos < 9 + size:
+                    if kind == DATA and size >= KEPT_DATA_BYTES:
+                        with view[pos + 9 :] as partial:
+                            self._large = self._read_large(flags, stream_id & 0x7FFFFFFF, partial, size)
+                        if self._large is not None:
+                            pos = len(buffer)  # (its bytes so far are in its body)
                     break
                 end = pos + 9 + size
                 if kind == DATA and size >= KEPT_DATA_BYTES and len(buffer) - end < KEPT_DATA_BYTES:
@@ -329,6 +377,34 @@ class _Connection(asyncio.Protocol):
                 if self._closed:
                     return
         del buffer[:pos]
+
+    def _read_large(self, flags: int, stream_id: int, partial: memoryview, size: int) -> _LargeData | None:
+        """Where the rest of a DATA frame of `size` bytes, `partial` read so far, goes
+        straight from the socket: a body of its own, when it is the first frame of a
+        served call's request and within the windows (else None: it is read into the
+        buffer as any frame is). The body is placed so that the content of the request's
+        first large tensor, if `partial` shows where it starts, is `ALIGNMENT`-aligned."""
+        stream = self._streams.get(stream_id)
+        if (
+            stream is None
+            or stream.relayed
+            or stream.ended
+            or stream.body
+            or flags & PADDED
+            or self._owed + self._withheld + size > CONNECTION_WINDOW
+            or stream.owed + stream.withheld + size > STREAM_WINDOW
+        ):
+            return None
+        start = self._front.content_start(stream.path, partial[_MESSAGE_HEAD.size :])
+        area = np.empty(size + ALIGNMENT, np.uint8)
+        shift = 0
+        if start is not None:
+            shift = -(area.ctypes.data + _MESSAGE_HEAD.size + start) % ALIGNMENT
+        body = memoryview(area.data)[shift : shift + size]
+        body[: len(partial)] = partial
+        large = _LargeData(stream_id, flags, body)
+        large.filled = len(partial)
+        return large
 
     def _on_frame(
         self, kind: int, flags: int, stream_id: int, payload: memoryview, keep: bool = False
@@ -831,6 +907,8 @@ class Http2Front:
     `dispatch(path, request)` answers the unary calls `serves(path)` accepts (it raises
     OpErrors only); `relay_channel` reaches the task's grpc.aio server, for the calls
     `relays(path)` accepts (its handlers'); any other call is answered UNIMPLEMENTED.
+    `content_start(path, head)`: where the content of the first large tensor of a
+    request to `path` starts, from its first bytes `head` (`wire.content_start`), or None.
     """
 
     def __init__(
@@ -840,9 +918,11 @@ class Http2Front:
         relays: Callable[[str], bool],
         relay_channel: grpc.aio.Channel,
         security: Security | None,
+        content_start: Callable[[str, memoryview], int | None] = lambda path, head: None,
     ) -> None:
         self._dispatch = dispatch
         self.serves = serves
+        self.content_start = content_start
         self.relays = relays
         self._security = security
         self._relay_channel = relay_channel

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import grpc
 import grpc.aio
+import numpy as np
 import pytest
 
 import distserver as ds
@@ -34,11 +35,17 @@ from distserver.protos.eager_service_pb2 import (
     QueueItem,
     QueueResponse,
 )
-from distserver.protos.master_pb2 import ListDevicesRequest, ListDevicesResponse
+from distserver.protos.master_pb2 import (
+    ListDevicesRequest,
+    ListDevicesResponse,
+    RunStepRequest,
+    RunStepResponse,
+)
 from distserver.protos.services import EAGER_SERVICE, MASTER_SERVICE, WORKER_SERVICE
 from distserver.protos.worker_pb2 import GetStatusRequest, GetStatusResponse
 from distserver.transports import direct, get_transport, http2
 from distserver.transports.hpack import Decoder, encode
+from distserver.wire import TensorRequest, encode_tensor_message
 
 TIMEOUT = 10.0  # the bound on every wait: a broken front fails the test, it does not hang it
 
@@ -458,7 +465,67 @@ async def test_a_large_request_is_answered_however_its_frames_arrive(listener, w
     assert kept == [1, 3, 5]
 
 
+RUN_STEP = f"/{MASTER_SERVICE}/RunStep"
+
+
+async def test_a_large_feed_reaches_its_handler_aligned_without_a_copy(monkeypatch):
+    # A request in one large DATA frame (as TensorFlow's client sends a RunStep once it
+    # has the front's SETTINGS) is read from the socket straight into its body, placed so
+    # that the first large tensor's content is aligned: its handler gets a view of the
+    # body, not the aligned copy it would get where the content lies at an odd offset.
+    # Each session handle length moves the content a byte further.
+    monkeypatch.delenv(http2.ENV, raising=False)
+    fed: list[np.ndarray] = []
+
+    async def run_step(request):
+        assert isinstance(request, TensorRequest), "a large request is read by hand"
+        fed.extend(value for _, value in request.tensors)
+        return RunStepResponse()
+
+    served = await get_transport("grpc").listen("localhost:0", {MASTER_SERVICE: {"RunStep": run_step}})
+    await served.start()
+    x = np.arange(200_000, dtype=np.float32)  # 800 KB, as a training step's feed
+    requests = [encode_tensor_message(RunStepRequest(session_handle="s" * n), [("x:0", x)]) for n in range(4)]
+    try:
+        async with raw_client(served.port) as client:
+            for i, request in enumerate(requests):
+                client.start_call(2 * i + 1, RUN_STEP, grpc_message(request))  # one DATA frame each
+                await client.until(lambda i=i: client.stream(2 * i + 1).trailers is not None, "the answer")
+                assert client.stream(2 * i + 1).grpc_status == OK
+    finally:
+        await served.stop(1)
+    assert len(fed) == len(requests)
+    for value in fed:
+        assert np.array_equal(value, x)
+        assert value.ctypes.data % http2.ALIGNMENT == 0
+        assert not value.flags.owndata  # a view of the request's body
+
+
 # ----------------------------------------------------------------------------- hostile clients
+
+
+async def test_a_client_that_stops_inside_a_large_request_frame_leaves_the_front_serving(
+    listener, worker, caplog, monkeypatch
+):
+    # The body a large frame is read into is allocated once its header and first bytes
+    # are in (no larger than the frame limit, as any frame's buffer may grow to); a client
+    # that closes inside the frame gets no answer, and nothing waits for the rest.
+    bodies: list[int] = []  # the sizes of the bodies the front read frames into
+    original = http2._Connection._read_large
+
+    def spy(self, flags, stream_id, partial, size):
+        large = original(self, flags, stream_id, partial, size)
+        bodies.append(len(large.body))
+        return large
+
+    monkeypatch.setattr(http2._Connection, "_read_large", spy)
+    async with raw_client(listener.port) as client:
+        client.send(frame(HEADERS, END_HEADERS, 1, request_headers(ENQUEUE)))
+        client.send(frame_header(http2.MAX_FRAME_BYTES, DATA, END_STREAM, 1) + large_enqueue(100)[:100_000])
+        await asyncio.sleep(0.05)  # (the server, on this loop, reads what came meanwhile)
+    assert bodies == [http2.MAX_FRAME_BYTES]
+    await still_serving(listener, worker)
+    assert errors_logged(caplog) == []
 
 
 async def test_a_client_that_asks_and_never_reads_is_cut_off(listener, worker):
