@@ -15,7 +15,9 @@ worker (`--layout cluster`) or on one task (`--layout one`).
 `--client tf` drives a training step with TensorFlow's own client (`train_side.py`
 under TensorFlow's Python: $DISTSERVER_TF_PYTHON, or this Python if it imports
 tensorflow). That process is not marked: times are then counted from the moment the
-master's RunStep handler starts, and the client's own time between steps is not seen.
+master's RunStep handler starts, up to the next step's start. The task's HTTP/2 front
+marks the bytes it reads and the calls it answers: after the handler ends, the answer
+going out, then (the client's own time between) the next request coming in.
 
 `--nodes` adds a mark as each kernel starts ("node MatMul") and a second table: each
 node's median wall and CPU time (the thread's clock) per run, by process and thread
@@ -76,6 +78,11 @@ MARKS = [
     ),
     # (TensorFlow's client runs its steps with RunStep.)
     ("distserver.runtime.master", "Master", "run_step_rpc", RUN_STEP_STARTS, RUN_STEP_ENDS),
+    # TensorFlow's client's calls, read and answered by the task's HTTP/2 front: bytes
+    # read from its connection (a request's, or the client's own frames), and a served
+    # call from its request read whole to its answer written.
+    ("distserver.transports.http2", "_Connection", "buffer_updated", "front reads bytes", None),
+    ("distserver.transports.http2", "Http2Front", "serve", "front starts a call", "front has answered"),
     (
         "distserver.runtime.clients",
         "RemoteWorker",
@@ -342,9 +349,12 @@ def _ordinal(n: int) -> str:
     return {1: "", 2: " (2nd)", 3: " (3rd)"}.get(n, f" ({n}th)")
 
 
-def timeline(trace_dir: Path, anchors: tuple[str, str]) -> tuple[list[tuple[str, float, int]], int]:
+def timeline(
+    trace_dir: Path, anchors: tuple[str, str], to_next: bool = False
+) -> tuple[list[tuple[str, float, int]], int]:
     """(process: mark, median µs after a step's start, steps seen) in time order, and the
-    number of steps run; a step starts at the mark `anchors[0]` and ends at `anchors[1]`."""
+    number of steps run; a step starts at the mark `anchors[0]` and ends at `anchors[1]`,
+    or, with `to_next`, where the next one starts (what happens between them is seen)."""
     processes = json.loads((trace_dir / "processes.json").read_text())
     events: list[tuple[str, float]] = []
     for path in trace_dir.glob("*.json"):
@@ -358,7 +368,8 @@ def timeline(trace_dir: Path, anchors: tuple[str, str]) -> tuple[list[tuple[str,
     if not starts:
         raise RuntimeError("no step was traced")
     offsets: dict[str, list[float]] = collections.defaultdict(list)
-    steps = list(zip(starts[len(starts) // 4 :], ends[len(ends) // 4 :], strict=False))
+    first = len(starts) // 4
+    steps = list(zip(starts[first:], starts[first + 1 :] if to_next else ends[first:], strict=False))
     for start, end in steps:
         seen: collections.Counter[str] = collections.Counter()
         for i in range(bisect.bisect_left(times, start), bisect.bisect_right(times, end)):
@@ -461,7 +472,9 @@ def main() -> None:
         else:
             anchors = (f"client: {MARKS[0][3]}", f"client: {MARKS[0][4]}")
             start = "the client started"
-        rows, steps = timeline(trace_dir, anchors)
+        # TensorFlow's client is not marked: a step runs to the next one's start, so that
+        # its answer going out and the next request coming in show (the front's marks).
+        rows, steps = timeline(trace_dir, anchors, to_next=args.client == "tf")
         kernels = node_times(trace_dir, steps) if args.nodes else []
     step = (
         f"RecvTensor step, {args.size:,} bytes,"
@@ -471,7 +484,8 @@ def main() -> None:
     where = "" if args.layout == "cluster" else ", one task"
     client = "" if args.client == "ds" else ", TensorFlow's client"
     print(f"{step} over {args.protocol}{where}{client}: median time of each mark after {start}")
-    print("the step (the last three quarters of the steps)\n")
+    to_next = ", up to the next step's start (after the handler's end: the next request)"
+    print(f"the step (the last three quarters of the steps){to_next if args.client == 'tf' else ''}\n")
     print("| µs | mark | steps |")
     print("|---:|---|---:|")
     for mark, offset, count in rows:

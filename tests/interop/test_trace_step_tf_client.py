@@ -1,5 +1,6 @@
 """scripts/trace_step.py with TensorFlow's own client on a one-task cluster: the
-marks of the master and the executor are found, counted from the RunStep handler."""
+marks of the master, the executor and the HTTP/2 front are found, counted from the
+RunStep handler up to the next step's."""
 
 from __future__ import annotations
 
@@ -34,8 +35,13 @@ def test_a_one_task_timeline_of_tensorflows_client_starts_at_the_runstep_handler
         "worker: executor starts",
         "worker: grouped updates start",
         "worker: master RunStep handler ends",
+        # A step runs to the next one's start: the answer going out, the next request in.
+        "worker: front has answered",
+        "worker: front reads bytes",
+        "worker: master RunStep handler starts (2nd)",
     ):
         assert expected in marks, (expected, done.stdout)
+    assert marks.index("worker: front has answered") > marks.index("worker: master RunStep handler ends")
     assert not any(mark.startswith(("ps:", "client:")) for mark in marks), done.stdout
     offsets = [float(row[0].strip("| ").replace(",", "")) for row in rows]
     assert offsets == sorted(offsets)
