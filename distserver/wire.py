@@ -509,20 +509,11 @@ def content_start(head: bytes | memoryview, message_class: type[Message]) -> int
     if field is None:
         return None
     view = memoryview(head)
-    pos = 0
     try:
-        for _ in range(_TENSOR_MESSAGE_FIELDS):
-            key, pos = _read_varint(view, pos)
-            if key & 7 == _VARINT:
-                _, pos = _read_varint(view, pos)
-                continue
-            if key & 7 != _LEN:
-                return None
-            length, pos = _read_varint(view, pos)
-            if key >> 3 == field.number and length >= HAND_ENCODED_BYTES:
-                tensor = _value_start(view, pos, 2) if field.named else pos  # (NamedTensorProto.tensor)
+        for number, start, length in _field_heads(view, 0, _TENSOR_MESSAGE_FIELDS):
+            if number == field.number and length >= HAND_ENCODED_BYTES:
+                tensor = _value_start(view, start, 2) if field.named else start  # (NamedTensorProto.tensor)
                 return _value_start(view, tensor, 4)  # TensorProto.tensor_content
-            pos += length
     except (_NotPlain, errors.DataLossError):  # (cut short by the end of `head`)
         return None
     return None
@@ -530,9 +521,19 @@ def content_start(head: bytes | memoryview, message_class: type[Message]) -> int
 
 def _value_start(view: memoryview, pos: int, wanted: int) -> int:
     """Where the value of the length-delimited field `wanted` starts, in the fields from
-    `pos` on. Raises `_NotPlain` past `_PLAIN_FIELDS` fields or for other wire types,
-    DataLossError at the end of `view`."""
-    for _ in range(_PLAIN_FIELDS):
+    `pos` on (`_field_heads`; `_NotPlain` if not among the first `_PLAIN_FIELDS`)."""
+    for number, start, _ in _field_heads(view, pos, _PLAIN_FIELDS):
+        if number == wanted:
+            return start
+    raise _NotPlain
+
+
+def _field_heads(view: memoryview, pos: int, limit: int) -> Iterator[tuple[int, int, int]]:
+    """(field number, where its value starts, its length) of each length-delimited field
+    from `pos` on, up to `limit` fields, varints passed over; a value may run past the
+    end of `view` (a message's first bytes). Raises `_NotPlain` for other wire types,
+    DataLossError where `view` ends inside a field's head."""
+    for _ in range(limit):
         key, pos = _read_varint(view, pos)
         if key & 7 == _VARINT:
             _, pos = _read_varint(view, pos)
@@ -540,10 +541,8 @@ def _value_start(view: memoryview, pos: int, wanted: int) -> int:
         if key & 7 != _LEN:
             raise _NotPlain
         length, pos = _read_varint(view, pos)
-        if key >> 3 == wanted:
-            return pos
+        yield key >> 3, pos, length
         pos += length
-    raise _NotPlain
 
 
 def _decode_small_item(
