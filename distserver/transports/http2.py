@@ -215,11 +215,11 @@ class _LargeData:
     the first frame of a served call's request, placed so that the content of its
     first large tensor is aligned (`Http2Front.content_start`)."""
 
-    def __init__(self, stream_id: int, flags: int, body: memoryview) -> None:
+    def __init__(self, stream_id: int, flags: int, body: memoryview, filled: int) -> None:
         self.stream_id = stream_id
         self.flags = flags
         self.body = body
-        self.filled = 0
+        self.filled = filled  # bytes of `body` read so far
 
 
 class _Connection(asyncio.BufferedProtocol):
@@ -402,9 +402,7 @@ class _Connection(asyncio.BufferedProtocol):
             shift = -(area.ctypes.data + _MESSAGE_HEAD.size + start) % ALIGNMENT
         body = memoryview(area.data)[shift : shift + size]
         body[: len(partial)] = partial
-        large = _LargeData(stream_id, flags, body)
-        large.filled = len(partial)
-        return large
+        return _LargeData(stream_id, flags, body, len(partial))
 
     def _on_frame(
         self, kind: int, flags: int, stream_id: int, payload: memoryview, keep: bool = False
