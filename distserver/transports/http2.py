@@ -916,7 +916,7 @@ class Http2Front:
         relays: Callable[[str], bool],
         relay_channel: grpc.aio.Channel,
         security: Security | None,
-        content_start: Callable[[str, memoryview], int | None] = lambda path, head: None,
+        content_start: Callable[[str, memoryview], int | None],
     ) -> None:
         self._dispatch = dispatch
         self.serves = serves
