@@ -274,3 +274,95 @@ def test_inputs_unlike_those_the_members_took_go_through_their_checks(monkeypatc
     with pytest.raises(errors.InvalidArgumentError) as raised:
         kernel.compute(None, [rows.astype(np.float64), *inputs[1:]])
     assert raised.value.node_name == "MatMul"
+
+
+def test_small_checked_stacks_run_their_members_calls_from_a_plan_with_the_same_bits(
+    server, monkeypatch, executors
+):
+    # Inputs like those the members took, every product one np.dot: the stack makes each
+    # member's numpy calls itself from a plan (no call a member), with the same bits as
+    # the members one by one; tanh, relu and sigmoid layers alike.
+    from distserver.kernels import _compiled
+
+    assert _compiled.wait(300), "the compiled loops are not there: numba missing? (pip install -e '.[dev]')"
+    rng = np.random.default_rng(17)
+    graph, init, train, loss, x = _mlp(6, 16, rng)
+    feeds = [rng.standard_normal((8, 16)).astype(F32) for _ in range(4)]
+    stacked = _train(server, graph, feeds, init, train, loss, x)
+    step = max(executors, key=lambda e: len(_live(e, DENSE_STACK_OP)))
+    stacks = [node.kernel for node in _live(step, DENSE_STACK_OP)]
+    assert sorted(kernel.forward for kernel in stacks) == [False, True]
+    for kernel in stacks:
+        assert kernel._plan is not None
+        assert kernel._plan[0] is kernel._took
+        assert len(kernel._plan[1]) == 6  # (a step planned: one entry a member)
+    monkeypatch.setattr(executor_module, "_stack_dense_layers", lambda nodes, control_sources: None)
+    assert_same_training(stacked, _train(server, graph, feeds, init, train, loss, x), len(feeds))
+
+
+def test_a_planned_gradient_stack_takes_numpys_calls_for_a_member_with_a_strided_input(server, monkeypatch):
+    # The compiled gradient pass reads C-contiguous arrays only: an activation input that
+    # is not goes through the member's own `checked_gradients` (numpy's calls); and a
+    # plan made for other shapes is made again.
+    from distserver.kernels import _compiled
+    from distserver.kernels.math import DenseStackKernel
+
+    assert _compiled.wait(300), "the compiled loops are not there: numba missing? (pip install -e '.[dev]')"
+    seen: dict[bool, tuple[Any, list[Any]]] = {}
+    compute = DenseStackKernel.compute
+
+    def recording(kernel: Any, ctx: Any, inputs: list[Any]) -> list[Any]:
+        seen[kernel.forward] = (kernel, list(inputs))
+        return compute(kernel, ctx, inputs)
+
+    monkeypatch.setattr(DenseStackKernel, "compute", recording)
+    rng = np.random.default_rng(19)
+    graph, init, train, loss, x = _mlp(3, 5, rng)  # (8 rows of 5: a row's arrays are told apart)
+    _train(server, graph, [rng.standard_normal((8, 5)).astype(F32) for _ in range(2)], init, train, loss, x)
+    kernel, inputs = seen[False]
+
+    def members_one_by_one(values: list[Any]) -> list[Any]:
+        out, passed = [], None
+        for member, taken, (start, end) in zip(kernel.members, kernel._taken, kernel._spans, strict=True):
+            own = values[start:end]
+            if start:
+                own.insert(taken, passed)
+            result = member.compute(None, own)
+            out += result[:2]
+            passed = result[2] if len(result) == 3 else None
+        return out + ([passed] if passed is not None else [])
+
+    def assert_members_bits(values: list[Any]) -> None:
+        expected = members_one_by_one(values)
+        got = compute(kernel, None, list(values))
+        assert len(got) == len(expected)
+        for value, want in zip(got, expected, strict=True):
+            np.testing.assert_array_equal(value, want)
+
+    assert_members_bits(inputs)
+    plan = kernel._plan
+    assert plan is not None
+    assert plan[0] is kernel._took
+    assert plan[1] is not None
+    # The first member's activation output (TanhGrad's y), as a strided view of the same values.
+    strided = list(inputs)
+    wide = np.zeros((8, 10), F32)
+    wide[:, ::2] = inputs[0]
+    strided[0] = wide[:, ::2]
+    assert not strided[0].flags.c_contiguous
+    calls: list[int] = []
+    first = kernel.members[0]
+    own = first.checked_gradients
+    monkeypatch.setattr(first, "checked_gradients", lambda *args: calls.append(1) or own(*args))
+    assert_members_bits(strided)
+    assert calls == [1]
+    assert kernel._plan is plan
+    # Another batch size (six of the rows): the members check the inputs, then a plan is
+    # made for their shapes.
+    fewer = [v[:6] if v.ndim == 2 and v.shape[0] == 8 else v for v in inputs]
+    assert_members_bits(fewer)  # (unlike: the members' checks; remembered)
+    assert kernel._plan is plan
+    assert_members_bits(fewer)
+    assert kernel._plan is not plan
+    assert kernel._plan[0] is kernel._took
+    assert kernel._plan[1] is not None
