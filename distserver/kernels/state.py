@@ -1381,11 +1381,12 @@ class GroupedUpdatesKernel(OpKernel):
             or list(map(_dtype_of, grads)).count(dtype) != count
         ):
             return every
-        fits = list(map(_fits_an_arena, grads))  # (a variable has its gradient's shape)
-        if all(fits):
+        # (a variable has its gradient's shape; most often every one fits, seen in one pass)
+        if max(map(_nbytes_of, grads)) <= ARENA_MAX_VARIABLE_BYTES:
             fitting: Sequence[int] = every
             rest: list[int] = []
         else:
+            fits = list(map(_fits_an_arena, grads))
             fitting = [part for part in every if fits[part]]
             rest = [part for part in every if not fits[part]]
         if len(fitting) < 2:
