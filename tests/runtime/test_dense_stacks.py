@@ -181,10 +181,9 @@ def test_a_stack_goes_to_the_pool_when_one_of_its_layers_would():
     assert not executor_module._large(stack.kernel, inputs)
 
 
-def test_a_gradient_stack_weighs_a_last_member_without_weights_itself(server, monkeypatch):
-    # The first layer's gradient (the stack's last member) has no weights input (N = 0):
-    # its product, h.T @ g, is 2048 x 2048 multiply-adds from two 1 x 2048 inputs, which
-    # the bound from the stack's largest input (layer 1's 2048 x 4 weights) does not see.
+def _record_stack_inputs(monkeypatch: pytest.MonkeyPatch) -> dict[bool, tuple[Any, list[Any]]]:
+    """The last inputs each kind of stack computed (by `forward`), with its kernel, as
+    steps run."""
     from distserver.kernels.math import DenseStackKernel
 
     seen: dict[bool, tuple[Any, list[Any]]] = {}
@@ -195,6 +194,14 @@ def test_a_gradient_stack_weighs_a_last_member_without_weights_itself(server, mo
         return compute(kernel, ctx, inputs)
 
     monkeypatch.setattr(DenseStackKernel, "compute", recording)
+    return seen
+
+
+def test_a_gradient_stack_weighs_a_last_member_without_weights_itself(server, monkeypatch):
+    # The first layer's gradient (the stack's last member) has no weights input (N = 0):
+    # its product, h.T @ g, is 2048 x 2048 multiply-adds from two 1 x 2048 inputs, which
+    # the bound from the stack's largest input (layer 1's 2048 x 4 weights) does not see.
+    seen = _record_stack_inputs(monkeypatch)
     rng = np.random.default_rng(11)
     with ds.Graph().as_default() as graph:
         x = ds.placeholder(ds.float32, [1, 2048], name="x")
@@ -308,14 +315,8 @@ def test_a_planned_gradient_stack_takes_numpys_calls_for_a_member_with_a_strided
     from distserver.kernels.math import DenseStackKernel
 
     assert _compiled.wait(300), "the compiled loops are not there: numba missing? (pip install -e '.[dev]')"
-    seen: dict[bool, tuple[Any, list[Any]]] = {}
     compute = DenseStackKernel.compute
-
-    def recording(kernel: Any, ctx: Any, inputs: list[Any]) -> list[Any]:
-        seen[kernel.forward] = (kernel, list(inputs))
-        return compute(kernel, ctx, inputs)
-
-    monkeypatch.setattr(DenseStackKernel, "compute", recording)
+    seen = _record_stack_inputs(monkeypatch)
     rng = np.random.default_rng(19)
     graph, init, train, loss, x = _mlp(3, 5, rng)  # (8 rows of 5: a row's arrays are told apart)
     _train(server, graph, [rng.standard_normal((8, 5)).astype(F32) for _ in range(2)], init, train, loss, x)
