@@ -22,6 +22,8 @@ going out, then (the client's own time between) the next request coming in.
 `--nodes` adds a mark as each kernel starts ("node MatMul") and a second table: each
 node's median wall and CPU time (the thread's clock) per run, by process and thread
 (the main thread runs the event loop; others are the pool's), the heaviest first.
+A stack of small dense layers then calls its members one by one (its plan, which
+makes their numpy calls without calling them, is off), so that each is timed.
 
 The marks wrap methods by name; a renamed method makes this script fail loudly
 rather than print a partial timeline. Wrapping costs ~1 us a call: read the gaps
@@ -238,8 +240,10 @@ try:
             return _timed(_compute_of(kernel), lambda ctx, inputs: kernel)
         _executor.compute_without_dereference = _timed_compute
         # A stack calls its members' fast paths, or, for inputs like those they took
-        # before, their arithmetic alone (`DenseStackKernel.compute`).
+        # before, their arithmetic alone (`DenseStackKernel.compute`); its plan, which
+        # makes the members' calls without calling them, is off so that each is timed.
         _stack = importlib.import_module("distserver.kernels.math").DenseStackKernel
+        _stack._make_plan = lambda self, took, inputs: None
         _stack_init = _stack.__init__
         def _timed_members(self, node):
             _stack_init(self, node)
