@@ -345,7 +345,8 @@ def test_a_planned_gradient_stack_takes_numpys_calls_for_a_member_with_a_strided
     assert plan is not None
     assert plan[0] is kernel._took
     assert plan[1] is not None
-    # The first member's activation output (TanhGrad's y), as a strided view of the same values.
+    # The first member's activation output (its SigmoidGrad's y: the last layer is a
+    # sigmoid), as a strided view of the same values.
     strided = list(inputs)
     wide = np.zeros((8, 10), F32)
     wide[:, ::2] = inputs[0]
