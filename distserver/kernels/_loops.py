@@ -337,3 +337,103 @@ def deduplicated_sparse_adagrad(
     if segment_sum_rows(summed, ranks, grad) >= 0:  # (never: every rank is in range)
         return -2
     return sparse_adagrad(var, accum, lr, summed, ids[firsts[:distinct]], update_slots, one)
+
+
+# Below this magnitude an id, and an id less a constant, converts to float64 exactly,
+# and its product by a divisor's float reciprocal is within 1 / (2 * divisor) of the
+# true quotient (two roundings of relative error 2**-53 each): the product's floor is
+# the quotient's, or, when the quotient is a whole number, one less. Never more: the
+# next whole number is at least 1 / divisor away.
+_HALF_EXACT = 1 << 50
+
+
+@numba.njit(inline="always")
+def _floor_divide(a: Any, divisor: Any, reciprocal: float) -> tuple[Any, Any]:  # pragma: no cover
+    """numpy's `floor_divide` and `remainder` (TensorFlow's FloorDiv and FloorMod) of
+    int64 |a| < 2**51 by a positive `divisor`, `reciprocal` its float64 1 / divisor:
+    the float quotient (a multiplication where the CPU's integer division takes ~15
+    cycles, and one that vectorizes), one more when its floor is one short."""
+    quotient = np.int64(np.floor(np.float64(a) * reciprocal))
+    remainder = a - quotient * divisor
+    if remainder >= divisor:
+        return quotient + 1, remainder - divisor
+    return quotient, remainder
+
+
+@numba.njit(inline="always")
+def _below_half_exact(ids: np.ndarray, constant: Any, other_constant: Any) -> bool:  # pragma: no cover
+    """Whether every id and both constants are in (-2**50, 2**50): ids less a
+    constant are then in (-2**51, 2**51), where `_floor_divide` is exact."""
+    if not (-_HALF_EXACT < constant < _HALF_EXACT and -_HALF_EXACT < other_constant < _HALF_EXACT):
+        return False
+    for i in range(ids.size):  # noqa: SIM110 (a loop numba compiles; not a generator)
+        if not -_HALF_EXACT < ids[i] < _HALF_EXACT:
+            return False
+    return True
+
+
+_IDS = types.Array(types.int64, 1, "C", readonly=True)
+_SHARDS = types.Array(types.int32, 1, "C")
+
+
+@numba.njit(types.void(_IDS, *[types.int64] * 7, _SHARDS, _INT64S), **_OPTIONS)
+def split_ids_by_blocks(
+    ids: np.ndarray,
+    block_rows: int,
+    extras: int,
+    block_rows_again: int,
+    extras_again: int,
+    rows: int,
+    rows_again: int,
+    extras_bound: int,
+    shards: np.ndarray,
+    rows_in_shard: np.ndarray,
+) -> None:  # pragma: no cover
+    """An embedding lookup's ids split by shard the "div" way (shards of consecutive
+    rows, the first `extras` one row longer), as TensorFlow's graph writes it, from its
+    constants in the order its nodes take them (positive divisors, checked by the
+    caller): each id's shard, max(id // block_rows, (id - extras) // rows), as int32
+    (numpy's cast: the low 32 bits) into `shards`, and its row there into
+    `rows_in_shard`: id % block_rows_again when that shard is below `extras_bound`,
+    else (id - extras_again) % rows_again. The bits of the nodes' numpy calls."""
+    if not _below_half_exact(ids, extras, extras_again):
+        for i in range(ids.size):
+            a = ids[i]
+            shard = max(a // block_rows, (a - extras) // rows)
+            shards[i] = np.int32(shard)
+            in_block, beyond = a % block_rows_again, (a - extras_again) % rows_again
+            rows_in_shard[i] = in_block if shard < extras_bound else beyond
+        return
+    to_block = 1.0 / block_rows
+    to_block_again = 1.0 / block_rows_again
+    to_rows = 1.0 / rows
+    to_rows_again = 1.0 / rows_again
+    for i in range(ids.size):
+        a = ids[i]
+        shard = max(_floor_divide(a, block_rows, to_block)[0], _floor_divide(a - extras, rows, to_rows)[0])
+        shards[i] = np.int32(shard)
+        # (both rows, then one: a select, which vectorizes)
+        in_block = _floor_divide(a, block_rows_again, to_block_again)[1]
+        beyond = _floor_divide(a - extras_again, rows_again, to_rows_again)[1]
+        rows_in_shard[i] = in_block if shard < extras_bound else beyond
+
+
+@numba.njit(types.void(_IDS, types.int64, types.int64, _SHARDS, _INT64S), **_OPTIONS)
+def split_ids_by_remainder(
+    ids: np.ndarray, count: int, count_again: int, shards: np.ndarray, rows_in_shard: np.ndarray
+) -> None:  # pragma: no cover
+    """An embedding lookup's ids split by shard the "mod" way (id i in shard i % count,
+    row i // count there), from the graph's two constants (positive, checked by the
+    caller): id % count as int32 (the low 32 bits) into `shards`, id // count_again
+    into `rows_in_shard`. The bits of the nodes' numpy calls."""
+    if not _below_half_exact(ids, 0, 0):
+        for i in range(ids.size):
+            shards[i] = np.int32(ids[i] % count)
+            rows_in_shard[i] = ids[i] // count_again
+        return
+    to_count = 1.0 / count
+    to_count_again = 1.0 / count_again
+    for i in range(ids.size):
+        a = ids[i]
+        shards[i] = np.int32(_floor_divide(a, count, to_count)[1])
+        rows_in_shard[i] = _floor_divide(a, count_again, to_count_again)[0]

@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from distserver import errors
+from distserver.kernels import _compiled, id_split
 from distserver.kernels.math import fused_parts
 from distserver.kernels.registry import (
     KernelContext,
@@ -85,6 +86,10 @@ class FusedRegionKernel(OpKernel):
         ]
         self._outputs = [count + q for q in outputs]
         self.parts = kernels
+        # An embedding lookup's split of its ids by shard runs as one compiled loop.
+        self._id_split = id_split.match(parts, [sources for _, sources in steps], self._outputs, count)
+        if self._id_split is not None:
+            _compiled.prepare()
         # The bytes of the largest value its last call made: parts may make values larger
         # than the node's inputs (a broadcast), which the executor weighs for its pool.
         self._largest = 0
@@ -98,6 +103,11 @@ class FusedRegionKernel(OpKernel):
         return self._largest  # (its last call's: a step's values are alike the next's)
 
     def compute(self, ctx: KernelContext, inputs: list[Any]) -> list[Any]:
+        if self._id_split is not None:
+            split = self._id_split.run(inputs)
+            if split is not None:
+                self._largest = split[0].nbytes + split[1].nbytes
+                return split
         values = list(inputs)
         largest = 0
         for compute, sources, drops in self._steps:

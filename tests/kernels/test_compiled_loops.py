@@ -34,6 +34,8 @@ LOOPS = (
     "first_occurrences",
     "partition_order",
     "take_rows",
+    "split_ids_by_blocks",
+    "split_ids_by_remainder",
 )
 
 

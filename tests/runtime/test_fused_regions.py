@@ -5,7 +5,10 @@ and no group that would wait for itself, in the graph or across partitions."""
 
 from __future__ import annotations
 
+import collections
+import itertools
 import tracemalloc
+import types
 from typing import Any
 
 import numpy as np
@@ -13,13 +16,13 @@ import pytest
 
 import distserver as ds
 from distserver import errors
-from distserver.kernels import create_kernel
+from distserver.kernels import _compiled, create_kernel
 from distserver.kernels.math import FUSED_NODES_ATTR
 from distserver.kernels.regions import FUSED_REGION_OP
 from distserver.kernels.sendrecv import RECEIVES_FIRST_ATTR
 from distserver.protos.graph_pb2 import GraphDef
 from distserver.protos.node_def_pb2 import NodeDef
-from distserver.protos.types_pb2 import DT_FLOAT, DT_INT64
+from distserver.protos.types_pb2 import DT_FLOAT, DT_INT32, DT_INT64
 from distserver.runtime import executor as executor_module
 from distserver.runtime.executor import Executor
 from tests.runtime.conftest import assert_same_training
@@ -307,3 +310,222 @@ def test_integer_parts_keep_their_dtype():
     (out,) = kernel.compute(None, [x, y])
     assert out.dtype == np.int64
     np.testing.assert_array_equal(out, np.floor_divide(x, y) % y - np.floor_divide(x, y))
+
+
+# --------------------------------------------------------------------------- id splits
+
+
+def _recording_split(executors: list[Executor]) -> tuple[Any, list[list[Any]]]:
+    """The region that is an id split (`kernels.id_split`) among the nodes of the
+    executors built so far, and the inputs it is given from now on (each call's)."""
+    (kernel,) = [
+        node.kernel
+        for executor in executors
+        for node in executor._nodes
+        if node.kernel.op == FUSED_REGION_OP and node.kernel._id_split is not None
+    ]
+    calls: list[list[Any]] = []
+    run = kernel._id_split.run
+
+    def recording(inputs: list[Any]) -> Any:
+        calls.append(list(inputs))
+        return run(inputs)
+
+    kernel._id_split.run = recording
+    return kernel, calls
+
+
+def _counted_loops(monkeypatch: pytest.MonkeyPatch) -> collections.Counter[str]:
+    """The compiled loops, each call counted by name."""
+    assert _compiled.wait(300), "no compiled loops: numba missing? (pip install -e '.[dev]')"
+    real, calls = _compiled.loops(), collections.Counter[str]()
+
+    def counted(name: str) -> Any:
+        def call(*args: Any) -> Any:
+            calls[name] += 1
+            return getattr(real, name)(*args)
+
+        return call
+
+    monkeypatch.setattr(
+        _compiled,
+        "_loops",
+        types.SimpleNamespace(**{n: counted(n) for n in dir(real) if not n.startswith("_")}),
+    )
+    return calls
+
+
+def _extreme_ids(total: int, *divisors: int) -> list[np.ndarray]:
+    """Arrays of ids: in and out of a table of `total` rows, with whole multiples of
+    `divisors` of up to 2**50, where the loop's float quotient can fall short of the
+    floor (the graph's divisors: rows per shard and one more); beyond 2**50, where the
+    loop divides as the CPU does (a float quotient would be wrong for some); and where
+    int64 wraps."""
+    rng = np.random.default_rng(5)
+    multiples = [d * rng.integers(-(2**50) // d, 2**50 // d, 300) for d in divisors]
+    near = [
+        0,
+        1,
+        total - 1,
+        total,
+        -1,
+        -total,
+        2**50 - 1,
+        -(2**50) + 1,
+        *rng.integers(-3 * total, 3 * total, 500),
+    ]
+    beyond = [2**50, 2**52 + 3, -(2**52) - 5, 2**55 + 1, -(2**57) - 3, 2**59 + 12345]
+    wrapping = [2**62, -(2**63), 2**63 - 1, -(2**63) + 7]
+    return [np.concatenate([*multiples, near]), np.array([*near, *beyond]), np.array([*beyond, *wrapping])]
+
+
+def _both_ways(
+    kernel: Any, inputs: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> tuple[list[Any], list[Any]]:
+    """The region's outputs for `inputs` from its loop, then from its parts."""
+    compiled = kernel.compute(None, inputs)
+    with monkeypatch.context() as patch:
+        patch.setattr(_compiled, "_loops", None)
+        return compiled, kernel.compute(None, inputs)
+
+
+def _assert_same_bits(got: list[Any], expected: list[Any]) -> None:
+    for a, b in zip(got, expected, strict=True):
+        assert (a.dtype, a.shape) == (b.dtype, b.shape)
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "rows", [[51, 51], [34, 34, 33], [5, 4, 4, 4]], ids=["even", "two-longer", "one-longer"]
+)
+def test_an_embedding_lookups_ids_split_by_shard_in_one_loop_with_the_parts_bits(
+    server, executors, monkeypatch, rows
+):
+    calls = _counted_loops(monkeypatch)
+    total = sum(rows)
+    table = np.arange(total * 2, dtype=F32).reshape(total, 2)
+    starts = np.cumsum([0, *rows])
+    with ds.Graph().as_default() as graph:
+        ids = ds.placeholder(ds.int64, [4, 6], name="ids")
+        shards = [
+            ds.Variable(table[a:b], name=f"shard_{i}") for i, (a, b) in enumerate(itertools.pairwise(starts))
+        ]
+        looked_up = ds.embedding_lookup(shards, ids)
+        init = ds.global_variables_initializer()
+    feed = np.random.default_rng(6).integers(0, total, (4, 6))
+    with ds.Session(server.target, graph=graph) as session:
+        session.run(init)
+        np.testing.assert_array_equal(session.run(looked_up, {ids: feed}), table[feed])
+        kernel, inputs = _recording_split(executors)
+        np.testing.assert_array_equal(session.run(looked_up, {ids: feed[::-1]}), table[feed[::-1]])
+    assert kernel._id_split.loop == "split_ids_by_blocks"
+    assert calls["split_ids_by_blocks"] == 2
+    # (the ids, the flat shape [-1], then the graph's constants)
+    per_shard = total // len(rows)
+    for extreme in [*_extreme_ids(total, per_shard, per_shard + 1), _extreme_ids(total)[0][::-1]]:
+        args = [extreme, *inputs[0][1:]]
+        compiled, parts = _both_ways(kernel, args, monkeypatch)
+        _assert_same_bits(compiled, parts)
+    assert calls["split_ids_by_blocks"] == 6
+
+
+def _split_by_remainder(ids: Any, count: Any, count_again: Any = None) -> tuple[Any, Any]:
+    """`tf.compat.v1.nn.embedding_lookup`'s "mod" split of `ids`, (shard, row): with
+    `count_again`, the row's divisor another constant (the same number in its graphs)."""
+    flat = ds.reshape(ids, [-1])
+    return ds.cast(ds.floormod(flat, count), ds.int32), ds.floordiv(
+        flat, count if count_again is None else count_again
+    )
+
+
+def test_ids_split_by_remainder_run_in_one_loop_with_the_parts_bits(server, executors, monkeypatch):
+    calls = _counted_loops(monkeypatch)
+    with ds.Graph().as_default() as graph:
+        ids = ds.placeholder(ds.int64, [5, 3], name="ids")
+        shard, row = _split_by_remainder(ids, 49, 47)
+    feed = np.random.default_rng(7).integers(-400, 400, (5, 3))
+    with ds.Session(server.target, graph=graph) as session:
+        session.run([shard, row], {ids: -feed})
+        kernel, inputs = _recording_split(executors)
+        got = session.run([shard, row], {ids: feed})
+    np.testing.assert_array_equal(got[0], (feed.reshape(-1) % 49).astype(np.int32))
+    np.testing.assert_array_equal(got[1], feed.reshape(-1) // 47)
+    assert kernel._id_split.loop == "split_ids_by_remainder"
+    for extreme in _extreme_ids(7, 49, 47):
+        compiled, parts = _both_ways(kernel, [extreme, *inputs[0][1:]], monkeypatch)
+        _assert_same_bits(compiled, parts)
+    assert calls["split_ids_by_remainder"] == 5
+    # Constants handed over as arrays that may be written are read again at each call
+    # (those of a graph are read-only, and the loop keeps what it read from them).
+    ids_now, flat, *constants = inputs[0]
+    writable = [np.array(c) for c in constants]
+    first = kernel.compute(None, [ids_now, flat, *writable])
+    writable[0][...] = 5
+    second = kernel.compute(None, [ids_now, flat, *writable])
+    shards_of = lambda outputs: next(v for v in outputs if v.dtype == np.int32)  # noqa: E731
+    np.testing.assert_array_equal(shards_of(first), ids_now.reshape(-1) % 49)
+    np.testing.assert_array_equal(shards_of(second), ids_now.reshape(-1) % 5)
+    assert calls["split_ids_by_remainder"] == 7
+
+
+def test_a_split_the_loop_is_not_for_runs_its_parts(server, executors, monkeypatch):
+    calls = _counted_loops(monkeypatch)
+    with ds.Graph().as_default() as graph:
+        ids = ds.placeholder(ds.int64, [6], name="ids")
+        count = ds.placeholder(ds.int64, None, name="count")
+        shard, row = _split_by_remainder(ids, count)
+        narrow = ds.placeholder(ds.int32, [6], name="narrow")
+        narrow_split = _split_by_remainder(narrow, 4)
+    feed = np.arange(-3, 3)
+    with ds.Session(server.target, graph=graph) as session:
+        # A divisor that is not a scalar, or not positive: the parts' values and errors.
+        got = session.run([shard, row], {ids: feed, count: np.array([4])})
+        _, inputs = _recording_split(executors)
+        np.testing.assert_array_equal(got[0], feed % 4)
+        np.testing.assert_array_equal(got[1], feed // 4)
+        np.testing.assert_array_equal(session.run([shard, row], {ids: feed, count: -4})[0], feed % -4)
+        with pytest.raises(errors.InvalidArgumentError, match="Integer division by zero"):
+            session.run([shard, row], {ids: feed, count: 0})
+        assert calls["split_ids_by_remainder"] == 0
+        np.testing.assert_array_equal(session.run(narrow_split[0], {narrow: feed.astype(np.int32)}), feed % 4)
+        # A divisor fed as an int64 scalar is taken, checked at each call.
+        np.testing.assert_array_equal(session.run([shard, row], {ids: feed, count: 2})[1], feed // 2)
+        assert calls["split_ids_by_remainder"] == 1
+    assert [int(call[2]) for call in inputs] == [-4, 0, 2]
+
+
+def test_tensorflow_1s_select_in_a_split_by_blocks_is_taken_too(monkeypatch):
+    # The region as TensorFlow 1's `where` writes the split ("Select"): a table of 98
+    # rows in two shards; inputs: ids, [-1], then the constants 50, 0, 50, 0, 49, 49, 0.
+    calls = _counted_loops(monkeypatch)
+    parts = [
+        _node(name, op, *inputs, dtype=DT_INT64)
+        for name, op, *inputs in [
+            ("flat", "Reshape", "ids", "shape"),
+            ("floordiv", "FloorDiv", "flat", "y0"),
+            ("sub", "Sub", "flat", "y1"),
+            ("floormod", "FloorMod", "flat", "y2"),
+            ("sub_1", "Sub", "flat", "y3"),
+            ("floordiv_1", "FloorDiv", "sub", "y4"),
+            ("floormod_1", "FloorMod", "sub_1", "y5"),
+            ("maximum", "Maximum", "floordiv", "floordiv_1"),
+            ("less", "Less", "maximum", "y6"),
+            ("cast", "Cast", "maximum"),
+            ("select", "Select", "less", "floormod", "floormod_1"),
+        ]
+    ]
+    parts[0].attr["Tshape"].type = DT_INT32
+    del parts[9].attr["T"]
+    parts[9].attr["SrcT"].type, parts[9].attr["DstT"].type = DT_INT64, DT_INT32
+    wiring = [0, 1, -1, 2, -1, 3, -1, 4, -1, 5, -3, 6, -5, 7, -2, -6, -8, 8, -8, -9, -4, -7]
+    kernel = create_kernel(_region_node(parts, wiring, [9, 10], 9))
+    assert kernel._id_split.loop == "split_ids_by_blocks"
+    constants = [np.array(c, np.int64) for c in (50, 0, 50, 0, 49, 49, 0)]
+    for ids in _extreme_ids(98, 50, 49):
+        compiled, parts_way = _both_ways(kernel, [ids, np.array([-1], np.int32), *constants], monkeypatch)
+        _assert_same_bits(compiled, parts_way)
+        np.testing.assert_array_equal(compiled[0], np.maximum(ids // 50, ids // 49).astype(np.int32))
+    assert calls["split_ids_by_blocks"] == 3
+    # The same region with a part of another dtype is not a split.
+    parts[4].attr["T"].type = DT_INT32
+    assert create_kernel(_region_node(parts, wiring, [9, 10], 9))._id_split is None
