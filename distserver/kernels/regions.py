@@ -106,7 +106,7 @@ class FusedRegionKernel(OpKernel):
         if self._id_split is not None:
             split = self._id_split.run(inputs)
             if split is not None:
-                self._largest = split[0].nbytes + split[1].nbytes
+                self._largest = max(split[0].nbytes, split[1].nbytes)
                 return split
         values = list(inputs)
         largest = 0

@@ -296,15 +296,13 @@ def test_a_graph_that_may_see_dead_values_has_no_regions():
     assert _regions(Executor(graph_def)) == []
 
 
+def _int64_parts(rows: list[tuple[str, ...]]) -> list[NodeDef]:
+    """Int64 nodes from (name, op, inputs...) rows."""
+    return [_node(name, op, *inputs, dtype=DT_INT64) for name, op, *inputs in rows]
+
+
 def test_integer_parts_keep_their_dtype():
-    parts = [
-        _node(name, op, *inputs, dtype=DT_INT64)
-        for name, op, *inputs in [
-            ("a", "FloorDiv", "x", "y"),
-            ("b", "FloorMod", "a", "y"),
-            ("c", "Sub", "b", "a"),
-        ]
-    ]
+    parts = _int64_parts([("a", "FloorDiv", "x", "y"), ("b", "FloorMod", "a", "y"), ("c", "Sub", "b", "a")])
     kernel = create_kernel(_region_node(parts, [0, 1, -1, 1, -2, -1], [2], 2))
     x, y = np.array([-7, 7, 100], np.int64), np.array(3, np.int64)
     (out,) = kernel.compute(None, [x, y])
@@ -498,9 +496,8 @@ def test_tensorflow_1s_select_in_a_split_by_blocks_is_taken_too(monkeypatch):
     # The region as TensorFlow 1's `where` writes the split ("Select"): a table of 98
     # rows in two shards; inputs: ids, [-1], then the constants 50, 0, 50, 0, 49, 49, 0.
     calls = _counted_loops(monkeypatch)
-    parts = [
-        _node(name, op, *inputs, dtype=DT_INT64)
-        for name, op, *inputs in [
+    parts = _int64_parts(
+        [
             ("flat", "Reshape", "ids", "shape"),
             ("floordiv", "FloorDiv", "flat", "y0"),
             ("sub", "Sub", "flat", "y1"),
@@ -513,7 +510,7 @@ def test_tensorflow_1s_select_in_a_split_by_blocks_is_taken_too(monkeypatch):
             ("cast", "Cast", "maximum"),
             ("select", "Select", "less", "floormod", "floormod_1"),
         ]
-    ]
+    )
     parts[0].attr["Tshape"].type = DT_INT32
     del parts[9].attr["T"]
     parts[9].attr["SrcT"].type, parts[9].attr["DstT"].type = DT_INT64, DT_INT32
