@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from distserver import errors
-from distserver.kernels import _compiled, id_split
+from distserver.kernels import _compiled, id_split, region_plans
 from distserver.kernels.math import fused_parts
 from distserver.kernels.registry import (
     KernelContext,
@@ -35,6 +35,9 @@ from distserver.kernels.registry import (
 from distserver.protos.node_def_pb2 import NodeDef
 
 FUSED_REGION_OP = "_DistserverFusedRegion"
+# How many times a region plans for new inputs (`region_plans`): inputs whose shapes
+# change every step would otherwise pay for a plan each time.
+_MAX_PLANS = 8
 
 
 @register_kernel(FUSED_REGION_OP)
@@ -90,6 +93,15 @@ class FusedRegionKernel(OpKernel):
         self._id_split = id_split.match(parts, [sources for _, sources in steps], self._outputs, count)
         if self._id_split is not None:
             _compiled.prepare()
+        # Element-wise parts as compiled passes (`region_plans`), planned from the values
+        # the parts made for inputs of a new signature, at most `_MAX_PLANS` times.
+        self._parts_nodes = parts
+        self._may_plan = self._id_split is None and region_plans.may_plan(parts)
+        if self._may_plan:
+            _compiled.prepare()
+        self._plan: region_plans.ElementwisePlan | None = None
+        self._planned_for: region_plans.Signature | None = None  # (with or without a plan)
+        self._plans_tried = 0
         # The bytes of the largest value its last call made: parts may make values larger
         # than the node's inputs (a broadcast), which the executor weighs for its pool.
         self._largest = 0
@@ -108,6 +120,18 @@ class FusedRegionKernel(OpKernel):
             if split is not None:
                 self._largest = max(split[0].nbytes, split[1].nbytes)
                 return split
+        made: list[region_plans.Made] | None = None  # (each value's dtype and shape, to plan)
+        if self._may_plan:
+            made_for = region_plans.signature(inputs)
+            plan = self._plan
+            if plan is not None and plan.made_for == made_for:
+                outputs = plan.run(ctx, inputs)
+                if outputs is not None:
+                    self._largest = plan.largest
+                    return outputs
+                self._plan = self._planned_for = None  # (a part's value changed shape: plan again)
+            elif made_for != self._planned_for and self._plans_tried < _MAX_PLANS and _compiled.loops():
+                made = list(map(region_plans.made, inputs))
         values = list(inputs)
         largest = 0
         for compute, sources, drops in self._steps:
@@ -125,8 +149,24 @@ class FusedRegionKernel(OpKernel):
                 largest = nbytes
             for place in drops:
                 values[place] = None
+            if made is not None:
+                made.append(region_plans.made(value))
         self._largest = largest
+        if made is not None:
+            self._plan_for(made_for, made)
         return [values[place] for place in self._outputs]
+
+    def _plan_for(self, made_for: region_plans.Signature, made: list[region_plans.Made]) -> None:
+        """Plan for inputs of `made_for`, from what the parts made of such inputs."""
+        self._plans_tried += 1
+        self._plan = region_plans.ElementwisePlan.build(
+            made_for,
+            self._parts_nodes,
+            [(compute, sources) for compute, sources, _ in self._steps],
+            self._outputs,
+            made,
+        )
+        self._planned_for = made_for
 
 
 __all__ = ["FUSED_REGION_OP", "FusedRegionKernel"]

@@ -36,6 +36,7 @@ LOOPS = (
     "take_rows",
     "split_ids_by_blocks",
     "split_ids_by_remainder",
+    "elementwise_program",
 )
 
 

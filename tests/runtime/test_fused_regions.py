@@ -16,13 +16,14 @@ import pytest
 
 import distserver as ds
 from distserver import errors
-from distserver.kernels import _compiled, create_kernel
+from distserver.kernels import _compiled, create_kernel, region_plans
+from distserver.kernels import regions as regions_module
 from distserver.kernels.math import FUSED_NODES_ATTR
-from distserver.kernels.regions import FUSED_REGION_OP
+from distserver.kernels.regions import FUSED_REGION_OP, FusedRegionKernel
 from distserver.kernels.sendrecv import RECEIVES_FIRST_ATTR
 from distserver.protos.graph_pb2 import GraphDef
 from distserver.protos.node_def_pb2 import NodeDef
-from distserver.protos.types_pb2 import DT_FLOAT, DT_INT32, DT_INT64
+from distserver.protos.types_pb2 import DT_DOUBLE, DT_FLOAT, DT_INT32, DT_INT64
 from distserver.runtime import executor as executor_module
 from distserver.runtime.executor import Executor
 from tests.runtime.conftest import assert_same_training
@@ -526,3 +527,224 @@ def test_tensorflow_1s_select_in_a_split_by_blocks_is_taken_too(monkeypatch):
     # The same region with a part of another dtype is not a split.
     parts[4].attr["T"].type = DT_INT32
     assert create_kernel(_region_node(parts, wiring, [9, 10], 9))._id_split is None
+
+
+# --------------------------------------------------------------------------- element-wise plans
+
+
+def _same_bits(got: list[Any], expected: list[Any]) -> None:
+    """Equal dtypes, shapes and bits (NaN payloads and zeros' signs included)."""
+    for a, b in zip(got, expected, strict=True):
+        assert (a.dtype, a.shape) == (b.dtype, b.shape)
+        assert a.tobytes() == b.tobytes()
+
+
+def _planned_and_parts(kernel: Any, inputs: list[Any]) -> tuple[list[Any], list[Any]]:
+    """The region's outputs for `inputs` from its plan, then from its parts."""
+    assert kernel._plan is not None
+    assert kernel._plan.made_for == region_plans.signature(inputs)
+    planned = kernel._plan.run(None, inputs)
+    assert planned is not None
+    kernel._may_plan = False
+    try:
+        return planned, kernel.compute(None, inputs)
+    finally:
+        kernel._may_plan = True
+
+
+def _awkward(shape: tuple[int, ...], dtype: Any, seed: int) -> np.ndarray:
+    """Values of `dtype` in `shape` with NaNs, infinities, signed zeros, subnormals and
+    the largest and smallest numbers among random ones of every size."""
+    info = np.finfo(dtype)
+    special = [
+        np.nan,
+        -np.nan,
+        np.inf,
+        -np.inf,
+        0.0,
+        -0.0,
+        info.tiny / 4,
+        -info.tiny,
+        info.max,
+        -info.max,
+        1.0,
+    ]
+    rng = np.random.default_rng(seed)
+    size = int(np.prod(shape))
+    with np.errstate(over="ignore"):
+        values = (rng.standard_normal(size) * 10.0 ** rng.integers(-40, 40, size)).astype(dtype)
+    picked = [special[(seed + i) % len(special)] for i in range(min(size, len(special)))]
+    values[rng.choice(size, len(picked), replace=False)] = picked
+    return values.reshape(shape)
+
+
+def _every_operation(dtype: int) -> Any:
+    """A region of a part of each op a plan compiles: inputs x, y [64], s [] and t [1],
+    x2 [64, 1]; outputs the sum of most of them and four flags."""
+    rows = [
+        ("a", "AddV2", "x", "y"),
+        ("b", "Sub", "a", "s"),
+        ("m", "Mul", "b", "t"),
+        ("d", "RealDiv", "m", "y"),
+        ("n", "Neg", "d"),
+        ("q", "Square", "n"),
+        ("r", "Sqrt", "q"),
+        ("ab", "Abs", "b"),
+        ("rs", "Rsqrt", "ab"),
+        ("rc", "Reciprocal", "b"),
+        ("sd", "SquaredDifference", "x", "s"),
+        ("g", "Greater", "x", "y"),
+        ("ge", "GreaterEqual", "x", "s"),
+        ("l", "Less", "x", "y"),
+        ("le", "LessEqual", "y", "s"),
+        ("e", "Equal", "x", "y"),
+        ("ne", "NotEqual", "x", "t"),
+        ("sel", "SelectV2", "g", "rc", "rs"),
+        ("sel1", "Select", "ge", "sd", "r"),
+        ("z", "ZerosLike", "x"),
+        ("o", "OnesLike", "y"),
+        ("sq", "Squeeze", "x2"),
+        ("add", "Add", "sq", "x"),
+        ("sum", "AddN", "sel", "sel1", "z", "o", "add", "d"),
+    ]
+    parts = [_node(name, op, *inputs, dtype=dtype) for name, op, *inputs in rows]
+    names = ["x", "y", "s", "t", "x2"]
+    wiring = []
+    for _, _, *inputs in rows:
+        wiring += [names.index(i) if i in names[:5] else -1 - (names.index(i) - 5) for i in inputs]
+        names.append(rows[len(names) - 5][0])
+    outputs = [names.index(n) - 5 for n in ("sum", "le", "e", "ne", "l")]
+    return create_kernel(_region_node(parts, wiring, outputs, 5))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_every_operation_of_a_plan_gives_its_parts_bits(monkeypatch, dtype):
+    calls = _counted_loops(monkeypatch)
+    kernel = _every_operation(DT_FLOAT if dtype == np.float32 else DT_DOUBLE)
+    for seed in range(4):
+        inputs = [
+            _awkward((64,), dtype, seed),
+            _awkward((64,), dtype, seed + 10),
+            _awkward((), dtype, seed + 20),
+            _awkward((1,), dtype, seed + 30),
+            _awkward((64, 1), dtype, seed + 40),
+        ]
+        if seed == 3:  # (equal values where x and y meet, and x equal to the scalars)
+            inputs[1][:32] = inputs[0][:32]
+            inputs[2][()] = inputs[3][0] = inputs[0][40]
+        first = kernel.compute(None, inputs)  # (the first call plans)
+        planned, parts = _planned_and_parts(kernel, inputs)
+        _same_bits(planned, parts)
+        _same_bits(first, parts)
+    # Every part in one compiled pass: nothing run by a kernel.
+    assert [step[0] for step in kernel._plan._steps] == ["pass"]
+    assert calls["elementwise_program"] == 7  # (three calls by the plan, four by the test)
+    assert kernel._plans_tried == 1
+
+
+def test_a_logistic_loss_and_its_gradient_run_as_compiled_passes_with_the_parts_bits(
+    server, executors, monkeypatch
+):
+    calls = _counted_loops(monkeypatch)
+    taken: dict[Any, list[Any]] = {}  # a region -> the inputs of its last call
+    compute = FusedRegionKernel.compute
+
+    def recording(self: Any, ctx: Any, inputs: list[Any]) -> list[Any]:
+        taken[self] = list(inputs)
+        return compute(self, ctx, inputs)
+
+    monkeypatch.setattr(FusedRegionKernel, "compute", recording)
+    rng = np.random.default_rng(7)
+    feeds = [(rng.integers(0, 102, (16, 3)), rng.integers(0, 2, 16).astype(F32)) for _ in range(3)]
+    model = _embedding_model()
+    planned = _train(server, model, feeds)
+    (kernel,) = [
+        node.kernel
+        for executor in executors
+        for node in executor._nodes
+        if node.kernel.op == FUSED_REGION_OP
+        and any("logistic_loss" in p.name for p in node.kernel._parts_nodes)
+    ]
+    assert kernel._plan is not None
+    # Two compiled passes, the exponential and log1p between them, and the gradient's
+    # reshape (by a shape the region reads) after.
+    count = len(taken[kernel])
+    steps = [
+        step[0] if step[0] == "pass" else kernel._parts_nodes[step[3] - count].op
+        for step in kernel._plan._steps
+    ]
+    assert steps == ["pass", "Exp", "Log1p", "pass", "Reshape"]
+    assert calls["elementwise_program"] >= 2 * (len(feeds) - 1)
+    # The inputs of its last call, with awkward values in their place: the same bits.
+    inputs = taken[kernel]
+    for seed in range(3):
+        awkward = [
+            _awkward(v.shape, v.dtype, seed + i) if v.dtype == F32 else v for i, v in enumerate(inputs)
+        ]
+        _same_bits(*_planned_and_parts(kernel, awkward))
+    # The same steps with every node on its own: the same bits.
+    monkeypatch.setattr(executor_module, "_fuse_regions", lambda nodes, control_sources: None)
+    assert_same_training(planned, _train(server, model, feeds), len(feeds))
+
+
+def _expected(x: np.ndarray, shape: Any) -> np.ndarray:
+    """What `_reshaped` makes."""
+    with np.errstate(all="ignore"):
+        r = x.reshape(shape)
+        b = (r + r) * (r + r)
+        return np.abs(np.square(-b - r) / r)
+
+
+def _reshaped() -> Any:
+    """A region: r = Reshape(x, shape), then |(-((r + r) * (r + r)) - r)^2 / r| in six
+    parts; inputs x, shape."""
+    parts = [
+        _node("r", "Reshape", "x", "shape"),
+        _node("a", "AddV2", "r", "r"),
+        _node("b", "Mul", "a", "a"),
+        _node("c", "Neg", "b"),
+        _node("d", "Sub", "c", "r"),
+        _node("e", "Square", "d"),
+        _node("f", "RealDiv", "e", "r"),
+        _node("g", "Abs", "f"),
+    ]
+    parts[0].attr["Tshape"].type = DT_INT32
+    wiring = [0, 1, -1, -1, -2, -2, -3, -4, -1, -5, -6, -1, -7]
+    return create_kernel(_region_node(parts, wiring, [7], 2))
+
+
+def test_a_plan_gives_way_to_the_parts_when_a_part_makes_another_shape(monkeypatch):
+    calls = _counted_loops(monkeypatch)
+    kernel = _reshaped()
+    x = _awkward((64,), F32, 1)
+    # Planned by the first call, run by the second; the third's reshape makes another
+    # shape (the same signature: the shape's values changed): the parts run, and the
+    # fourth plans again.
+    for shape in ([8, 8], [8, 8], [4, 16], [4, 16], [4, 16]):
+        (out,) = kernel.compute(None, [x, np.array(shape, np.int32)])
+        _same_bits([out], [_expected(x, shape)])
+    assert kernel._plans_tried == 2
+    assert calls["elementwise_program"] == 2
+    # Shapes that change at every call are planned for a few times, then run the parts.
+    for i in range(3 * regions_module._MAX_PLANS):
+        shape = [8, 8] if i % 2 else [4, 16]
+        (out,) = kernel.compute(None, [x, np.array(shape, np.int32)])
+        _same_bits([out], [_expected(x, shape)])
+    assert kernel._plans_tried == regions_module._MAX_PLANS
+
+
+def test_regions_of_large_values_or_without_compiled_loops_run_their_parts(monkeypatch):
+    _counted_loops(monkeypatch)
+    kernel = _reshaped()
+    x = _awkward((region_plans.MAX_ELEMENTS + 2,), F32, 2)
+    shape = np.array([2, -1], np.int32)
+    for _ in range(2):
+        (out,) = kernel.compute(None, [x, shape])
+        _same_bits([out], [_expected(x, (2, -1))])
+    assert kernel._plan is None
+    kernel = _reshaped()
+    monkeypatch.setattr(_compiled, "_loops", None)
+    for _ in range(2):
+        (out,) = kernel.compute(None, [x[:64], shape])
+        _same_bits([out], [_expected(x[:64], (2, -1))])
+    assert kernel._plans_tried == 0
