@@ -572,15 +572,16 @@ def _awkward(shape: tuple[int, ...], dtype: Any, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     size = int(np.prod(shape))
     with np.errstate(over="ignore"):
-        values = (rng.standard_normal(size) * 10.0 ** rng.integers(-40, 40, size)).astype(dtype)
+        values = (rng.standard_normal(size) * 10.0 ** rng.integers(-8, 9, size)).astype(dtype)
     picked = [special[(seed + i) % len(special)] for i in range(min(size, len(special)))]
     values[rng.choice(size, len(picked), replace=False)] = picked
     return values.reshape(shape)
 
 
 def _every_operation(dtype: int) -> Any:
-    """A region of a part of each op a plan compiles: inputs x, y [64], s [] and t [1],
-    x2 [64, 1]; outputs the sum of most of them and four flags."""
+    """A region of a part of each op a plan compiles, then an `Equal` of shapes that do
+    not broadcast, which makes one flag (not compiled): inputs x, y [64], s [] and
+    t [1], x2 [64, 1], w [8, 8]; outputs every part's value."""
     rows = [
         ("a", "AddV2", "x", "y"),
         ("b", "Sub", "a", "s"),
@@ -606,15 +607,16 @@ def _every_operation(dtype: int) -> Any:
         ("sq", "Squeeze", "x2"),
         ("add", "Add", "sq", "x"),
         ("sum", "AddN", "sel", "sel1", "z", "o", "add", "d"),
+        ("unlike", "Equal", "x", "w"),
     ]
     parts = [_node(name, op, *inputs, dtype=dtype) for name, op, *inputs in rows]
-    names = ["x", "y", "s", "t", "x2"]
+    parts[-1].attr["incompatible_shape_error"].b = False
+    names = ["x", "y", "s", "t", "x2", "w"]
     wiring = []
     for _, _, *inputs in rows:
-        wiring += [names.index(i) if i in names[:5] else -1 - (names.index(i) - 5) for i in inputs]
-        names.append(rows[len(names) - 5][0])
-    outputs = [names.index(n) - 5 for n in ("sum", "le", "e", "ne", "l")]
-    return create_kernel(_region_node(parts, wiring, outputs, 5))
+        wiring += [names.index(i) if i in names[:6] else -1 - (names.index(i) - 6) for i in inputs]
+        names.append(rows[len(names) - 6][0])
+    return create_kernel(_region_node(parts, wiring, list(range(len(rows))), 6))
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -628,7 +630,9 @@ def test_every_operation_of_a_plan_gives_its_parts_bits(monkeypatch, dtype):
             _awkward((), dtype, seed + 20),
             _awkward((1,), dtype, seed + 30),
             _awkward((64, 1), dtype, seed + 40),
+            _awkward((8, 8), dtype, seed + 50),
         ]
+        inputs[5][0, 0] = inputs[0][0]  # (an element-wise Equal of x and w would say so)
         if seed == 3:  # (equal values where x and y meet, and x equal to the scalars)
             inputs[1][:32] = inputs[0][:32]
             inputs[2][()] = inputs[3][0] = inputs[0][40]
@@ -636,8 +640,9 @@ def test_every_operation_of_a_plan_gives_its_parts_bits(monkeypatch, dtype):
         planned, parts = _planned_and_parts(kernel, inputs)
         _same_bits(planned, parts)
         _same_bits(first, parts)
-    # Every part in one compiled pass: nothing run by a kernel.
-    assert [step[0] for step in kernel._plan._steps] == ["pass"]
+    # Every part in one compiled pass but the unlike shapes' Equal, run by its kernel.
+    assert [step[0] for step in kernel._plan._steps] == ["pass", "part"]
+    assert not parts[-1]
     assert calls["elementwise_program"] == 7  # (three calls by the plan, four by the test)
     assert kernel._plans_tried == 1
 
@@ -748,3 +753,30 @@ def test_regions_of_large_values_or_without_compiled_loops_run_their_parts(monke
         (out,) = kernel.compute(None, [x[:64], shape])
         _same_bits([out], [_expected(x[:64], (2, -1))])
     assert kernel._plans_tried == 0
+
+
+def test_a_planned_regions_outputs_hold_none_of_its_rows(monkeypatch):
+    # Six compiled parts, then a reshape of their value (a view of a row, from its
+    # kernel): what leaves the region must not keep the plan's table of rows alive.
+    _counted_loops(monkeypatch)
+    parts = [
+        _node("a", "Neg", "x"),
+        _node("b", "AddV2", "a", "a"),
+        _node("c", "Mul", "b", "b"),
+        _node("d", "Sub", "c", "a"),
+        _node("e", "Square", "d"),
+        _node("f", "Abs", "e"),
+        _node("g", "Reshape", "f", "shape"),
+    ]
+    parts[-1].attr["Tshape"].type = DT_INT32
+    kernel = create_kernel(_region_node(parts, [0, -1, -1, -2, -2, -3, -1, -4, -5, -6, 1], [6, 5], 2))
+    x, shape = _awkward((64,), F32, 3), np.array([8, 8], np.int32)
+    for _ in range(2):
+        reshaped, flat = kernel.compute(None, [x, shape])
+    assert kernel._plan is not None
+    with np.errstate(all="ignore"):
+        b = -x + -x
+        expected = np.abs(np.square(b * b - -x))
+    _same_bits([reshaped, flat], [expected.reshape(8, 8), expected])
+    for value in (reshaped, flat):
+        assert value.base is None or value.base.nbytes == value.nbytes
