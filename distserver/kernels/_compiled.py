@@ -9,8 +9,10 @@ embedding's pooled rows) is one numpy pass per entry, a stitch one indexed
 assignment per input, a gather of rows a pass for each bound of its indices before
 the copy, and the distinct ids of a sparse update or an embedding's split by shard
 several passes and masks, and finding each id's shard and row there (`id_split`)
-eleven integer passes, four of them divisions. `_loops` has those loops, each
-giving the bits of the numpy code it stands in for.
+eleven integer passes, four of them divisions; a region of small element-wise parts
+(a logistic loss and its gradient) is a numpy call a part, which one program over
+its values replaces (`region_plans`). `_loops` has those loops, each giving the bits
+of the numpy code it stands in for.
 
 Compiling them all takes ~4.4 s of CPU here (~0.35 s once numba's cache in
 `__pycache__` has them), so it never happens in a kernel's call: the first kernel

@@ -32,6 +32,8 @@ from typing import Any
 import numpy as np
 
 from distserver.kernels import _compiled
+from distserver.kernels._common import quiet
+from distserver.kernels.registry import OpKernel
 from distserver.protos.node_def_pb2 import NodeDef
 
 # Values of more elements take the parts' calls (each a small share of its work).
@@ -128,14 +130,14 @@ class ElementwisePlan:
     def build(
         made_for: Signature,
         parts: Sequence[NodeDef],
-        steps: Sequence[tuple[Any, Sequence[int]]],
+        steps: Sequence[tuple[OpKernel, Any, Sequence[int]]],
         outputs: Sequence[int],
         made: Sequence[Made],
     ) -> ElementwisePlan | None:
         """The plan for a region whose parts made values like `made` (its inputs', then
         each part's, in place order) from inputs of `made_for`; None when it has none
-        (see the module docstring). `steps[p]`: part p's kernel's compute and the places
-        it reads; `outputs`: the places of the region's outputs."""
+        (see the module docstring). `steps[p]`: part p's kernel, its compute and the
+        places it reads; `outputs`: the places of the region's outputs."""
         count = len(made_for)
         if any(m is None for m in made[count:]):
             return None
@@ -151,20 +153,27 @@ class ElementwisePlan:
             value = made[place]
             return value is not None and value[0] in (dtype, _BOOL) and math.prod(value[1]) in (1, elements)
 
-        compiled = [
-            part.op in _OPERATIONS
-            and all(map(fits, (*sources, count + p)))
-            and _compiles(part.op, [made[s] for s in sources], made[count + p], dtype)  # type: ignore[misc]
-            for p, (part, (_, sources)) in enumerate(zip(parts, steps, strict=True))
-        ]
-        if sum(compiled) < MIN_COMPILED_PARTS:
+        # What runs each part: "pass" (an operation of a compiled pass), "ufunc" (its
+        # kernel's numpy function, over rows), or "part" (its kernel).
+        kinds = []
+        for p, (part, (kernel, _, sources)) in enumerate(zip(parts, steps, strict=True)):
+            operands = [made[s] for s in sources]
+            if not all(map(fits, (*sources, count + p))):
+                kinds.append("part")
+            elif part.op in _OPERATIONS and _compiles(part.op, operands, made[count + p], dtype):  # type: ignore[arg-type]
+                kinds.append("pass")
+            elif _ufunc(kernel, dtype) and _compiles("", operands, made[count + p], dtype):  # type: ignore[arg-type]
+                kinds.append("ufunc")
+            else:
+                kinds.append("part")
+        if kinds.count("pass") < MIN_COMPILED_PARTS:
             return None
-        # Rows: each value a compiled part reads or makes (a value a part's kernel makes
-        # that a compiled one reads is written to its row), then the fills.
+        # Rows: each value a pass or a ufunc reads or makes (a value a part's kernel
+        # makes that one of them reads is written to its row), then the fills.
         rows: dict[int, int] = {}
-        for p, is_compiled in enumerate(compiled):
-            if is_compiled:
-                for place in (*steps[p][1], count + p):
+        for p, kind in enumerate(kinds):
+            if kind != "part":
+                for place in (*steps[p][2], count + p):
                     rows.setdefault(place, len(rows))
         fill_rows: dict[float, int] = {}
 
@@ -175,15 +184,19 @@ class ElementwisePlan:
 
         plan_steps: list[tuple[Any, ...]] = []
         code: list[tuple[int, ...]] = []
-        for p, (part, (compute, sources)) in enumerate(zip(parts, steps, strict=True)):
-            if compiled[p]:
-                code += _operations(part.op, rows, sources, rows[count + p], fill)
+        for p, (part, (kernel, compute, sources), kind) in enumerate(zip(parts, steps, kinds, strict=True)):
+            place = count + p
+            if kind == "pass":
+                code += _operations(part.op, rows, sources, rows[place], fill)
                 continue
             if code:
                 plan_steps.append(("pass", _code(code)))
                 code = []
-            place = count + p
-            plan_steps.append(("part", compute, tuple(sources), place, made[place], rows.get(place)))
+            if kind == "ufunc":
+                ufunc = quiet(kernel.fn)  # type: ignore[attr-defined]
+                plan_steps.append(("ufunc", ufunc, [rows[s] for s in sources], rows[place], place))
+            else:
+                plan_steps.append(("part", compute, tuple(sources), made[place], rows.get(place), place))
         if code:
             plan_steps.append(("pass", _code(code)))
         return ElementwisePlan(
@@ -214,7 +227,11 @@ class ElementwisePlan:
             if step[0] == "pass":
                 loops.elementwise_program(step[1], table)
                 continue
-            _, compute, sources, place, (dtype, shape), row = step
+            if step[0] == "ufunc":
+                _, ufunc, operands, out, _ = step
+                ufunc(*[table[row] for row in operands], out=table[out])
+                continue
+            _, compute, sources, (dtype, shape), row, place = step
             args = [self._value(table, inputs, values, source) for source in sources]
             (value,) = compute(ctx, args)
             if type(value) is not np.ndarray or value.dtype != dtype or value.shape != shape:
@@ -244,13 +261,26 @@ class ElementwisePlan:
         return (row.copy() if copy else row).reshape(shape)
 
 
+def _ufunc(kernel: OpKernel, dtype: np.dtype[Any]) -> bool:
+    """Whether `kernel` computes its value with a numpy ufunc of its inputs, in `dtype`
+    (`math._ElementwiseKernel`'s `fn`: Exp, Log1p, Tanh, Maximum, ...)."""
+    fn = getattr(kernel, "fn", None)
+    return (
+        isinstance(fn, np.ufunc)
+        and fn.nout == 1
+        and getattr(kernel, "dtype", None) == dtype
+        and getattr(kernel, "out_dtype", None) == dtype
+        and getattr(kernel, "work_dtype", None) == dtype
+    )
+
+
 def _compiles(
     op: str, operands: Sequence[tuple[np.dtype[Any], tuple[int, ...]]], result: Any, dtype: np.dtype[Any]
 ) -> bool:
     """Whether a part of `op` that read arrays like `operands` and made one like
-    `result` runs as operations of the program: its operands of the dtypes it takes
-    there (a comparison makes flags, a select reads one), each of its value's shape or
-    of one element (a squeeze: any shape)."""
+    `result` runs as operations of the program (or, `op` "", as its ufunc over rows):
+    its operands of the dtypes it takes there (a comparison makes flags, a select reads
+    one), each of its value's shape or of one element (a squeeze: any shape)."""
     kind, shape = result
     if op in _COMPARISONS:
         expected, makes = [dtype, dtype], _BOOL

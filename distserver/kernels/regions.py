@@ -162,7 +162,10 @@ class FusedRegionKernel(OpKernel):
         self._plan = region_plans.ElementwisePlan.build(
             made_for,
             self._parts_nodes,
-            [(compute, sources) for compute, sources, _ in self._steps],
+            [
+                (kernel, compute, sources)
+                for kernel, (compute, sources, _) in zip(self.parts, self._steps, strict=True)
+            ],
             self._outputs,
             made,
         )

@@ -579,9 +579,10 @@ def _awkward(shape: tuple[int, ...], dtype: Any, seed: int) -> np.ndarray:
 
 
 def _every_operation(dtype: int) -> Any:
-    """A region of a part of each op a plan compiles, then an `Equal` of shapes that do
-    not broadcast, which makes one flag (not compiled): inputs x, y [64], s [] and
-    t [1], x2 [64, 1], w [8, 8]; outputs every part's value."""
+    """A region of a part of each op a plan compiles, some ufuncs (run over its rows),
+    then an `Equal` of shapes that do not broadcast, which makes one flag (run by its
+    kernel): inputs x, y [64], s [] and t [1], x2 [64, 1], w [8, 8]; outputs every
+    part's value."""
     rows = [
         ("a", "AddV2", "x", "y"),
         ("b", "Sub", "a", "s"),
@@ -607,6 +608,12 @@ def _every_operation(dtype: int) -> Any:
         ("sq", "Squeeze", "x2"),
         ("add", "Add", "sq", "x"),
         ("sum", "AddN", "sel", "sel1", "z", "o", "add", "d"),
+        ("ex", "Exp", "d"),
+        ("lp", "Log1p", "ab"),
+        ("th", "Tanh", "sum"),
+        ("mx", "Maximum", "x", "s"),
+        ("mn", "Minimum", "y", "t"),
+        ("after", "Mul", "ex", "th"),
         ("unlike", "Equal", "x", "w"),
     ]
     parts = [_node(name, op, *inputs, dtype=dtype) for name, op, *inputs in rows]
@@ -640,10 +647,11 @@ def test_every_operation_of_a_plan_gives_its_parts_bits(monkeypatch, dtype):
         planned, parts = _planned_and_parts(kernel, inputs)
         _same_bits(planned, parts)
         _same_bits(first, parts)
-    # Every part in one compiled pass but the unlike shapes' Equal, run by its kernel.
-    assert [step[0] for step in kernel._plan._steps] == ["pass", "part"]
+    # The parts in compiled passes, but the ufuncs, run over rows, and the unlike
+    # shapes' Equal, run by its kernel.
+    assert [step[0] for step in kernel._plan._steps] == ["pass", *["ufunc"] * 5, "pass", "part"]
     assert not parts[-1]
-    assert calls["elementwise_program"] == 7  # (three calls by the plan, four by the test)
+    assert calls["elementwise_program"] == 14  # (two passes: three calls by the plan, four by the test)
     assert kernel._plans_tried == 1
 
 
@@ -671,14 +679,15 @@ def test_a_logistic_loss_and_its_gradient_run_as_compiled_passes_with_the_parts_
         and any("logistic_loss" in p.name for p in node.kernel._parts_nodes)
     ]
     assert kernel._plan is not None
-    # Two compiled passes, the exponential and log1p between them, and the gradient's
-    # reshape (by a shape the region reads) after.
+    # Two compiled passes, the exponential and log1p between them (their ufuncs, over
+    # rows), and the gradient's reshape (by a shape the region reads, its kernel) after.
     count = len(taken[kernel])
+    parts = kernel._parts_nodes  # (a step of a part ends with the part's place)
     steps = [
-        step[0] if step[0] == "pass" else kernel._parts_nodes[step[3] - count].op
+        step[0] if step[0] == "pass" else f"{step[0]} {parts[step[-1] - count].op}"
         for step in kernel._plan._steps
     ]
-    assert steps == ["pass", "Exp", "Log1p", "pass", "Reshape"]
+    assert steps == ["pass", "ufunc Exp", "ufunc Log1p", "pass", "part Reshape"]
     assert calls["elementwise_program"] >= 2 * (len(feeds) - 1)
     # The inputs of its last call, with awkward values in their place: the same bits.
     inputs = taken[kernel]
