@@ -3,24 +3,27 @@ inputs it last took.
 
 A region (`regions.FusedRegionKernel`) of small element-wise parts pays a numpy call
 for each: a logistic loss and its gradient over 256 values is twenty-one parts,
-~52 us hot and ~95 us in a step, nearly all of it the calls. Once a region has run
-its parts on inputs of some dtypes and shapes, `ElementwisePlan.build` looks at the
-value each part made there:
+~45 us hot and ~95 us in a step, nearly all of it the calls. Once a region has run
+its parts on inputs of some dtypes and shapes, `ElementwisePlan.build` looks at what
+each part made there:
 
 * a part of a simple op (`_OPERATIONS`: arithmetic, comparisons, selects, sums, a
   squeeze) whose operands have its own shape or one element, in one float dtype (its
   flags: bool), becomes an operation of `_loops.elementwise_program`; each run of
-  such parts is one call of it over a row per value (a flag as 0 or 1), each
-  operation numpy's in that dtype, so the same bits;
-* any other part (an exponential, a reshape by a fed shape, an op of other dtypes)
+  such parts is one call of it over a table of a row per value (a flag as 0 or 1),
+  each operation numpy's in that dtype, so the same bits;
+* a part whose kernel's value is a numpy ufunc of its inputs in that dtype (Exp,
+  Log1p, Tanh, Maximum, ...) calls that ufunc over the rows (`out=` its own row);
+* any other part (a reshape by a shape the region reads, an op of other dtypes)
   runs its own kernel on its inputs in their shapes, as the region would.
 
 Later inputs of the same dtypes and shapes run by the plan: the logistic loss takes
-two compiled passes and its exponential and logarithm, ~11 us hot. A part run by its
-kernel that makes a value of another dtype or shape than it did (a reshape by a new
-shape) ends the plan's call; the region then runs its parts. Only regions whose
-values have at most `MAX_ELEMENTS` elements get a plan: there the calls are the cost,
-and a row for every value stays small.
+two compiled passes with its exponential and log1p between them, ~15 us hot. A part
+run by its kernel that makes a value of another dtype or shape than it did (a
+reshape by a new shape) ends the plan's call, and the region runs its parts. Only
+regions whose values have at most `MAX_ELEMENTS` elements, and six or more parts in
+passes, get a plan: there the calls are the cost, and a row for every value is
+small.
 """
 
 from __future__ import annotations

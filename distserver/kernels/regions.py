@@ -6,7 +6,11 @@ us around its kernel (taking its inputs, weighing it for the pool, storing its
 output). The executor (`runtime.executor._fuse_regions`) makes each
 such group of `OpKernel.fusable` nodes one node of this op, which runs its parts'
 kernels one after the other: the same kernels on the same values, so the same bits
-and the same errors, naming the part that failed.
+and the same errors, naming the part that failed. Two kinds of region run otherwise,
+with the same bits: an embedding's id split, as one compiled loop (`id_split`), and,
+once its parts have run on inputs of some dtypes and shapes, a region of small float
+values, as compiled passes over its element-wise parts for such inputs
+(`region_plans`).
 
 The node carries its parts' NodeDefs (`FUSED_NODES_ATTR`, in an order where each
 part comes after the parts it reads) and how they are wired: attr `wiring`, for each
