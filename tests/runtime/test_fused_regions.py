@@ -6,9 +6,11 @@ and no group that would wait for itself, in the graph or across partitions."""
 from __future__ import annotations
 
 import collections
+import importlib.util
 import itertools
 import tracemalloc
 import types
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -789,3 +791,18 @@ def test_a_planned_regions_outputs_hold_none_of_its_rows(monkeypatch):
     _same_bits([reshaped, flat], [expected.reshape(8, 8), expected])
     for value in (reshaped, flat):
         assert value.base is None or value.base.nbytes == value.nbytes
+
+
+def test_the_region_plans_benchmark_runs_a_step_both_ways():
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_region_plans.py"
+    spec = importlib.util.spec_from_file_location("bench_region_plans", path)
+    assert spec is not None
+    assert spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    figures = bench.run("embedding", 1, 2)
+    (region,) = figures["regions"]
+    assert region["steps"] == ["pass", "ufunc", "ufunc", "pass"]  # (the loss and its gradient)
+    assert region["plan_us"] > 0
+    assert region["parts_us"] > 0
+    assert figures["step"]["pairs"] == 1
