@@ -10,8 +10,9 @@ each part made there:
 * a part of a simple op (`_OPERATIONS`: arithmetic, comparisons, selects, sums, a
   squeeze) whose operands have its own shape or one element, in one float dtype (its
   flags: bool), becomes an operation of `_loops.elementwise_program`; each run of
-  such parts is one call of it over a table of a row per value (a flag as 0 or 1),
-  each operation numpy's in that dtype, so the same bits;
+  such parts is one call of it over a table with a row for each value (a flag as 0
+  or 1; a row is given back after its value's last reader, as the region lets its
+  values go), each operation numpy's in that dtype, so the same bits;
 * a part whose kernel's value is a numpy ufunc of its inputs in that dtype (Exp,
   Log1p, Tanh, Maximum, ...) calls that ufunc over the rows (`out=` its own row);
 * any other part (a reshape by a shape the region reads, an op of other dtypes)
@@ -110,7 +111,7 @@ class ElementwisePlan:
         self,
         made_for: Signature,
         dtype: np.dtype[Any],
-        elements: int,
+        table: tuple[int, int],
         rows: dict[int, int],
         fills: list[tuple[int, float]],
         inputs_to_rows: list[tuple[int, int]],
@@ -120,8 +121,9 @@ class ElementwisePlan:
     ) -> None:
         self.made_for = made_for
         self._dtype = dtype
-        self._elements = elements
-        self._rows = rows  # value place -> its row
+        self._table = table  # its rows, and the values' elements
+        self._elements = table[1]
+        self._rows = rows  # value place -> its row, while the value lives
         self._fills = fills  # (row, value): the rows of zeros and ones
         self._inputs_to_rows = inputs_to_rows  # (input place, row)
         self._steps = steps
@@ -172,43 +174,56 @@ class ElementwisePlan:
         if kinds.count("pass") < MIN_COMPILED_PARTS:
             return None
         # Rows: each value a pass or a ufunc reads or makes (a value a part's kernel
-        # makes that one of them reads is written to its row), then the fills.
-        rows: dict[int, int] = {}
-        for p, kind in enumerate(kinds):
-            if kind != "part":
-                for place in (*steps[p][2], count + p):
-                    rows.setdefault(place, len(rows))
-        fill_rows: dict[float, int] = {}
+        # makes that one of them reads is written to its row), and the fills. A row is
+        # taken when its value is made (the fills' and the inputs' first) and given back
+        # after its last reader, if it is no output: the table stays a few rows deep.
+        needs = {
+            place for p, kind in enumerate(kinds) if kind != "part" for place in (*steps[p][2], count + p)
+        }
+        last_read = {source: p for p, (_, _, sources) in enumerate(steps) for source in sources}
+        kept = set(outputs)
+        free: list[int] = []
+        depth = 0
 
-        def fill(value: float) -> int:
-            if value not in fill_rows:
-                fill_rows[value] = len(rows) + len(fill_rows)
-            return fill_rows[value]
+        def take() -> int:
+            nonlocal depth
+            if free:
+                return free.pop()
+            depth += 1
+            return depth - 1
 
+        fills = {value: take() for value in _fills_read(parts, kinds)}
+        rows = {place: take() for place in sorted(needs) if place < count}
+        inputs_to_rows = list(rows.items())
         plan_steps: list[tuple[Any, ...]] = []
         code: list[tuple[int, ...]] = []
         for p, (part, (kernel, compute, sources), kind) in enumerate(zip(parts, steps, kinds, strict=True)):
             place = count + p
+            if place in needs:
+                rows[place] = take()
             if kind == "pass":
-                code += _operations(part.op, rows, sources, rows[place], fill)
-                continue
-            if code:
-                plan_steps.append(("pass", _code(code)))
-                code = []
-            if kind == "ufunc":
-                ufunc = quiet(kernel.fn)  # type: ignore[attr-defined]
-                plan_steps.append(("ufunc", ufunc, [rows[s] for s in sources], rows[place], place))
+                code += _operations(part.op, rows, sources, rows[place], fills)
             else:
-                plan_steps.append(("part", compute, tuple(sources), made[place], rows.get(place), place))
+                if code:
+                    plan_steps.append(("pass", _code(code)))
+                    code = []
+                if kind == "ufunc":
+                    ufunc = quiet(kernel.fn)  # type: ignore[attr-defined]
+                    plan_steps.append(("ufunc", ufunc, [rows[s] for s in sources], rows[place], place))
+                else:
+                    plan_steps.append(("part", compute, tuple(sources), made[place], rows.get(place), place))
+            for done in {*sources, place}:
+                if done in rows and done not in kept and last_read.get(done, -1) <= p:
+                    free.append(rows[done])
         if code:
             plan_steps.append(("pass", _code(code)))
         return ElementwisePlan(
             made_for,
             dtype,
-            elements,
+            (depth, elements),
             rows,
-            [(row, value) for value, row in fill_rows.items()],
-            [(place, row) for place, row in rows.items() if place < count],
+            [(row, value) for value, row in fills.items()],
+            inputs_to_rows,
             plan_steps,
             list(outputs),
             list(made),
@@ -220,7 +235,7 @@ class ElementwisePlan:
         loops = _compiled.loops()
         if loops is None:
             return None
-        table = np.empty((len(self._rows) + len(self._fills), self._elements), self._dtype)
+        table = np.empty(self._table, self._dtype)
         for row, value in self._fills:
             table[row] = value
         for place, row in self._inputs_to_rows:
@@ -299,7 +314,7 @@ def _compiles(
 
 
 def _operations(
-    op: str, rows: dict[int, int], sources: Sequence[int], out: int, fill: Any
+    op: str, rows: dict[int, int], sources: Sequence[int], out: int, fills: dict[float, int]
 ) -> list[tuple[int, ...]]:
     """A compiled part's operations in the program: (operation, result, a, b, c) rows."""
     operands = [rows[s] for s in sources]
@@ -313,13 +328,23 @@ def _operations(
     if op in _COPIES:
         return [(COPY, out, operands[0], out, out)]
     if op in _FILLS:
-        return [(COPY, out, fill(0.0 if op == "ZerosLike" else 1.0), out, out)]
+        return [(COPY, out, fills[0.0 if op == "ZerosLike" else 1.0], out, out)]
     if op == "Reciprocal":  # (1 / x: `_reciprocal`)
-        return [(DIV, out, fill(1.0), operands[0], out)]
+        return [(DIV, out, fills[1.0], operands[0], out)]
     if op == "Rsqrt":  # (1 / sqrt(x): `_rsqrt`)
-        return [(RSQRT, out, operands[0], fill(1.0), out)]
+        return [(RSQRT, out, operands[0], fills[1.0], out)]
     # AddN: the first, then each other added in turn (`AddNKernel`)
     return [(COPY, out, operands[0], out, out), *((ADD, out, out, other, out) for other in operands[1:])]
+
+
+def _fills_read(parts: Sequence[NodeDef], kinds: Sequence[str]) -> list[float]:
+    """The constant rows the passes read: zeros, ones."""
+    ops = {part.op for part, kind in zip(parts, kinds, strict=True) if kind == "pass"}
+    return [
+        value
+        for value, readers in ((0.0, {"ZerosLike"}), (1.0, {"OnesLike", "Reciprocal", "Rsqrt"}))
+        if ops & readers
+    ]
 
 
 def _code(code: list[tuple[int, ...]]) -> np.ndarray:

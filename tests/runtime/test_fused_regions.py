@@ -740,6 +740,9 @@ def test_a_plan_gives_way_to_the_parts_when_a_part_makes_another_shape(monkeypat
         (out,) = kernel.compute(None, [x, np.array(shape, np.int32)])
         _same_bits([out], [_expected(x, shape)])
     assert kernel._plans_tried == 2
+    # A chain of values: each row is given back after its value's last reader, so three
+    # rows hold the reshaped input (read to the end), the value made and the one read.
+    assert kernel._plan._table == (3, 64)
     assert calls["elementwise_program"] == 2
     # Shapes that change at every call are planned for a few times, then run the parts.
     for i in range(3 * regions_module._MAX_PLANS):
