@@ -27,6 +27,12 @@ _GETTERS = (
     "openblas_get_num_threads64_",
     "openblas_get_num_threads",
 )
+_CORE_NAMES = (
+    "scipy_openblas_get_corename64_",
+    "scipy_openblas_get_corename",
+    "openblas_get_corename64_",
+    "openblas_get_corename",
+)
 _SETTERS = (
     "scipy_openblas_set_num_threads64_",
     "scipy_openblas_set_num_threads",
@@ -80,7 +86,7 @@ def set_blas_threads(threads: int) -> bool:
     import numpy  # noqa: F401 - loads numpy's BLAS
 
     found = False
-    for path in _loaded_openblas():
+    for path in loaded_openblas():
         try:
             library = ctypes.CDLL(path)
         except OSError:
@@ -98,22 +104,36 @@ def set_blas_threads(threads: int) -> bool:
 
 def blas_threads() -> int | None:
     """The thread count of the first loaded OpenBLAS, or None when there is none."""
+    threads = _ask_openblas(_GETTERS, ctypes.c_int)
+    return None if threads is None else int(threads)
+
+
+def blas_kernels() -> str | None:
+    """The kernels the first loaded OpenBLAS runs ("SkylakeX", "Haswell", ...): the
+    ones it chose for this CPU, or those `OPENBLAS_CORETYPE` named when it was loaded.
+    None when there is no OpenBLAS."""
+    name = _ask_openblas(_CORE_NAMES, ctypes.c_char_p)
+    return None if name is None else bytes(name).decode(errors="replace")
+
+
+def _ask_openblas(getters: tuple[str, ...], restype: type) -> object:
+    """The answer of the first of `getters` that the first loaded OpenBLAS has."""
     import numpy  # noqa: F401 - loads numpy's BLAS
 
-    for path in _loaded_openblas():
+    for path in loaded_openblas():
         try:
             library = ctypes.CDLL(path)
         except OSError:
             continue
-        for name in _GETTERS:
+        for name in getters:
             getter = getattr(library, name, None)
             if getter is not None:
-                getter.restype = ctypes.c_int
-                return int(getter())
+                getter.restype = restype
+                return getter()
     return None
 
 
-def _loaded_openblas() -> list[str]:
+def loaded_openblas() -> list[str]:
     """Paths of the loaded shared objects whose name says OpenBLAS (Linux only)."""
     try:
         with open("/proc/self/maps") as maps:

@@ -59,3 +59,30 @@ def test_a_task_alone_on_its_host_gets_every_cpu():
     assert threads_per_local_task(["localhost:1", "far.example.com:2"], 8) == 8  # another host
     assert threads_per_local_task([], 8) == 8
     assert threads_per_local_task(["localhost:1"], 1) == 1
+
+
+def test_blas_kernels_names_the_kernels_openblas_loaded():
+    from distserver._blas import blas_kernels
+
+    kernels = blas_kernels()
+    assert kernels
+    assert kernels.isprintable()
+    assert " " not in kernels
+    pinned = os.environ.get("OPENBLAS_CORETYPE", "")
+    if pinned.lower() in ("haswell", "skylakex"):  # hosts whose environment pins kernels
+        assert kernels.lower() == pinned.lower()
+
+
+def test_the_training_benchmark_says_which_kernels_its_products_ran():
+    from distserver.bench.training import describe_openblas
+
+    chosen = {"openblas": {"kernels": "SkylakeX", "OPENBLAS_CORETYPE": None}}
+    pinned = {"openblas": {"kernels": "Haswell", "OPENBLAS_CORETYPE": "Haswell"}}
+    assert describe_openblas(chosen) == "distserver's products: OpenBLAS's SkylakeX kernels"
+    assert describe_openblas(pinned) == (
+        "distserver's products: OpenBLAS's Haswell kernels (OPENBLAS_CORETYPE=Haswell in the "
+        "environment chose them; TensorFlow's kernels do not read it)"
+    )
+    assert describe_openblas({"openblas": {"kernels": None}}) == (
+        "distserver's products: numpy's BLAS is not OpenBLAS"
+    )

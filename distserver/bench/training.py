@@ -68,6 +68,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from distserver._blas import blas_kernels
 from distserver.bench import tfenv as _tfenv
 from distserver.bench import timing as _shared
 from distserver.testing import LocalCluster
@@ -460,7 +461,13 @@ def _measure(options: dict[str, Any], log: Callable[[str], None]) -> dict[str, A
     tf_python: str | None = options["tf_python"]
     trees: dict[str, str] = options["trees"]
     runtimes_wanted: list[str] = options["runtimes"]
-    report: dict[str, Any] = {"options": options, "results": {}, "netns": options["netns"]}
+    report: dict[str, Any] = {
+        "options": options,
+        "results": {},
+        "netns": options["netns"],
+        # distserver's tasks inherit this environment, so they load these kernels too.
+        "openblas": {"kernels": blas_kernels(), "OPENBLAS_CORETYPE": os.environ.get("OPENBLAS_CORETYPE")},
+    }
     if tf_python is None:
         raise RuntimeError("the training benchmark needs TensorFlow's Python for its client (see _tfenv.py)")
     here = os.getcwd()
@@ -704,7 +711,8 @@ def run_training_benchmark(
         max_seconds: the whole run is stopped after this long.
 
     Returns: {"results": {layout: {workload: {runtime: summary}}}, "tensorflow",
-    "netns", "options"}; a summary has median_ms, p10_ms, p90_ms,
+    "netns", "options", "openblas" (the kernels distserver's products ran, and
+    OPENBLAS_CORETYPE when it chose them)}; a summary has median_ms, p10_ms, p90_ms,
     cpu_ms_per_step (per task and the client), loopback_bytes_per_step,
     loopback_packets_per_step, calls_per_step (distserver: the calls its tasks made to
     each other, by method), first_loss and last_loss.
@@ -802,6 +810,20 @@ def _in_namespace(options_path: str, out_path: str) -> None:
     Path(out_path).write_text(json.dumps(report))
 
 
+def describe_openblas(report: dict[str, Any]) -> str:
+    """Which OpenBLAS kernels distserver's products ran in this run, and why."""
+    openblas = report.get("openblas") or {}
+    if openblas.get("kernels") is None:
+        return "distserver's products: numpy's BLAS is not OpenBLAS"
+    line = f"distserver's products: OpenBLAS's {openblas['kernels']} kernels"
+    if openblas.get("OPENBLAS_CORETYPE"):
+        line += (
+            f" (OPENBLAS_CORETYPE={openblas['OPENBLAS_CORETYPE']} in the environment chose them; "
+            "TensorFlow's kernels do not read it)"
+        )
+    return line
+
+
 def format_table(report: dict[str, Any]) -> str:
     """The report as a markdown table (ratios against TensorFlow when it ran).
 
@@ -883,6 +905,7 @@ def run_cli(args: argparse.Namespace) -> int:
     except (ValueError, RuntimeError, _tfenv.TFUnavailable) as exc:
         print(f"distserver bench: {exc}", file=sys.stderr)
         return 1
+    print(describe_openblas(report))
     print(format_table(report))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -937,7 +960,8 @@ def main() -> None:
         )
     except (ValueError, RuntimeError, _tfenv.TFUnavailable) as exc:
         sys.exit(f"bench_training: {exc}")
-    print(f"\nTensorFlow {report['tensorflow']}; {args.blocks} blocks x {args.steps} steps per runtime\n")
+    print(f"\nTensorFlow {report['tensorflow']}; {args.blocks} blocks x {args.steps} steps per runtime")
+    print(f"{describe_openblas(report)}\n")
     print(format_table(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
