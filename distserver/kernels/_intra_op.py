@@ -7,7 +7,8 @@ a large element of work cuts it in two independent halves (a matrix product: two
 blocks of rows) and hands one to this module's helper thread while its own thread
 computes the other; numpy releases the GIL for both, and a half whose thread was
 descheduled is waited for on a future, without spinning. The halves are cut where
-the result keeps the bits of one whole call (see `math._matmul`).
+each keeps the bits of one whole call (`row_cut`: on the row panels of BLAS's
+kernels, probed once per dtype; not at all while BLAS runs more than one thread).
 
 Off unless `enable()` was called (`distserver serve` does for a task with one BLAS
 thread on a host of two or more CPUs). The helper only ever runs such halves, never
@@ -30,11 +31,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
+from distserver._blas import blas_threads
+
 # A matrix product of at least this many multiply-adds is cut in two (256x784 @
 # 784x512, an mlp's layer, is 103M: 2.4 -> 1.3 ms on this 2-CPU VM; a hand-off
 # costs ~0.05 ms).
 SPLIT_MACS = 8 << 20
-# ... and of at least this many rows (see `math._matmul`).
+# ... and of at least this many rows (see `row_cut`).
 SPLIT_MIN_ROWS = 128
 
 # How often `share_while`'s `allowed` is asked again (seconds).
@@ -51,8 +56,10 @@ _asked_again_at = 0.0
 
 def enable() -> None:
     """Start the helper thread (idempotent)."""
-    global _helper
+    global _helper, _one_blas_thread
     with _lock:
+        _row_alignments.clear()  # (probed again, with the BLAS threads set by now)
+        _one_blas_thread = blas_threads() in (None, 1)
         if _helper is None:
             _helper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="distserver-intra-op")
 
@@ -108,3 +115,63 @@ def run_halves(first: Callable[[], Any], second: Callable[[], Any]) -> None:
         first()
     finally:
         pending.result()
+
+
+# Where a product's rows may be cut. BLAS's kernels compute rows a panel of a few at a
+# time, and a panel cut short is summed by another kernel, in another order: a block
+# must start and end on the whole's panel boundaries (OpenBLAS's Haswell kernels, float32:
+# every 24 rows; its SkylakeX ones: any row), and keep `SPLIT_MIN_ROWS` // 2 rows or more
+# (a product of a row or a few takes other kernels still). The panel is found once per
+# dtype by trying cuts (`_probe_row_alignment`). BLAS on more threads shares a product's
+# rows among them by its size, so no cut keeps the bits: products are then not cut.
+# `enable()` asks the BLAS threads, and forgets the panels (`distserver serve` sets the
+# threads first).
+_ROW_ALIGNMENTS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96)
+_row_alignments: dict[np.dtype, int] = {}
+_one_blas_thread = False
+
+
+def row_cut(rows: int, dtype: np.dtype) -> int:
+    """Where to cut a product of `rows` rows of `dtype` in two blocks of the whole's
+    bits, nearest the middle; 0 where there is no such cut."""
+    alignment = _row_alignments.get(dtype)
+    if alignment is None:
+        alignment = _row_alignments[dtype] = _probe_row_alignment(dtype)
+    if not alignment or not _one_blas_thread:
+        return 0
+    least = SPLIT_MIN_ROWS // 2
+    below = rows // 2 // alignment * alignment
+    for cut in sorted((below, below + alignment), key=lambda cut: abs(rows - 2 * cut)):
+        if least <= cut <= rows - least:
+            return cut
+    return 0
+
+
+def _probe_row_alignment(dtype: np.dtype) -> int:
+    """The fewest of `_ROW_ALIGNMENTS` rows such that BLAS gives both blocks of a
+    product cut at a multiple of it the bits of the whole (the left operand as rows
+    and as a transposed view); 0 when none does. Integers sum exactly: 1."""
+    if dtype.kind in "iub":
+        return 1
+    rng = np.random.default_rng(0)
+    rows, inner, columns = 384, 256, 128  # (blocks of 2M+ multiply-adds: BLAS's large-product kernels)
+    values = rng.standard_normal((rows, inner)) + (
+        1j * rng.standard_normal((rows, inner)) if dtype.kind == "c" else 0
+    )
+    rhs = np.asarray(rng.standard_normal((inner, columns)), dtype)
+    lefts = [np.asarray(values, dtype), np.asarray(values, dtype).T.copy().T]
+    wholes = [np.matmul(lhs, rhs) for lhs in lefts]
+
+    def keeps_bits(cut: int) -> bool:
+        return all(
+            np.matmul(lhs[part], rhs).tobytes() == whole[part].tobytes()
+            for lhs, whole in zip(lefts, wholes, strict=True)
+            for part in (slice(None, cut), slice(cut, None))
+        )
+
+    for alignment in _ROW_ALIGNMENTS:
+        below = rows // 2 // alignment * alignment
+        # Two cuts a multiple apart: both keep the bits only where the panel divides it.
+        if keeps_bits(below) and keeps_bits(below + alignment):
+            return alignment
+    return 0

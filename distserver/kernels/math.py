@@ -405,7 +405,12 @@ _DOT_MAX_MACS = 1 << 18
 
 def _product(lhs: np.ndarray, rhs: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """lhs @ rhs of 2-D arrays: `np.dot` for a small product of two arrays of one float
-    dtype BLAS takes, else `np.matmul`."""
+    dtype BLAS takes, else `np.matmul`. A product of one row or one column gets its
+    operands with unit strides: numpy hands a strided vector to BLAS as it is, and
+    some of OpenBLAS's kernels (Haswell's single precision) sum a strided vector in
+    another order than the same values laid out contiguously."""
+    if lhs.shape[0] == 1 or rhs.shape[1] == 1:
+        lhs, rhs = _unit_strides(lhs), _unit_strides(rhs)
     dtype = lhs.dtype
     if dtype in _BLAS_DTYPES and rhs.dtype == dtype and lhs.size * rhs.shape[1] <= _DOT_MAX_MACS:
         return np.dot(lhs, rhs, out)  # type: ignore[no-any-return]
@@ -413,6 +418,12 @@ def _product(lhs: np.ndarray, rhs: np.ndarray, out: np.ndarray | None = None) ->
 
 
 _quiet_product = quiet(_product)
+
+
+def _unit_strides(matrix: np.ndarray) -> np.ndarray:
+    """`matrix`, or a C-ordered copy when it has neither C nor Fortran order."""
+    flags = matrix.flags
+    return matrix if flags.c_contiguous or flags.f_contiguous else np.ascontiguousarray(matrix)
 
 
 @register_kernel("MatMul")
@@ -476,10 +487,8 @@ def _matmul(
     lhs: np.ndarray, rhs: np.ndarray, then: Callable[[np.ndarray], object] | None = None
 ) -> np.ndarray:
     """lhs @ rhs; a large product in two blocks of rows, one on the intra-op helper
-    thread when it runs (`_intra_op`). Each block keeps `SPLIT_MIN_ROWS` // 2 rows or
-    more, so BLAS computes it as it does the whole (its matrix-matrix kernel, each
-    element summed over the inner dimension in the same order): the same bits. (A
-    product of a row or a few takes other kernels, summing in another order.)
+    thread when it runs (`_intra_op`), cut where BLAS computes each block as it does
+    the whole: the same bits (`_intra_op.row_cut`).
 
     `then`, an element-wise pass in place (quiet: it may run on the helper thread), is
     applied to each block by the thread that computed it, while the block is still in
@@ -489,6 +498,7 @@ def _matmul(
         rows < _intra_op.SPLIT_MIN_ROWS  # (first: the usual small product stops here)
         or rows * lhs.shape[1] * rhs.shape[1] < _intra_op.SPLIT_MACS
         or not _intra_op.enabled()
+        or not (cut := _intra_op.row_cut(rows, np.result_type(lhs, rhs)))
     ):
         product: np.ndarray = _quiet_product(lhs, rhs)
         if then is not None:
@@ -501,8 +511,7 @@ def _matmul(
         if then is not None:
             then(out[part])
 
-    half = rows // 2
-    _intra_op.run_halves(lambda: block(slice(None, half)), lambda: block(slice(half, None)))
+    _intra_op.run_halves(lambda: block(slice(None, cut)), lambda: block(slice(cut, None)))
     return out
 
 

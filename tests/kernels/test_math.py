@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from distserver import errors
+from distserver._blas import blas_threads, set_blas_threads
 from distserver.kernels import _intra_op, create_kernel
 from distserver.kernels._common import broadcast_shape
 
@@ -444,18 +445,22 @@ def test_matmul_errors(run_op):
 
 @pytest.fixture
 def intra_op_helper():
+    # (as `distserver serve` runs it: BLAS on one thread, set first)
+    before = blas_threads()
+    set_blas_threads(1)
     _intra_op.enable()
     yield
     _intra_op.disable()
+    set_blas_threads(before or 1)
 
 
 @pytest.mark.parametrize("transpose_a", [False, True])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int64, np.complex64, np.float16])
-@pytest.mark.parametrize("rows", [257, _intra_op.SPLIT_MIN_ROWS])
+@pytest.mark.parametrize("rows", [257, 256])
 def test_a_large_product_is_cut_in_two_on_the_helper_thread_and_gives_the_same_bits(
     run_op, intra_op_helper, monkeypatch, transpose_a, dtype, rows
 ):
-    # An mlp layer's shapes: (rows x 784) @ (784 x 512), rows odd or the fewest cut.
+    # An mlp layer's shapes: (rows x 784) @ (784 x 512), rows odd or even.
     inner, columns = 784, 512
     rng = np.random.default_rng(rows)
     a = (rng.standard_normal((inner, rows) if transpose_a else (rows, inner)) * 4).astype(dtype)
@@ -471,6 +476,31 @@ def test_a_large_product_is_cut_in_two_on_the_helper_thread_and_gives_the_same_b
     _intra_op.disable()
     np.testing.assert_array_equal(run_op("MatMul", a, b, T=dtype, transpose_a=transpose_a)[0], whole)
     assert len(halves) == 1  # off: one call, not split
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.complex64])
+def test_a_product_is_cut_only_where_each_block_keeps_the_wholes_bits(intra_op_helper, dtype):
+    """BLAS computes rows in panels, and a panel cut short sums in another order
+    (OpenBLAS's Haswell kernels, float32: a 256-row product cut at 128 changes its rows
+    120-127): `row_cut` cuts on the panels it probed, or not at all; and not at all
+    while BLAS shares each product among threads of its own (it then shares the rows
+    by the product's size)."""
+    rng = np.random.default_rng(7)
+    for rows in (128, 129, 200, 256, 257, 300, 384, 511, 784):
+        a = (rng.standard_normal((rows, 300)) * 4).astype(dtype)
+        b = (rng.standard_normal((300, 96)) * 4).astype(dtype)
+        whole = np.matmul(a, b)
+        cut = _intra_op.row_cut(rows, np.dtype(dtype))
+        assert cut == 0 or _intra_op.SPLIT_MIN_ROWS // 2 <= cut <= rows - _intra_op.SPLIT_MIN_ROWS // 2
+        assert cut == 0 or abs(rows - 2 * cut) <= 2 * 96  # near the middle
+        if cut:
+            for lhs in (a, a.T.copy().T):
+                blocks = np.concatenate([np.matmul(lhs[:cut], b), np.matmul(lhs[cut:], b)])
+                assert blocks.tobytes() == whole.tobytes(), (rows, cut)
+    assert _intra_op.row_cut(784, np.dtype(dtype))  # a layer's gradient's rows are cut
+    set_blas_threads(2)
+    _intra_op.enable()  # (asks the threads again)
+    assert _intra_op.row_cut(784, np.dtype(dtype)) == 0
 
 
 def test_products_are_cut_only_while_the_host_leaves_the_helper_a_cpu(run_op, intra_op_helper, monkeypatch):
@@ -540,7 +570,8 @@ def test_a_large_fused_layer_is_cut_in_two_and_each_half_finished_by_its_thread_
         want = run_op(activation, want, T=dtype)[0]
     monkeypatch.setattr(kernels_math, "_matmul", matmul)
     (got,) = create_kernel(node).compute(Context(), [x, w, b])
-    assert sorted(rows for _, rows in finished_by) == [128, 128]
+    cut = _intra_op.row_cut(256, np.dtype(dtype))
+    assert sorted(rows for _, rows in finished_by) == sorted([cut, 256 - cut])
     assert {name.startswith("distserver-intra-op") for name, _ in finished_by} == {True, False}
     assert got.dtype == want.dtype
     np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
