@@ -19,6 +19,7 @@ import ctypes
 import os
 import socket
 from collections.abc import Iterable
+from typing import Any
 
 # Setter names of the OpenBLAS builds numpy ships or links (scipy-openblas renames them).
 _GETTERS = (
@@ -116,7 +117,7 @@ def blas_kernels() -> str | None:
     return None if name is None else bytes(name).decode(errors="replace")
 
 
-def _ask_openblas(getters: tuple[str, ...], restype: type) -> object:
+def _ask_openblas(getters: tuple[str, ...], restype: Any) -> Any:
     """The answer of the first of `getters` that the first loaded OpenBLAS has."""
     import numpy  # noqa: F401 - loads numpy's BLAS
 
