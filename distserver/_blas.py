@@ -117,6 +117,15 @@ def blas_kernels() -> str | None:
     return None if name is None else bytes(name).decode(errors="replace")
 
 
+def describe_kernels(kernels: str | None, coretype: str | None) -> str:
+    """Which BLAS kernels run a process's products, and what chose them: `kernels` as
+    `blas_kernels()` names them, `coretype` the OPENBLAS_CORETYPE of that process."""
+    if kernels is None:
+        return "numpy's BLAS is not OpenBLAS"
+    chosen = f" (OPENBLAS_CORETYPE={coretype} in the environment chose them)" if coretype else ""
+    return f"OpenBLAS's {kernels} kernels{chosen}"
+
+
 def _ask_openblas(getters: tuple[str, ...], restype: Any) -> Any:
     """The answer of the first of `getters` that the first loaded OpenBLAS has."""
     import numpy  # noqa: F401 - loads numpy's BLAS

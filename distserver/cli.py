@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -27,7 +28,15 @@ from typing import Any
 from google.protobuf.empty_pb2 import Empty
 
 from distserver import __version__, _malloc, errors
-from distserver._blas import local_tasks, set_blas_threads, threads_per_local_task, user_chose_threads
+from distserver._blas import (
+    blas_kernels,
+    blas_threads,
+    describe_kernels,
+    local_tasks,
+    set_blas_threads,
+    threads_per_local_task,
+    user_chose_threads,
+)
 from distserver._cpus import AwakeBetweenSteps, host_tasks, pin_event_loop, poll_after_sends, usable_cpus
 from distserver._process import die_with_parent, exit_quietly_on_interrupt, managed_by_parent, run
 from distserver.bench import command as bench_command
@@ -150,6 +159,12 @@ async def _serve(args: argparse.Namespace) -> int:
         helper = threads == 1 and cpus > 1
         if helper:
             intra_op.enable()  # a large product takes a second thread of its own
+    logger.info(
+        "matrix products: %s, %s thread(s) a product%s",
+        describe_kernels(blas_kernels(), os.environ.get("OPENBLAS_CORETYPE")),
+        blas_threads() or "?",
+        ", a large one cut in two with an intra-op helper thread" if helper else "",
+    )
     server = AsyncServer(
         cluster,
         job,

@@ -81,7 +81,7 @@ def test_the_training_benchmark_says_which_kernels_its_products_ran():
     assert describe_openblas(chosen) == "distserver's products: OpenBLAS's SkylakeX kernels"
     assert describe_openblas(pinned) == (
         "distserver's products: OpenBLAS's Haswell kernels (OPENBLAS_CORETYPE=Haswell in the "
-        "environment chose them; TensorFlow's kernels do not read it)"
+        "environment chose them); TensorFlow's kernels do not read it"
     )
     assert describe_openblas({"openblas": {"kernels": None}}) == (
         "distserver's products: numpy's BLAS is not OpenBLAS"

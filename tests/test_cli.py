@@ -67,6 +67,9 @@ def test_serve_then_status_then_sigterm(python_env):
             _, err = proc.communicate(timeout=30)
             assert proc.returncode == 0, err
             assert "SIGTERM, stopping" in err
+            # (one BLAS thread each: two tasks on this host's CPUs, `_blas.threads_per_local_task`)
+            assert "matrix products: OpenBLAS's " in err
+            assert " kernels" in err
     finally:
         for proc in procs:
             proc.kill()

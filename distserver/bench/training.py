@@ -68,7 +68,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from distserver._blas import blas_kernels
+from distserver._blas import blas_kernels, describe_kernels
 from distserver.bench import tfenv as _tfenv
 from distserver.bench import timing as _shared
 from distserver.testing import LocalCluster
@@ -813,15 +813,10 @@ def _in_namespace(options_path: str, out_path: str) -> None:
 def describe_openblas(report: dict[str, Any]) -> str:
     """Which OpenBLAS kernels distserver's products ran in this run, and why."""
     openblas = report.get("openblas") or {}
-    if openblas.get("kernels") is None:
-        return "distserver's products: numpy's BLAS is not OpenBLAS"
-    line = f"distserver's products: OpenBLAS's {openblas['kernels']} kernels"
-    if openblas.get("OPENBLAS_CORETYPE"):
-        line += (
-            f" (OPENBLAS_CORETYPE={openblas['OPENBLAS_CORETYPE']} in the environment chose them; "
-            "TensorFlow's kernels do not read it)"
-        )
-    return line
+    line = "distserver's products: " + describe_kernels(
+        openblas.get("kernels"), openblas.get("OPENBLAS_CORETYPE")
+    )
+    return line + ("; TensorFlow's kernels do not read it" if openblas.get("OPENBLAS_CORETYPE") else "")
 
 
 def format_table(report: dict[str, Any]) -> str:
