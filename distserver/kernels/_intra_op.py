@@ -9,6 +9,7 @@ computes the other; numpy releases the GIL for both, and a half whose thread was
 descheduled is waited for on a future, without spinning. The halves are cut where
 each keeps the bits of one whole call (`row_cut`: on the row panels of BLAS's
 kernels, probed once per dtype; not at all while BLAS runs more than one thread).
+The helper may run on every CPU but the one its caller is on (see `_keep_helper_off`).
 
 Off unless `enable()` was called (`distserver serve` does for a task with one BLAS
 thread on a host of two or more CPUs). The helper only ever runs such halves, never
@@ -26,6 +27,8 @@ two-worker `mlp` step 1-5% faster without the cut; docs/benchmarks.md, round 40)
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -56,12 +59,15 @@ _asked_again_at = 0.0
 
 def enable() -> None:
     """Start the helper thread (idempotent)."""
-    global _helper, _one_blas_thread
+    global _helper, _one_blas_thread, _helper_thread, _kept_off, _cpus
     with _lock:
         _row_alignments.clear()  # (probed again, with the BLAS threads set by now)
         _one_blas_thread = blas_threads() in (None, 1)
         if _helper is None:
             _helper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="distserver-intra-op")
+            _helper_thread = _helper.submit(threading.get_native_id).result()
+            _kept_off = -1
+            _cpus = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else frozenset()
 
 
 def disable() -> None:
@@ -105,6 +111,7 @@ def run_halves(first: Callable[[], Any], second: Callable[[], Any]) -> None:
         first()
         second()
         return
+    _keep_helper_off(_this_cpu())
     try:
         pending = helper.submit(second)
     except RuntimeError:  # disabled meanwhile: shut down
@@ -115,6 +122,39 @@ def run_halves(first: Callable[[], Any], second: Callable[[], Any]) -> None:
         first()
     finally:
         pending.result()
+
+
+# The helper runs on any CPU but the one its caller is on. On a VM, Linux counts a
+# vCPU that has sat idle (halted) as taken by the host, and wakes a thread on its
+# waker's CPU instead, behind the waker's own half: two GIL-free 500 us loops side by side
+# took 1,002-1,072 us after 2-5 ms of idle (546 hot), and 554-602 us with the two
+# threads on different CPUs. The helper's CPUs are set from its caller's thread, before
+# the half is handed over, and only when the caller is on another CPU than last time.
+_helper_thread = 0  # its native thread id
+_kept_off = -1  # the CPU it was last kept off, or -1
+_cpus: frozenset[int] = frozenset()  # those this process may use, when enabled
+try:
+    _sched_getcpu: Callable[[], int] | None = ctypes.CDLL(None, use_errno=True).sched_getcpu
+except (OSError, AttributeError):
+    _sched_getcpu = None
+
+
+def _this_cpu() -> int:
+    """The CPU this thread runs on, or -1 where that cannot be known."""
+    return -1 if _sched_getcpu is None else int(_sched_getcpu())
+
+
+def _keep_helper_off(cpu: int) -> None:
+    """Let the helper thread run on every CPU this process may use but `cpu`."""
+    global _kept_off
+    others = _cpus - {cpu}
+    if cpu < 0 or cpu == _kept_off or not others or not _helper_thread:
+        return
+    try:
+        os.sched_setaffinity(_helper_thread, others)
+    except OSError:  # (gone, or not allowed: it runs where Linux puts it)
+        return
+    _kept_off = cpu
 
 
 # Where a product's rows may be cut. BLAS's kernels compute rows a panel of a few at a

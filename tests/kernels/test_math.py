@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -501,6 +503,28 @@ def test_a_product_is_cut_only_where_each_block_keeps_the_wholes_bits(intra_op_h
     set_blas_threads(2)
     _intra_op.enable()  # (asks the threads again)
     assert _intra_op.row_cut(784, np.dtype(dtype)) == 0
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_the_helper_runs_its_half_off_the_callers_cpu(intra_op_helper):
+    """On a VM, Linux wakes a thread on its waker's CPU when the other vCPU sat idle,
+    behind the waker's own half: the helper may run on every CPU but its caller's."""
+    cpus = os.sched_getaffinity(0)
+    seen = []
+
+    def second():
+        seen.append((os.sched_getaffinity(0), _intra_op._this_cpu()))
+
+    try:
+        for cpu in sorted(cpus)[:2] * 2:  # (and back: the helper follows its caller)
+            os.sched_setaffinity(0, {cpu})
+            _intra_op.run_halves(lambda: None, second)
+            allowed, ran_on = seen[-1]
+            assert allowed == cpus - {cpu}
+            assert ran_on != cpu
+    finally:
+        os.sched_setaffinity(0, cpus)
+    assert len(seen) == 4
 
 
 def test_products_are_cut_only_while_the_host_leaves_the_helper_a_cpu(run_op, intra_op_helper, monkeypatch):
