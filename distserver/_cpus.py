@@ -15,6 +15,7 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import ctypes
 import fcntl
 import math
 import mmap
@@ -97,7 +98,11 @@ def _read_quota(path: str, period_path: str | None = None) -> float | None:
 
 
 def current_cpu() -> int | None:
-    """The CPU the calling thread runs on (Linux: /proc/thread-self/stat), or None."""
+    """The CPU the calling thread runs on (Linux: glibc's `sched_getcpu`, ~0.3 us, else
+    /proc/thread-self/stat), or None."""
+    if _sched_getcpu is not None:
+        cpu = int(_sched_getcpu())
+        return cpu if cpu >= 0 else None
     try:
         with open("/proc/thread-self/stat") as f:
             stat = f.read()
@@ -105,6 +110,12 @@ def current_cpu() -> int | None:
         return int(stat.rpartition(")")[2].split()[36])
     except (OSError, ValueError, IndexError):
         return None
+
+
+try:
+    _sched_getcpu: Callable[[], int] | None = ctypes.CDLL(None).sched_getcpu
+except (OSError, AttributeError):  # (not glibc, not Linux)
+    _sched_getcpu = None
 
 
 def pin_event_loop(loop: asyncio.AbstractEventLoop) -> int | None:

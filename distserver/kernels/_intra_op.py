@@ -27,7 +27,6 @@ two-worker `mlp` step 1-5% faster without the cut; docs/benchmarks.md, round 40)
 from __future__ import annotations
 
 import concurrent.futures
-import ctypes
 import os
 import threading
 import time
@@ -37,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from distserver._blas import blas_threads
+from distserver._cpus import current_cpu
 
 # A matrix product of at least this many multiply-adds is cut in two (256x784 @
 # 784x512, an mlp's layer, is 103M: 2.4 -> 1.3 ms on this 2-CPU VM; a hand-off
@@ -111,7 +111,7 @@ def run_halves(first: Callable[[], Any], second: Callable[[], Any]) -> None:
         first()
         second()
         return
-    _keep_helper_off(_this_cpu())
+    _keep_helper_off(current_cpu())
     try:
         pending = helper.submit(second)
     except RuntimeError:  # disabled meanwhile: shut down
@@ -133,22 +133,15 @@ def run_halves(first: Callable[[], Any], second: Callable[[], Any]) -> None:
 _helper_thread = 0  # its native thread id
 _kept_off = -1  # the CPU it was last kept off, or -1
 _cpus: frozenset[int] = frozenset()  # those this process may use, when enabled
-try:
-    _sched_getcpu: Callable[[], int] | None = ctypes.CDLL(None, use_errno=True).sched_getcpu
-except (OSError, AttributeError):
-    _sched_getcpu = None
 
 
-def _this_cpu() -> int:
-    """The CPU this thread runs on, or -1 where that cannot be known."""
-    return -1 if _sched_getcpu is None else int(_sched_getcpu())
-
-
-def _keep_helper_off(cpu: int) -> None:
+def _keep_helper_off(cpu: int | None) -> None:
     """Let the helper thread run on every CPU this process may use but `cpu`."""
     global _kept_off
+    if cpu is None or cpu == _kept_off or not _helper_thread:
+        return
     others = _cpus - {cpu}
-    if cpu < 0 or cpu == _kept_off or not others or not _helper_thread:
+    if not others:
         return
     try:
         os.sched_setaffinity(_helper_thread, others)

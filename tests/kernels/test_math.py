@@ -10,6 +10,7 @@ import pytest
 
 from distserver import errors
 from distserver._blas import blas_threads, set_blas_threads
+from distserver._cpus import current_cpu
 from distserver.kernels import _intra_op, create_kernel
 from distserver.kernels._common import broadcast_shape
 
@@ -513,7 +514,7 @@ def test_the_helper_runs_its_half_off_the_callers_cpu(intra_op_helper):
     seen = []
 
     def second():
-        seen.append((os.sched_getaffinity(0), _intra_op._this_cpu()))
+        seen.append((os.sched_getaffinity(0), current_cpu()))
 
     try:
         for cpu in sorted(cpus)[:2] * 2:  # (and back: the helper follows its caller)
