@@ -98,7 +98,7 @@ def _read_quota(path: str, period_path: str | None = None) -> float | None:
 
 
 def current_cpu() -> int | None:
-    """The CPU the calling thread runs on (Linux: glibc's `sched_getcpu`, ~0.3 us, else
+    """The CPU the calling thread runs on (Linux: glibc's `sched_getcpu`, ~0.2 us, else
     /proc/thread-self/stat), or None."""
     if _sched_getcpu is not None:
         cpu = int(_sched_getcpu())

@@ -59,7 +59,7 @@ _asked_again_at = 0.0
 
 def enable() -> None:
     """Start the helper thread (idempotent)."""
-    global _helper, _one_blas_thread, _helper_thread, _kept_off, _cpus
+    global _helper, _one_blas_thread, _helper_thread, _kept_off, _allowed_cpus
     with _lock:
         _row_alignments.clear()  # (probed again, with the BLAS threads set by now)
         _one_blas_thread = blas_threads() in (None, 1)
@@ -67,7 +67,9 @@ def enable() -> None:
             _helper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="distserver-intra-op")
             _helper_thread = _helper.submit(threading.get_native_id).result()
             _kept_off = -1
-            _cpus = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else frozenset()
+            _allowed_cpus = (
+                frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else frozenset()
+            )
 
 
 def disable() -> None:
@@ -132,7 +134,7 @@ def run_halves(first: Callable[[], Any], second: Callable[[], Any]) -> None:
 # the half is handed over, and only when the caller is on another CPU than last time.
 _helper_thread = 0  # its native thread id
 _kept_off = -1  # the CPU it was last kept off, or -1
-_cpus: frozenset[int] = frozenset()  # those this process may use, when enabled
+_allowed_cpus: frozenset[int] = frozenset()  # those this process may use, when enabled
 
 
 def _keep_helper_off(cpu: int | None) -> None:
@@ -140,7 +142,7 @@ def _keep_helper_off(cpu: int | None) -> None:
     global _kept_off
     if cpu is None or cpu == _kept_off or not _helper_thread:
         return
-    others = _cpus - {cpu}
+    others = _allowed_cpus - {cpu}
     if not others:
         return
     try:
