@@ -2,7 +2,8 @@
 allow; keeping a task's event loop on one CPU (`pin_event_loop`), and that loop
 polling for a while instead of sleeping at once: between steps (`AwakeBetweenSteps`)
 and after its sends to peers (`AwakeAfterSends`), while the tasks working on this
-host leave it a CPU (`HostTasks`).
+host leave it a CPU (`HostTasks`); a task's threads scheduled as batch work where the
+host's tasks outnumber its CPUs (`schedule_as_batch`).
 
 `os.cpu_count()` counts the host's CPUs, which in a container limited to 2 of a
 host's 64 is 64. `distserver serve` sizes numpy's BLAS by `usable_cpus()`
@@ -154,6 +155,31 @@ def pin_event_loop(loop: asyncio.AbstractEventLoop) -> int | None:
         )
     )
     return cpu
+
+
+def schedule_as_batch() -> bool:
+    """Give every thread of this process Linux's batch policy (`SCHED_BATCH`), and
+    return whether it could (not on Linux, or refused for any thread: False). A thread inherits its
+    starter's policy, so the threads started later (the compute pool) have it too.
+
+    A batch thread that wakes does not preempt the thread running on its CPU: it waits
+    for that thread to sleep or for the scheduler's next turn. Where a host's tasks
+    outnumber its CPUs, each message between them woke its reader onto a CPU that was
+    busy, and the woken event loop preempted the thread there, most often a matrix
+    product or another task's loop, whose caches it then left cold. A ps and two
+    workers training `mlp` at once on two CPUs: 11.3 -> 10.2 ms a step over
+    grpc+verbs, 12.5 -> 11.6 over grpc (docs/benchmarks.md, round 47)."""
+    policy = getattr(os, "SCHED_BATCH", None)
+    if policy is None:
+        return False
+    try:
+        os.sched_setscheduler(0, policy, os.sched_param(0))
+        for name in os.listdir("/proc/self/task"):
+            with contextlib.suppress(ProcessLookupError):  # (a thread that ended meanwhile)
+                os.sched_setscheduler(int(name), policy, os.sched_param(0))
+    except OSError:
+        return False
+    return True
 
 
 class _LoopPolling:

@@ -37,7 +37,14 @@ from distserver._blas import (
     threads_per_local_task,
     user_chose_threads,
 )
-from distserver._cpus import AwakeBetweenSteps, host_tasks, pin_event_loop, poll_after_sends, usable_cpus
+from distserver._cpus import (
+    AwakeBetweenSteps,
+    host_tasks,
+    pin_event_loop,
+    poll_after_sends,
+    schedule_as_batch,
+    usable_cpus,
+)
 from distserver._process import die_with_parent, exit_quietly_on_interrupt, managed_by_parent, run
 from distserver.bench import command as bench_command
 from distserver.cluster import ClusterSpec, TFConfigClusterResolver
@@ -183,6 +190,15 @@ async def _serve(args: argparse.Namespace) -> int:
     # 2-8% slower steps). With more tasks here than CPUs, the tasks count those of
     # them that ran a graph lately (`_cpus.HostTasks`); without that record, none poll.
     cpu_each = cpus > 1 and here <= cpus
+    if args.batch_scheduling and here > cpus and schedule_as_batch():
+        # Its threads do not preempt a busy CPU's thread when they wake
+        # (`_cpus.schedule_as_batch`).
+        logger.info(
+            "threads scheduled as batch work (SCHED_BATCH: %d tasks on this host's %d CPU(s); "
+            "--no-batch-scheduling leaves them as they are)",
+            here,
+            cpus,
+        )
     working_here = None
     if (args.spin_us or helper) and cpus > 1 and not cpu_each and server.worker is not None:
         working_here = host_tasks(cpus)
@@ -467,6 +483,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="leave the event loop free to move between CPUs (by default a task alone on its host "
         "keeps its event loop and compute threads on one CPU)",
+    )
+    serve.add_argument(
+        "--no-batch-scheduling",
+        dest="batch_scheduling",
+        action="store_false",
+        help="leave the threads' scheduling as it is (by default, where this host's tasks in the cluster "
+        "outnumber its CPUs, a task's threads are scheduled as batch work, SCHED_BATCH: a thread that "
+        "wakes does not preempt a busy CPU's)",
     )
     serve.add_argument(
         "--spin-us",

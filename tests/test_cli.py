@@ -415,6 +415,28 @@ def test_serve_keeps_the_event_loop_of_a_task_alone_on_its_host_on_one_cpu(jobs,
     assert any(cpus == allowed - loop for cpus in threads.values())
 
 
+@pytest.mark.parametrize(
+    ("workers", "serve_args", "batch"),
+    [(1, [], False), (usable_cpus() + 1, [], True), (usable_cpus() + 1, ["--no-batch-scheduling"], False)],
+    ids=["alone on its host", "more tasks than CPUs", "--no-batch-scheduling"],
+)
+def test_serve_schedules_every_thread_as_batch_work_where_tasks_outnumber_cpus(workers, serve_args, batch):
+    from distserver.testing import LocalCluster
+
+    with LocalCluster({"worker": workers}, serve_args=serve_args) as cluster:
+        with distserver.Session(cluster.target("worker")) as session:  # a step: the compute pool starts
+            assert session.run(distserver.constant(2.0) * 3.0) == 6.0
+        pid = cluster.processes["/job:worker/replica:0/task:0"].pid
+        policies = {int(tid): os.sched_getscheduler(int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
+        log = cluster.stderr("/job:worker/replica:0/task:0")
+    # Every thread: the loop's, those started before the policy was set (BLAS's, the
+    # transports'), and after it (the compute pool's).
+    assert len(policies) > 2
+    expected = os.SCHED_BATCH if batch else os.SCHED_OTHER
+    assert set(policies.values()) == {expected}, policies
+    assert ("threads scheduled as batch work" in log) == batch, log
+
+
 def _cpu_seconds(pid: int) -> float:
     """The CPU time process `pid` has used (user and system)."""
     with open(f"/proc/{pid}/stat") as stat:
