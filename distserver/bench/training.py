@@ -756,7 +756,7 @@ def run_training_benchmark(
             str(options_path),
             str(out_path),
         ]
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+        proc = start_measurement(command)
         assert proc.stdout is not None
         deadline = time.monotonic() + max_seconds
         try:
@@ -773,6 +773,18 @@ def run_training_benchmark(
             raise RuntimeError(f"the training benchmark failed (exit {code}); see the lines above")
         report: dict[str, Any] = json.loads(out_path.read_text())
         return report
+
+
+def start_measurement(command: list[str]) -> subprocess.Popen[str]:
+    """Start the process that measures (`command`), its output piped, in a session of
+    its own.
+
+    It pauses the runtimes it is not timing (`SIGSTOP`). In the caller's process group,
+    those paused tasks would die when the group is orphaned (the shell that started a
+    background run exits: Linux sends a group's stopped processes `SIGHUP`). Ctrl-C
+    reaches the caller alone, which kills this process (`run_training_benchmark`), and
+    every process under it dies with its parent."""
+    return subprocess.Popen(command, stdout=subprocess.PIPE, text=True, start_new_session=True)
 
 
 def _netns_prefix() -> list[str] | None:
