@@ -159,8 +159,9 @@ def pin_event_loop(loop: asyncio.AbstractEventLoop) -> int | None:
 
 def schedule_as_batch() -> bool:
     """Give every thread of this process Linux's batch policy (`SCHED_BATCH`), and
-    return whether it could (not on Linux, or refused for any thread: False). A thread inherits its
-    starter's policy, so the threads started later (the compute pool) have it too.
+    return whether it could (not on Linux, or refused for any thread: False). A thread
+    inherits its starter's policy, so the threads started later (the compute pool) have
+    it too.
 
     A batch thread that wakes does not preempt the thread running on its CPU: it waits
     for that thread to sleep or for the scheduler's next turn. Where a host's tasks

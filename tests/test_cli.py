@@ -415,6 +415,7 @@ def test_serve_keeps_the_event_loop_of_a_task_alone_on_its_host_on_one_cpu(jobs,
     assert any(cpus == allowed - loop for cpus in threads.values())
 
 
+@pytest.mark.skipif(usable_cpus() > 4, reason="as many task processes as CPUs")
 @pytest.mark.parametrize(
     ("workers", "serve_args", "batch"),
     [(1, [], False), (usable_cpus() + 1, [], True), (usable_cpus() + 1, ["--no-batch-scheduling"], False)],
